@@ -1,0 +1,36 @@
+-- begin.lua: the hot-path claim. Answers duplicates from Redis, or writes an in-progress marker so that
+-- concurrent duplicates are told "in flight" while the caller claims the key durably in Postgres.
+-- A "claimed" answer never means "execute": Postgres decides that.
+--
+-- KEYS[1]  the record hash, idem:{...}
+-- ARGV[1]  payload fingerprint (hex SHA-256)
+-- ARGV[2]  owner token of the caller
+-- ARGV[3]  lease in milliseconds (the marker's PX)
+--
+-- Hash fields: s = state ('p' in progress, 'c' completed, 'i' indeterminate), h = fingerprint,
+--              t = owner token (in progress only), r = stored response (completed only).
+--
+-- Returns one of:
+--   {'claimed'}                  no record: the marker is written, claim in Postgres next
+--   {'mismatch'}                 the key holds a different fingerprint
+--   {'in_flight', pttl_ms}       another owner holds the key
+--   {'completed', response}      replay this response
+--   {'indeterminate'}            the key awaits resolution
+local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r')
+local state, fingerprint, response = rec[1], rec[2], rec[3]
+
+if not state then
+  redis.call('HSET', KEYS[1], 's', 'p', 'h', ARGV[1], 't', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {'claimed'}
+end
+if fingerprint ~= ARGV[1] then
+  return {'mismatch'}
+end
+if state == 'c' then
+  return {'completed', response}
+end
+if state == 'i' then
+  return {'indeterminate'}
+end
+return {'in_flight', redis.call('PTTL', KEYS[1])}

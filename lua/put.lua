@@ -1,0 +1,23 @@
+-- put.lua: writes what Postgres holds (after a completion commit, or to repair a marker that Redis lost).
+-- Never replaces a completed record with an earlier state: a repair racing the owner's completion must
+-- not leave a stale "in flight" behind.
+--
+-- KEYS[1]  the record hash, idem:{...}
+-- ARGV[1]  state: 'p' in progress, 'c' completed, 'i' indeterminate
+-- ARGV[2]  payload fingerprint (hex SHA-256)
+-- ARGV[3]  owner token ('' unless in progress)
+-- ARGV[4]  stored response ('' unless completed)
+-- ARGV[5]  time to live in milliseconds
+--
+-- Returns 1 if written, 0 if a completed record was kept.
+if ARGV[1] ~= 'c' and redis.call('HGET', KEYS[1], 's') == 'c' then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+if ARGV[1] == 'c' then
+  redis.call('HSET', KEYS[1], 's', 'c', 'h', ARGV[2], 'r', ARGV[4])
+else
+  redis.call('HSET', KEYS[1], 's', ARGV[1], 'h', ARGV[2], 't', ARGV[3])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1

@@ -1,0 +1,13 @@
+-- release.lua: fenced compare-and-delete of an in-progress marker, so a retry is not told "in flight"
+-- for work that failed or never started. Only the owner that wrote the marker can delete it.
+--
+-- KEYS[1]  the record hash, idem:{...}
+-- ARGV[1]  owner token of the caller
+--
+-- Returns 1 if the marker was deleted, 0 if it belongs to someone else or is gone.
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] == 'p' and rec[2] == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0

@@ -1,0 +1,109 @@
+//! Error types, one enum per layer: what the caller sent ([`InputError`]) and what the store could not
+//! do ([`StoreError`]). Outcomes such as "in flight" or "payload mismatch" are not errors: they are
+//! answers, returned as [`crate::Begin`] and [`crate::RunOutcome`] variants.
+
+/// The input was refused before anything was read or written.
+///
+/// Nothing already stored is touched when one of these is returned.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InputError {
+    /// The idempotency key is the empty string.
+    #[error("the idempotency key is empty")]
+    EmptyKey,
+    /// The idempotency key is longer than [`crate::IdempotencyKey::MAX_LEN`] bytes.
+    #[error("the idempotency key is {len} bytes long; at most 255 are allowed")]
+    KeyTooLong {
+        /// Length of the refused key, in bytes.
+        len: usize,
+    },
+    /// The idempotency key holds a byte that is not visible ASCII (0x21..=0x7E).
+    #[error("the idempotency key has a byte outside visible ASCII at offset {offset}")]
+    KeyInvalidByte {
+        /// Byte offset of the first refused byte.
+        offset: usize,
+    },
+    /// The tenant or operation name of a [`crate::Scope`] is empty, too long or holds a control character.
+    #[error("the {field} is invalid: {reason}")]
+    InvalidScope {
+        /// `"tenant"` or `"operation"`.
+        field: &'static str,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+    /// The payload is larger than the operation's limit.
+    #[error("the payload is {len} bytes; the limit is {limit}")]
+    PayloadTooLarge {
+        /// Length of the refused payload, in bytes.
+        len: usize,
+        /// The configured limit, in bytes.
+        limit: usize,
+    },
+    /// The JSON payload nests arrays or objects deeper than the operation's limit.
+    #[error("the JSON payload nests deeper than {limit} levels")]
+    TooDeep {
+        /// The configured depth limit.
+        limit: usize,
+    },
+    /// A JSON object in the payload names the same member twice, which parsers resolve differently.
+    #[error("a JSON object in the payload has the member {name:?} twice")]
+    DuplicateMember {
+        /// The repeated member name.
+        name: String,
+    },
+    /// The payload is not valid JSON.
+    #[error("the payload is not valid JSON")]
+    InvalidJson(#[source] serde_json::Error),
+    /// An ignored-field entry is not an RFC 6901 JSON pointer to a member or element.
+    #[error("{pointer:?} is not a JSON pointer to a field (it must start with '/')")]
+    InvalidPointer {
+        /// The refused pointer.
+        pointer: String,
+    },
+}
+
+/// The store could not answer.
+///
+/// A caller that gets one of these must not assume anything ran or did not run, except where a
+/// variant says so.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The input was refused; nothing was read or written.
+    #[error(transparent)]
+    Input(#[from] InputError),
+    /// Postgres, the source of truth, could not be reached or failed. The store fails closed:
+    /// no work was started by the call that returned this.
+    #[error("the idempotency store is unavailable: Postgres failed during {step}")]
+    StoreUnavailable {
+        /// The protocol step that failed (`"claim"`, `"complete"`, ...).
+        step: &'static str,
+        /// The Postgres error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The lease was taken over (or the record resolved) since it was acquired: the caller no longer
+    /// owns the key, and its completion or release was not applied.
+    #[error("the lease on this key was lost to another owner (fence {fence})")]
+    LeaseLost {
+        /// The fence of the lease that was lost.
+        fence: i64,
+    },
+    /// The embedded migrations could not be applied.
+    #[error("applying the idempotency store migrations failed")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
+    /// The store or policy configuration is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The Redis pool could not be created from its configuration.
+    #[error("invalid Redis configuration")]
+    RedisConfig(#[source] deadpool_redis::CreatePoolError),
+}
+
+impl StoreError {
+    /// Whether retrying the same call later may succeed (the store was unavailable), as opposed to an
+    /// answer that a retry would repeat (bad input, a lost lease, bad configuration).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::StoreUnavailable { .. })
+    }
+}

@@ -1,0 +1,138 @@
+//! Who is asking and for what: the validated [`IdempotencyKey`] and the [`Scope`] (tenant + operation)
+//! that together name one record.
+
+use std::fmt;
+
+use crate::error::InputError;
+
+/// A client-supplied idempotency key: 1 to 255 bytes of visible ASCII (0x21..=0x7E).
+///
+/// The bounds keep keys safe to log, to put in an HTTP header and to embed in a Redis key, and match what
+/// the IETF Idempotency-Key draft and the major payment APIs accept.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// The longest key accepted, in bytes.
+    pub const MAX_LEN: usize = 255;
+
+    /// Validates `key`.
+    ///
+    /// # Errors
+    /// [`InputError::EmptyKey`], [`InputError::KeyTooLong`] or [`InputError::KeyInvalidByte`].
+    pub fn new(key: impl Into<String>) -> Result<Self, InputError> {
+        let key = key.into();
+        if key.is_empty() {
+            return Err(InputError::EmptyKey);
+        }
+        if key.len() > Self::MAX_LEN {
+            return Err(InputError::KeyTooLong { len: key.len() });
+        }
+        if let Some(offset) = key.bytes().position(|b| !b.is_ascii_graphic()) {
+            return Err(InputError::KeyInvalidByte { offset });
+        }
+        Ok(Self(key))
+    }
+
+    /// The key as sent by the client.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("IdempotencyKey").field(&self.0).finish()
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The namespace of a key: the tenant (the authenticated caller, supplied by the application and never
+/// taken from the request) and the operation (a route or handler name).
+///
+/// Records are identified by (tenant, operation, key): two tenants that pick the same key never see
+/// each other's records, and one key reused on two operations names two records.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Scope {
+    tenant: String,
+    operation: String,
+}
+
+impl Scope {
+    /// The longest tenant or operation name accepted, in bytes.
+    pub const MAX_LEN: usize = 255;
+
+    /// Validates both names: 1 to 255 bytes of UTF-8 without control characters.
+    ///
+    /// # Errors
+    /// [`InputError::InvalidScope`], naming the field that was refused.
+    pub fn new(tenant: impl Into<String>, operation: impl Into<String>) -> Result<Self, InputError> {
+        let tenant = tenant.into();
+        let operation = operation.into();
+        validate_name("tenant", &tenant)?;
+        validate_name("operation", &operation)?;
+        Ok(Self { tenant, operation })
+    }
+
+    /// The tenant.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    /// The operation.
+    pub fn operation(&self) -> &str {
+        &self.operation
+    }
+}
+
+fn validate_name(field: &'static str, name: &str) -> Result<(), InputError> {
+    let reason = if name.is_empty() {
+        "it is empty"
+    } else if name.len() > Scope::MAX_LEN {
+        "it is longer than 255 bytes"
+    } else if name.chars().any(char::is_control) {
+        "it contains a control character"
+    } else {
+        return Ok(());
+    };
+    Err(InputError::InvalidScope { field, reason })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_visible_ascii_of_bounded_length() {
+        assert!(IdempotencyKey::new("a").is_ok());
+        assert!(IdempotencyKey::new("x".repeat(255)).is_ok());
+        assert!(IdempotencyKey::new("8e2c-4b1f_~!{}").is_ok());
+        assert!(matches!(IdempotencyKey::new(""), Err(InputError::EmptyKey)));
+        assert!(matches!(IdempotencyKey::new("x".repeat(256)), Err(InputError::KeyTooLong { len: 256 })));
+        for bad in ["a b", "a\tb", "aä", "a\u{7f}", "a\0"] {
+            assert!(matches!(IdempotencyKey::new(bad), Err(InputError::KeyInvalidByte { offset: 1 })), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn scope_names_are_bounded_and_free_of_control_characters() {
+        assert!(Scope::new("acme", "POST /payments").is_ok());
+        assert!(Scope::new("tenant-é", "op").is_ok());
+        for (tenant, operation, field) in [
+            ("", "op", "tenant"),
+            ("t", "", "operation"),
+            ("t\n", "op", "tenant"),
+            ("t", &*"o".repeat(256), "operation"),
+        ] {
+            match Scope::new(tenant, operation) {
+                Err(InputError::InvalidScope { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{tenant:?}/{operation:?}: {other:?}"),
+            }
+        }
+    }
+}

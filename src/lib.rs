@@ -1,0 +1,95 @@
+//! # idemstore
+//!
+//! A two-tier idempotency store: it makes API mutations and message handlers safe to retry, so that a
+//! payment, an order or a webhook is applied once however often the network, a load balancer, an SDK
+//! or an agent resends it.
+//!
+//! ## Guarantees
+//! - Work runs only after its claim is durable in Postgres; Redis alone never decides "execute".
+//! - Concurrent requests with the same (tenant, operation, key) execute the work at most once while the
+//!   owner's lease is live. An owner whose lease ran out and was taken over cannot store its result:
+//!   completions are fenced by a token that increases on every takeover.
+//! - The same key with a different payload is refused ([`Begin::Mismatch`]), never applied.
+//! - A tenant never sees another tenant's records.
+//! - Postgres unavailable: the store fails closed. Redis unavailable: the Postgres path answers, and
+//!   `idemstore_redis_fallbacks_total` says so.
+//!
+//! "Once" has a limit: if an owner crashes mid-work, the store cannot know whether the work's side
+//! effects happened. After its lease runs out, the operation's [`LeaseExpiry`] policy either lets the
+//! next request execute again (the work must then be safe to repeat, e.g. by passing a downstream
+//! idempotency key) or marks the record [`State::Indeterminate`] for an operator.
+//!
+//! ## Two tiers
+//! 1. Redis: one EVALSHA answers duplicates (completed, in flight, mismatch) or writes an in-progress
+//!    marker.
+//! 2. Postgres: one `INSERT ... ON CONFLICT ... RETURNING` claims the key durably, or returns what it
+//!    holds; if Redis had lost it (eviction, flush, restart), Redis is repaired.
+//! 3. The work runs; completion is a fenced `UPDATE` in Postgres, then the result is cached in Redis.
+//!
+//! Without Redis ([`Mode::PostgresOnly`]) the same protocol runs on Postgres alone.
+//!
+//! ## Quick start
+//! ```no_run
+//! use idemstore::{IdempotencyKey, RunOutcome, Scope, Store};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = Store::builder()
+//!     .database_url("postgres://postgres@127.0.0.1/app")
+//!     .redis_url("redis://127.0.0.1/")
+//!     .build()?;
+//! store.migrate().await?;
+//!
+//! let scope = Scope::new("tenant-42", "charge")?;
+//! let key = IdempotencyKey::new("order-1001-attempt")?;
+//! let payload = serde_json::json!({"amount": 1200, "currency": "EUR"});
+//! let outcome = store
+//!     .run_once(&scope, &key, &payload, || async {
+//!         // The side effect, executed once.
+//!         Ok::<_, std::io::Error>(serde_json::json!({"charge_id": "ch_1"}))
+//!     })
+//!     .await?;
+//! match outcome {
+//!     RunOutcome::Executed(charge) | RunOutcome::Replayed(charge) => println!("{charge}"),
+//!     RunOutcome::InFlight { retry_after } => println!("busy, retry in {retry_after:?}"),
+//!     RunOutcome::Mismatch => println!("key reused with another payload"),
+//!     other => println!("{other:?}"),
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Layout
+//! - [`key`](IdempotencyKey), [`Scope`], [`Fingerprint`]: what identifies a request, validated.
+//! - [`Policy`]: lease, Redis TTL, Postgres retention and lease-expiry rule, per operation.
+//! - [`Store`]: the protocol (`begin` / `complete` / `release` / `extend` / `lookup`) on both tiers.
+//! - [`Store::run_once`]: the generic API on top.
+//! - [`telemetry`]: metric names; the library never installs a recorder.
+//! - `testkit` (feature): throwaway Redis and Postgres servers for tests, examples and benchmarks.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+#![warn(missing_debug_implementations, unreachable_pub)]
+
+mod error;
+mod fingerprint;
+mod key;
+mod policy;
+mod record;
+mod run_once;
+mod store;
+pub mod telemetry;
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+pub use error::{InputError, StoreError};
+pub use fingerprint::{Fingerprint, FingerprintOptions};
+pub use key::{IdempotencyKey, Scope};
+pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
+pub use record::{Begin, Lease, Record, State, StoredResponse};
+pub use run_once::{Heartbeat, RunError, RunOptions, RunOutcome};
+pub use store::{MIGRATOR, Mode, Store, StoreBuilder};
+
+/// Compiles the README's examples as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

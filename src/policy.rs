@@ -1,0 +1,202 @@
+//! Per-operation policy: how long an owner holds a key, how long each tier keeps a result, and what a
+//! lease that ran out means.
+
+use std::time::Duration;
+
+use crate::error::StoreError;
+use crate::fingerprint::FingerprintOptions;
+
+/// What a new request finds when the previous owner's lease ran out before it completed or released.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeaseExpiry {
+    /// Re-execute under a new, higher fence; the old owner can no longer complete. Right when the work
+    /// is safe to repeat after a crash (it is itself idempotent downstream, or transactional).
+    #[default]
+    TakeOver,
+    /// Mark the record indeterminate and execute nothing until an operator or reconciler resolves it.
+    /// Right when a second execution costs more than a stuck key (money movement without a downstream key).
+    MarkIndeterminate,
+}
+
+/// Named presets of lease and retention, for endpoints with different retry windows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Tier {
+    /// Short-lived actions: Redis 5 min, Postgres 1 h.
+    Ephemeral,
+    /// The default: Redis 1 h, Postgres 24 h.
+    Standard,
+    /// Webhook receivers, whose senders retry for days: Redis 1 h, Postgres 7 days.
+    Webhook,
+    /// Ledger entries: Redis 24 h, Postgres forever.
+    Ledger,
+}
+
+/// How the store treats one operation. Build with [`Policy::builder`] or start from [`Policy::tier`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    pub(crate) lease: Duration,
+    pub(crate) redis_ttl: Duration,
+    pub(crate) retention: Option<Duration>,
+    pub(crate) lease_expiry: LeaseExpiry,
+    pub(crate) fingerprint: FingerprintOptions,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self::tier(Tier::Standard)
+    }
+}
+
+const MINUTE: Duration = Duration::from_secs(60);
+const HOUR: Duration = Duration::from_secs(3600);
+
+impl Policy {
+    /// A builder starting from the [`Tier::Standard`] preset.
+    pub fn builder() -> PolicyBuilder {
+        PolicyBuilder(Self::default())
+    }
+
+    /// The preset for `tier`, with a 30 s lease and [`LeaseExpiry::TakeOver`].
+    pub fn tier(tier: Tier) -> Self {
+        let (redis_ttl, retention) = match tier {
+            Tier::Ephemeral => (5 * MINUTE, Some(HOUR)),
+            Tier::Standard => (HOUR, Some(24 * HOUR)),
+            Tier::Webhook => (HOUR, Some(7 * 24 * HOUR)),
+            Tier::Ledger => (24 * HOUR, None),
+        };
+        Self {
+            lease: Duration::from_secs(30),
+            redis_ttl,
+            retention,
+            lease_expiry: LeaseExpiry::TakeOver,
+            fingerprint: FingerprintOptions::default(),
+        }
+    }
+
+    /// How long an owner holds a key before others may act on it (see [`LeaseExpiry`]).
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// How long Redis keeps a completed result.
+    pub fn redis_ttl(&self) -> Duration {
+        self.redis_ttl
+    }
+
+    /// How long Postgres keeps a record; `None` keeps it forever.
+    pub fn retention(&self) -> Option<Duration> {
+        self.retention
+    }
+
+    /// What a lease that ran out means.
+    pub fn lease_expiry(&self) -> LeaseExpiry {
+        self.lease_expiry
+    }
+
+    /// How payloads are fingerprinted.
+    pub fn fingerprint(&self) -> &FingerprintOptions {
+        &self.fingerprint
+    }
+}
+
+/// Builds a [`Policy`]; [`PolicyBuilder::build`] checks that the durations make sense together.
+#[derive(Clone, Debug)]
+pub struct PolicyBuilder(Policy);
+
+impl PolicyBuilder {
+    /// Starts from a preset instead of [`Tier::Standard`].
+    pub fn tier(mut self, tier: Tier) -> Self {
+        let Policy { lease, lease_expiry, fingerprint, .. } = self.0;
+        self.0 = Policy { lease, lease_expiry, fingerprint, ..Policy::tier(tier) };
+        self
+    }
+
+    /// In-progress lease (default 30 s). Owners running longer should extend it (`run_once` does).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.0.lease = lease;
+        self
+    }
+
+    /// How long Redis keeps a completed result.
+    pub fn redis_ttl(mut self, ttl: Duration) -> Self {
+        self.0.redis_ttl = ttl;
+        self
+    }
+
+    /// How long Postgres keeps a record; `None` keeps it forever.
+    pub fn retention(mut self, retention: Option<Duration>) -> Self {
+        self.0.retention = retention;
+        self
+    }
+
+    /// What a lease that ran out means (default [`LeaseExpiry::TakeOver`]).
+    pub fn lease_expiry(mut self, lease_expiry: LeaseExpiry) -> Self {
+        self.0.lease_expiry = lease_expiry;
+        self
+    }
+
+    /// Fingerprint limits and ignored fields.
+    pub fn fingerprint(mut self, options: FingerprintOptions) -> Self {
+        self.0.fingerprint = options;
+        self
+    }
+
+    /// Checks the policy: durations of at least a millisecond, a lease shorter than either tier keeps a
+    /// result, and Redis never promising a result longer than Postgres keeps it.
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] saying which rule was broken.
+    pub fn build(self) -> Result<Policy, StoreError> {
+        let p = self.0;
+        let too_short = |d: Duration| d < Duration::from_millis(1);
+        if too_short(p.lease) || too_short(p.redis_ttl) || p.retention.is_some_and(too_short) {
+            return Err(StoreError::Config("lease, Redis TTL and retention must be at least 1 ms".into()));
+        }
+        if p.lease >= p.redis_ttl {
+            return Err(StoreError::Config(format!(
+                "the lease ({:?}) must be shorter than the Redis TTL ({:?})",
+                p.lease, p.redis_ttl
+            )));
+        }
+        if let Some(retention) = p.retention
+            && p.redis_ttl > retention
+        {
+            return Err(StoreError::Config(format!(
+                "the Redis TTL ({:?}) must not exceed the Postgres retention ({retention:?})",
+                p.redis_ttl
+            )));
+        }
+        Ok(p)
+    }
+}
+
+/// Milliseconds for SQL and Redis arguments, saturating rather than wrapping on absurd durations.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_pass_their_own_validation() {
+        for tier in [Tier::Ephemeral, Tier::Standard, Tier::Webhook, Tier::Ledger] {
+            let built = Policy::builder().tier(tier).build().expect("preset is valid");
+            assert_eq!(built, Policy::tier(tier));
+        }
+        assert_eq!(Policy::tier(Tier::Ledger).retention(), None);
+    }
+
+    #[test]
+    fn inconsistent_durations_are_refused() {
+        let s = Duration::from_secs;
+        assert!(Policy::builder().lease(s(3600)).build().is_err());
+        assert!(Policy::builder().redis_ttl(s(48 * 3600)).build().is_err());
+        assert!(Policy::builder().lease(Duration::ZERO).build().is_err());
+        assert!(Policy::builder().retention(Some(Duration::ZERO)).build().is_err());
+        assert!(Policy::builder().retention(None).redis_ttl(s(48 * 3600)).build().is_ok());
+    }
+}

@@ -1,0 +1,167 @@
+//! The record state machine and what the store hands back: [`Begin`] answers, the [`Lease`] an owner
+//! holds while it works, and the [`StoredResponse`] replayed to retries.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, Scope};
+use crate::policy::Policy;
+
+/// Where a record is in its life.
+///
+/// ```text
+///             ┌──────────── lease ran out, LeaseExpiry::TakeOver (fence + 1) ───┐
+///             v                                                                 │
+/// (absent) ─> InProgress ──complete──> Completed                                │
+///             │     │ ^────────────────────────── retry (fence + 1) ── Released │
+///             │     └──release──────────────────────────────────────────^       │
+///             └── lease ran out, LeaseExpiry::MarkIndeterminate ──> Indeterminate
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum State {
+    /// An owner holds a lease and may be executing the work.
+    InProgress,
+    /// The work finished and its response is stored for replay.
+    Completed,
+    /// The work failed in a retryable way; the next request executes it again.
+    Released,
+    /// An owner's lease ran out without an answer; nothing re-executes until it is resolved.
+    Indeterminate,
+}
+
+impl State {
+    /// The name stored in Postgres.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::InProgress => "in_progress",
+            State::Completed => "completed",
+            State::Released => "released",
+            State::Indeterminate => "indeterminate",
+        }
+    }
+
+    pub(crate) fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "in_progress" => State::InProgress,
+            "completed" => State::Completed,
+            "released" => State::Released,
+            "indeterminate" => State::Indeterminate,
+            _ => return None,
+        })
+    }
+}
+
+/// The bytes stored when work completes and replayed, unchanged, to every retry.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StoredResponse(Vec<u8>);
+
+impl StoredResponse {
+    /// Wraps response bytes.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Self {
+        Self(bytes.into())
+    }
+
+    /// The stored bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The stored bytes, owned.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.0
+    }
+}
+
+impl fmt::Debug for StoredResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StoredResponse({} bytes)", self.0.len())
+    }
+}
+
+/// The store's answer to [`crate::Store::begin`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Begin {
+    /// The caller owns the key: execute the work, then `complete` or `release`.
+    Acquired(Lease),
+    /// Another owner is executing this request now; retry after roughly `retry_after`.
+    InFlight {
+        /// Time left on the owner's lease.
+        retry_after: Duration,
+    },
+    /// The request already completed: replay this response.
+    Completed(StoredResponse),
+    /// The key was used before with a different payload; nothing is executed.
+    Mismatch,
+    /// An owner's lease ran out without an answer, under [`crate::LeaseExpiry::MarkIndeterminate`];
+    /// nothing is executed until the record is resolved.
+    Indeterminate,
+}
+
+/// Proof of ownership of one key, valid until the lease runs out or another owner takes over.
+///
+/// The `fence` increases on every takeover; completions and releases carry it, so an owner whose lease
+/// was taken over can no longer write (they get [`crate::StoreError::LeaseLost`]).
+#[derive(Clone)]
+pub struct Lease {
+    pub(crate) scope: Scope,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) fence: i64,
+    pub(crate) owner: String,
+    pub(crate) policy: Arc<Policy>,
+}
+
+impl Lease {
+    /// The scope of the owned key.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The owned key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The fencing token: higher than that of every earlier owner of this key. Pass it to downstream
+    /// systems that accept a fencing token.
+    pub fn fence(&self) -> i64 {
+        self.fence
+    }
+
+    /// The policy the key was claimed under.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("scope", &self.scope)
+            .field("key", &self.key)
+            .field("fence", &self.fence)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A record as Postgres holds it, for operators and tests ([`crate::Store::lookup`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Record {
+    /// Where the record is in its life.
+    pub state: State,
+    /// The fence of the latest owner.
+    pub fence: i64,
+    /// Hex SHA-256 of the canonical payload that claimed the key.
+    pub fingerprint: String,
+    /// Time left on the owner's lease (zero once it ran out); `None` unless in progress.
+    pub lease_remaining: Option<Duration>,
+    /// Time until Postgres may purge the record; `None` if it is kept forever.
+    pub expires_in: Option<Duration>,
+    /// The stored response, once completed.
+    pub response: Option<StoredResponse>,
+}

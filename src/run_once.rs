@@ -1,0 +1,196 @@
+//! The run-once API: claim, run the work, store its result; or replay the stored result to a retry.
+//! For queue consumers, webhook handlers, jobs and anything else that must not apply twice.
+
+use std::future::Future;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::time::Instant;
+
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, Scope};
+use crate::record::{Begin, Lease};
+use crate::store::Store;
+
+/// What [`Store::run_once`] did.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RunOutcome<T> {
+    /// This call executed the work; its result is stored for retries.
+    Executed(T),
+    /// An earlier call executed the work; this is its stored result.
+    Replayed(T),
+    /// Another call is executing the work now (and did not finish within the wait, if one was set).
+    InFlight {
+        /// Time left on the owner's lease.
+        retry_after: Duration,
+    },
+    /// The key was used before with a different payload; nothing was executed.
+    Mismatch,
+    /// An owner's lease ran out without an answer; nothing executes until the record is resolved.
+    Indeterminate,
+}
+
+/// Why [`Store::run_once`] could not give an outcome.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError<E> {
+    /// The store failed or refused the input (see [`StoreError`]). When it is
+    /// [`StoreError::LeaseLost`], the work ran but another owner had taken the key over, so its
+    /// result was not stored.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The work failed; the key was released, so a retry executes it again.
+    #[error("the work failed")]
+    Work(#[source] E),
+    /// The work's result could not be serialized for storage; the key was released.
+    #[error("the work's result could not be serialized")]
+    Encode(#[source] serde_json::Error),
+    /// A stored result could not be deserialized as the requested type.
+    #[error("the stored result could not be deserialized")]
+    Decode(#[source] serde_json::Error),
+}
+
+/// Keeps a live owner's lease from running out while its work takes longer than the lease.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Heartbeat {
+    /// Extend the lease every third of its length while the work runs.
+    #[default]
+    Auto,
+    /// Never extend: work that outlives the lease may be taken over.
+    Off,
+}
+
+/// Options of one [`Store::run_once_with`] call.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    wait: Option<Duration>,
+    heartbeat: Heartbeat,
+}
+
+impl RunOptions {
+    /// Waits up to `wait` for an in-flight duplicate to finish, then replays its result, instead of
+    /// answering [`RunOutcome::InFlight`] at once.
+    pub fn wait_in_flight(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// Sets the heartbeat (default [`Heartbeat::Auto`]).
+    pub fn heartbeat(mut self, heartbeat: Heartbeat) -> Self {
+        self.heartbeat = heartbeat;
+        self
+    }
+}
+
+impl Store {
+    /// Runs `work` once for (`scope`, `key`), however often it is called: the first call executes
+    /// and stores the result, later calls with the same payload replay it, and a call with another
+    /// payload is refused. If `work` fails, the key is released so a retry runs it again; to store a
+    /// failure for replay, return it inside `Ok`.
+    ///
+    /// # Errors
+    /// See [`RunError`]: store failures (Postgres unavailable fails closed: `work` does not run),
+    /// bad input, the work's own error, or a result that does not serialize.
+    pub async fn run_once<P, T, E, F, Fut>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        payload: &P,
+        work: F,
+    ) -> Result<RunOutcome<T>, RunError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        self.run_once_with(scope, key, payload, &RunOptions::default(), work).await
+    }
+
+    /// [`Store::run_once`] with options.
+    ///
+    /// # Errors
+    /// As [`Store::run_once`].
+    pub async fn run_once_with<P, T, E, F, Fut>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        payload: &P,
+        options: &RunOptions,
+        work: F,
+    ) -> Result<RunOutcome<T>, RunError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let policy = self.policy(scope.operation());
+        let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
+        let deadline = options.wait.map(|wait| Instant::now() + wait);
+        let mut backoff = Duration::from_millis(5);
+        let lease = loop {
+            match self.begin(scope, key, &fingerprint).await? {
+                Begin::Acquired(lease) => break lease,
+                Begin::Completed(stored) => {
+                    let value = serde_json::from_slice(stored.as_bytes()).map_err(RunError::Decode)?;
+                    return Ok(RunOutcome::Replayed(value));
+                }
+                Begin::InFlight { retry_after } => match deadline {
+                    Some(deadline) if Instant::now() < deadline => {
+                        // Poll with a growing interval, never past the deadline or the owner's lease.
+                        let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
+                        tokio::time::sleep_until((Instant::now() + pause).min(deadline)).await;
+                        backoff = (backoff * 2).min(Duration::from_millis(200));
+                    }
+                    _ => return Ok(RunOutcome::InFlight { retry_after }),
+                },
+                Begin::Mismatch => return Ok(RunOutcome::Mismatch),
+                Begin::Indeterminate => return Ok(RunOutcome::Indeterminate),
+            }
+        };
+
+        let result = self.with_heartbeat(&lease, options.heartbeat, work()).await;
+        let encoded = match result {
+            Ok(value) => serde_json::to_vec(&value).map(|bytes| (value, bytes)).map_err(RunError::Encode),
+            Err(error) => Err(RunError::Work(error)),
+        };
+        match encoded {
+            Ok((value, bytes)) => {
+                self.complete(&lease, &bytes).await?;
+                Ok(RunOutcome::Executed(value))
+            }
+            Err(error) => {
+                if let Err(release) = self.release(&lease).await {
+                    // The lease runs out instead, and the policy decides what the next request does.
+                    tracing::warn!(error = %release, "could not release the key after a failure");
+                }
+                Err(error)
+            }
+        }
+    }
+
+    async fn with_heartbeat<F: Future>(&self, lease: &Lease, heartbeat: Heartbeat, work: F) -> F::Output {
+        if heartbeat == Heartbeat::Off {
+            return work.await;
+        }
+        let period = lease.policy().lease() / 3;
+        let mut ticks = tokio::time::interval_at(Instant::now() + period, period);
+        tokio::pin!(work);
+        let mut beating = true;
+        loop {
+            tokio::select! {
+                output = &mut work => return output,
+                _ = ticks.tick(), if beating => match self.extend(lease).await {
+                    Ok(()) => {}
+                    Err(StoreError::LeaseLost { .. }) => beating = false,
+                    Err(error) => tracing::warn!(%error, "lease heartbeat failed; retrying at the next tick"),
+                },
+            }
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! The store: configuration and lifecycle here, the claim protocol in [`protocol`](self) submodules.
+
+mod postgres_tier;
+mod protocol;
+mod redis_tier;
+mod scripts;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+use crate::error::StoreError;
+use crate::policy::Policy;
+use postgres_tier::PostgresTier;
+use redis_tier::RedisTier;
+
+/// The migrations in `migrations/`, embedded at build time.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
+
+/// Which tiers a [`Store`] runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Redis answers duplicates in front of Postgres.
+    TwoTier,
+    /// Postgres alone; the same protocol without Redis calls.
+    PostgresOnly,
+}
+
+/// The idempotency store. Cheap to clone; share one per process.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    postgres: PostgresTier,
+    redis: Option<RedisTier>,
+    default_policy: Arc<Policy>,
+    policies: HashMap<String, Arc<Policy>>,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("mode", &self.mode())
+            .field("default_policy", &self.inner.default_policy)
+            .field("operations", &self.inner.policies.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Store {
+    /// Starts configuring a store.
+    pub fn builder() -> StoreBuilder {
+        StoreBuilder::default()
+    }
+
+    /// Whether Redis fronts this store.
+    pub fn mode(&self) -> Mode {
+        if self.inner.redis.is_some() { Mode::TwoTier } else { Mode::PostgresOnly }
+    }
+
+    /// The policy that applies to `operation`.
+    pub fn policy(&self, operation: &str) -> &Arc<Policy> {
+        self.inner.policies.get(operation).unwrap_or(&self.inner.default_policy)
+    }
+
+    /// The Postgres pool the store uses (to run the embedded migrations elsewhere, or for your own work).
+    pub fn pg_pool(&self) -> &PgPool {
+        self.inner.postgres.pool()
+    }
+
+    /// Applies the embedded migrations (idempotent; safe from several processes at once).
+    ///
+    /// # Errors
+    /// [`StoreError::Migrate`] if a migration fails or Postgres is unreachable.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        MIGRATOR.run(self.pg_pool()).await.map_err(StoreError::Migrate)
+    }
+}
+
+/// Configures a [`Store`]. Postgres is required; Redis is optional (without it, [`Mode::PostgresOnly`]).
+#[derive(Default)]
+pub struct StoreBuilder {
+    pg_pool: Option<PgPool>,
+    database_url: Option<String>,
+    redis_pool: Option<deadpool_redis::Pool>,
+    redis_url: Option<String>,
+    key_prefix: Option<String>,
+    redis_budget: Option<Duration>,
+    redis_cooldown: Option<Duration>,
+    default_policy: Option<Policy>,
+    policies: HashMap<String, Policy>,
+}
+
+impl fmt::Debug for StoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreBuilder")
+            .field("redis", &(self.redis_pool.is_some() || self.redis_url.is_some()))
+            .field("key_prefix", &self.key_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StoreBuilder {
+    /// Uses an existing Postgres pool. Keep its acquire timeout short: a caller waits that long before
+    /// getting [`StoreError::StoreUnavailable`].
+    pub fn postgres(mut self, pool: PgPool) -> Self {
+        self.pg_pool = Some(pool);
+        self
+    }
+
+    /// Connects lazily to Postgres at `url` with a pool of 16 connections and a 5 s acquire timeout.
+    pub fn database_url(mut self, url: impl Into<String>) -> Self {
+        self.database_url = Some(url.into());
+        self
+    }
+
+    /// Uses an existing Redis pool.
+    pub fn redis(mut self, pool: deadpool_redis::Pool) -> Self {
+        self.redis_pool = Some(pool);
+        self
+    }
+
+    /// Connects lazily to Redis at `url`.
+    pub fn redis_url(mut self, url: impl Into<String>) -> Self {
+        self.redis_url = Some(url.into());
+        self
+    }
+
+    /// Prefix of every Redis key (default `idem`), to share one Redis between applications.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = Some(prefix.into());
+        self
+    }
+
+    /// How long one Redis call may take before the request degrades to Postgres (default 100 ms).
+    pub fn redis_budget(mut self, budget: Duration) -> Self {
+        self.redis_budget = Some(budget);
+        self
+    }
+
+    /// How long Redis is skipped after it failed, before it is tried again (default 1 s).
+    pub fn redis_cooldown(mut self, cooldown: Duration) -> Self {
+        self.redis_cooldown = Some(cooldown);
+        self
+    }
+
+    /// The policy of operations without one of their own (default [`Policy::default`]).
+    pub fn default_policy(mut self, policy: Policy) -> Self {
+        self.default_policy = Some(policy);
+        self
+    }
+
+    /// The policy of one operation.
+    pub fn policy(mut self, operation: impl Into<String>, policy: Policy) -> Self {
+        self.policies.insert(operation.into(), policy);
+        self
+    }
+
+    /// Builds the store. No connection is made here; call [`Store::migrate`] to check Postgres.
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] when no Postgres is given or a URL does not parse;
+    /// [`StoreError::RedisConfig`] when the Redis pool cannot be created.
+    pub fn build(self) -> Result<Store, StoreError> {
+        let pg_pool = match (self.pg_pool, self.database_url) {
+            (Some(pool), _) => pool,
+            (None, Some(url)) => PgPoolOptions::new()
+                .max_connections(16)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_lazy(&url)
+                .map_err(|e| StoreError::Config(format!("invalid DATABASE_URL: {e}")))?,
+            (None, None) => return Err(StoreError::Config("a Postgres pool or URL is required".into())),
+        };
+        let redis_pool = match (self.redis_pool, self.redis_url) {
+            (Some(pool), _) => Some(pool),
+            (None, Some(url)) => Some(
+                deadpool_redis::Config::from_url(url)
+                    .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+                    .map_err(StoreError::RedisConfig)?,
+            ),
+            (None, None) => None,
+        };
+        let redis = redis_pool.map(|pool| {
+            RedisTier::new(
+                pool,
+                self.key_prefix.unwrap_or_else(|| "idem".into()),
+                self.redis_budget.unwrap_or(Duration::from_millis(100)),
+                self.redis_cooldown.unwrap_or(Duration::from_secs(1)),
+            )
+        });
+        Ok(Store {
+            inner: Arc::new(Inner {
+                postgres: PostgresTier::new(pg_pool),
+                redis,
+                default_policy: Arc::new(self.default_policy.unwrap_or_default()),
+                policies: self.policies.into_iter().map(|(op, p)| (op, Arc::new(p))).collect(),
+            }),
+        })
+    }
+}

@@ -1,0 +1,250 @@
+//! The claim protocol, shared by both modes: Redis (when present) answers duplicates and marks claims in
+//! flight; Postgres decides who executes and holds every result. Each step that could run on either
+//! tier is written once, with the Redis half skipped in Postgres-only mode or when Redis is unavailable.
+
+use std::time::{Duration, Instant};
+
+use super::Store;
+use super::postgres_tier::Claim;
+use super::redis_tier::RedisTier;
+use super::scripts::RedisBegin;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, Scope};
+use crate::policy::{LeaseExpiry, millis};
+use crate::record::{Begin, Lease, Record, State, StoredResponse};
+use crate::telemetry;
+
+impl Store {
+    /// Claims `key` for a request with this `fingerprint`, or answers from what the key already holds.
+    ///
+    /// Work may run only on [`Begin::Acquired`], and then only after this returned: the claim is durable
+    /// in Postgres by then. Finish with [`Store::complete`] or [`Store::release`].
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] when Postgres could not be asked; nothing may run then.
+    pub async fn begin(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+    ) -> Result<Begin, StoreError> {
+        let candidate = Lease {
+            scope: scope.clone(),
+            key: key.clone(),
+            fingerprint: fingerprint.clone(),
+            fence: 0,
+            owner: format!("{:032x}", rand::random::<u128>()),
+            policy: self.policy(scope.operation()).clone(),
+        };
+        let answer = self.claim(candidate).await;
+        let outcome = match &answer {
+            Ok(Begin::Acquired(_)) => "executed",
+            Ok(Begin::Completed(_)) => "replayed",
+            Ok(Begin::InFlight { .. }) => "in_flight",
+            Ok(Begin::Mismatch) => "mismatch",
+            Ok(Begin::Indeterminate) => "indeterminate",
+            Err(_) => "error",
+        };
+        telemetry::outcome(scope.operation(), outcome);
+        answer
+    }
+
+    /// Stores `response` as the result of the leased key, for replay to every retry.
+    ///
+    /// # Errors
+    /// [`StoreError::LeaseLost`] if another owner took the key over (the response is not stored);
+    /// [`StoreError::StoreUnavailable`] if Postgres failed (the lease runs out, then policy applies).
+    pub async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
+        let stored = self.inner.postgres.complete(lease, response).await;
+        self.fenced_step(lease, "complete", stored)?;
+        if let Some(redis) = &self.inner.redis {
+            let ttl = millis(lease.policy.redis_ttl);
+            let record_key = self.record_key(redis, lease);
+            let put = redis.put(&record_key, State::Completed, lease.fingerprint.as_hex(), "", response, ttl);
+            self.degrade(lease.scope.operation(), put.await);
+        }
+        Ok(())
+    }
+
+    /// Gives the key up after a failure that a retry may repair, so that the next request executes.
+    ///
+    /// # Errors
+    /// As [`Store::complete`].
+    pub async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        let released = self.inner.postgres.release(lease).await;
+        self.fenced_step(lease, "release", released)?;
+        if let Some(redis) = &self.inner.redis {
+            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner).await;
+            self.degrade(lease.scope.operation(), deleted);
+        }
+        Ok(())
+    }
+
+    /// Extends the lease by the policy's lease duration from now: the heartbeat of a long-running owner.
+    ///
+    /// # Errors
+    /// As [`Store::complete`].
+    pub async fn extend(&self, lease: &Lease) -> Result<(), StoreError> {
+        let extended = self.inner.postgres.extend(lease).await;
+        self.fenced_step(lease, "extend", extended)?;
+        if let Some(redis) = &self.inner.redis {
+            let lease_ms = millis(lease.policy.lease);
+            let extended = redis.extend(&self.record_key(redis, lease), &lease.owner, lease_ms).await;
+            self.degrade(lease.scope.operation(), extended);
+        }
+        Ok(())
+    }
+
+    /// Reads a record from Postgres, the source of truth.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let found = self.inner.postgres.lookup(scope, key).await;
+        found.map_err(|source| StoreError::StoreUnavailable { step: "lookup", source })
+    }
+
+    async fn claim(&self, candidate: Lease) -> Result<Begin, StoreError> {
+        let operation = candidate.scope.operation();
+        // Set when our marker is in Redis: Postgres then arbitrates, and Redis is repaired if it had lost
+        // what Postgres holds.
+        let mut marked = None;
+        if let Some(redis) = &self.inner.redis {
+            let record_key = self.record_key(redis, &candidate);
+            let started = Instant::now();
+            let lease_ms = millis(candidate.policy.lease);
+            match redis.begin(&record_key, candidate.fingerprint.as_hex(), &candidate.owner, lease_ms).await {
+                Ok(RedisBegin::Claimed) => {
+                    telemetry::claim_duration("redis", started.elapsed());
+                    telemetry::redis_lookup(operation, "miss");
+                    marked = Some((redis, record_key));
+                }
+                Ok(answer) => {
+                    telemetry::claim_duration("redis", started.elapsed());
+                    telemetry::redis_lookup(operation, "hit");
+                    return Ok(match answer {
+                        RedisBegin::Completed(response) => Begin::Completed(StoredResponse::new(response)),
+                        RedisBegin::InFlight { retry_after } => Begin::InFlight { retry_after },
+                        RedisBegin::Mismatch => Begin::Mismatch,
+                        RedisBegin::Indeterminate | RedisBegin::Claimed => Begin::Indeterminate,
+                    });
+                }
+                Err(unavailable) => {
+                    telemetry::redis_lookup(operation, "error");
+                    telemetry::redis_fallback(operation, unavailable.reason());
+                }
+            }
+        }
+
+        let started = Instant::now();
+        let claim = match self.inner.postgres.claim(&candidate).await {
+            Ok(claim) => claim,
+            Err(source) => {
+                // Fail closed, and take the marker back so retries are not told "in flight" for work
+                // that never started.
+                if let Some((redis, record_key)) = &marked {
+                    self.degrade(operation, redis.release(record_key, &candidate.owner).await);
+                }
+                return Err(StoreError::StoreUnavailable { step: "claim", source });
+            }
+        };
+        telemetry::claim_duration("postgres", started.elapsed());
+
+        if claim.acquired {
+            if claim.took_over {
+                telemetry::lease_takeover(operation);
+            }
+            return Ok(Begin::Acquired(Lease { fence: claim.record.fence, ..candidate }));
+        }
+        let answer = self.answer_from(&candidate, &claim.record).await?;
+        if let Some((redis, record_key)) = &marked {
+            telemetry::reconciliation(operation);
+            let state = if matches!(answer, Begin::Indeterminate) { State::Indeterminate } else { claim.record.state };
+            self.repair(redis, record_key, &candidate, &claim, state).await;
+        }
+        Ok(answer)
+    }
+
+    /// The answer for a key that Postgres holds and the caller did not acquire.
+    async fn answer_from(&self, candidate: &Lease, record: &Record) -> Result<Begin, StoreError> {
+        if record.fingerprint != candidate.fingerprint.as_hex() {
+            return Ok(Begin::Mismatch);
+        }
+        let remaining = record.lease_remaining.unwrap_or_default();
+        Ok(match record.state {
+            State::Completed => {
+                Begin::Completed(record.response.clone().unwrap_or_else(|| StoredResponse::new(Vec::new())))
+            }
+            State::Indeterminate => Begin::Indeterminate,
+            State::InProgress
+                if remaining.is_zero() && candidate.policy.lease_expiry == LeaseExpiry::MarkIndeterminate =>
+            {
+                let stale = Lease { fence: record.fence, ..candidate.clone() };
+                let marked = self.inner.postgres.mark_indeterminate(&stale).await;
+                match marked.map_err(|source| StoreError::StoreUnavailable { step: "mark indeterminate", source })? {
+                    true => Begin::Indeterminate,
+                    // The owner extended or finished meanwhile: a retry sees which.
+                    false => Begin::InFlight { retry_after: Duration::ZERO },
+                }
+            }
+            // A released record with this fingerprint is always re-acquired by the claim, so only an
+            // owner that is still working (or one that just finished) lands here.
+            State::InProgress | State::Released => Begin::InFlight { retry_after: remaining },
+        })
+    }
+
+    /// Writes into Redis what Postgres holds, replacing the caller's marker. `state` is the record's
+    /// state after this request (it may just have been marked indeterminate).
+    async fn repair(&self, redis: &RedisTier, record_key: &str, candidate: &Lease, claim: &Claim, state: State) {
+        let record = &claim.record;
+        let remaining = record.lease_remaining.unwrap_or_default();
+        let (owner, response, ttl) = match state {
+            State::Completed => {
+                let response = record.response.as_ref().map_or(&[][..], StoredResponse::as_bytes);
+                ("", response, candidate.policy.redis_ttl)
+            }
+            State::InProgress if !remaining.is_zero() => (claim.owner.as_deref().unwrap_or(""), &[][..], remaining),
+            State::Indeterminate => ("", &[][..], candidate.policy.lease),
+            // Released, or a lease that just ran out: no marker, so the next request asks Postgres.
+            State::InProgress | State::Released => {
+                self.degrade(candidate.scope.operation(), redis.release(record_key, &candidate.owner).await);
+                return;
+            }
+        };
+        let put = redis.put(record_key, state, &record.fingerprint, owner, response, millis(ttl));
+        self.degrade(candidate.scope.operation(), put.await);
+    }
+
+    /// Maps a fenced Postgres write: no row matched means the lease was lost.
+    fn fenced_step(
+        &self,
+        lease: &Lease,
+        step: &'static str,
+        result: Result<bool, sqlx::Error>,
+    ) -> Result<(), StoreError> {
+        let operation = lease.scope.operation();
+        match result {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                telemetry::outcome(operation, "lease_lost");
+                Err(StoreError::LeaseLost { fence: lease.fence })
+            }
+            Err(source) => {
+                telemetry::outcome(operation, "error");
+                Err(StoreError::StoreUnavailable { step, source })
+            }
+        }
+    }
+
+    /// A Redis write that failed leaves Redis behind Postgres, which the next miss reconciles.
+    fn degrade<T>(&self, operation: &str, result: Result<T, super::redis_tier::RedisUnavailable>) {
+        if let Err(unavailable) = result {
+            telemetry::redis_fallback(operation, unavailable.reason());
+        }
+    }
+
+    fn record_key(&self, redis: &RedisTier, lease: &Lease) -> String {
+        redis.record_key(&lease.scope, &lease.key)
+    }
+}

@@ -1,0 +1,135 @@
+//! The Redis hot path: script calls under a latency budget, with a circuit breaker so that a Redis
+//! outage costs one budget per cool-down instead of one per request.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use deadpool_redis::Pool;
+use redis::{Script, Value};
+
+use super::scripts::{self, RedisBegin};
+use crate::key::{IdempotencyKey, Scope};
+use crate::record::State;
+
+/// Why a Redis call was not answered; every one degrades the call to the Postgres path.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RedisUnavailable {
+    #[error("the Redis circuit is open after a recent failure")]
+    CircuitOpen,
+    #[error("Redis did not answer within the budget")]
+    Timeout,
+    #[error("Redis failed")]
+    Failed(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl RedisUnavailable {
+    /// The `reason` label of the fallback metric.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            RedisUnavailable::CircuitOpen => "circuit_open",
+            RedisUnavailable::Timeout => "timeout",
+            RedisUnavailable::Failed(_) => "error",
+        }
+    }
+}
+
+pub(crate) struct RedisTier {
+    pool: Pool,
+    prefix: String,
+    budget: Duration,
+    cooldown: Duration,
+    /// Milliseconds since `epoch` until which Redis is skipped; 0 when closed.
+    open_until: AtomicU64,
+    epoch: Instant,
+}
+
+impl RedisTier {
+    pub(crate) fn new(pool: Pool, prefix: String, budget: Duration, cooldown: Duration) -> Self {
+        Self { pool, prefix, budget, cooldown, open_until: AtomicU64::new(0), epoch: Instant::now() }
+    }
+
+    /// `prefix:{len:tenant:len:operation:key}`. The lengths make the name unambiguous (no tenant can
+    /// forge another tenant's name with separators), and the braces are the Redis Cluster hash tag.
+    pub(crate) fn record_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
+        let (tenant, operation) = (scope.tenant(), scope.operation());
+        format!("{}:{{{}:{tenant}:{}:{operation}:{key}}}", self.prefix, tenant.len(), operation.len())
+    }
+
+    pub(crate) async fn begin(
+        &self,
+        record_key: &str,
+        fingerprint: &str,
+        owner: &str,
+        lease_ms: i64,
+    ) -> Result<RedisBegin, RedisUnavailable> {
+        let lease = lease_ms.to_string();
+        let reply = self
+            .invoke(&scripts::BEGIN, record_key, &[fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes()])
+            .await?;
+        RedisBegin::decode(reply).map_err(|e| self.trip(RedisUnavailable::Failed(Box::new(e))))
+    }
+
+    /// Mirrors a Postgres state into Redis. `owner` matters for in-progress markers, `response` for
+    /// completed records.
+    pub(crate) async fn put(
+        &self,
+        record_key: &str,
+        state: State,
+        fingerprint: &str,
+        owner: &str,
+        response: &[u8],
+        ttl_ms: i64,
+    ) -> Result<(), RedisUnavailable> {
+        let tag: &[u8] = match state {
+            State::Completed => b"c",
+            State::Indeterminate => b"i",
+            // A released record needs no marker: the next request claims it in Postgres.
+            State::Released => return Ok(()),
+            State::InProgress => b"p",
+        };
+        let ttl = ttl_ms.max(1).to_string();
+        let args = [tag, fingerprint.as_bytes(), owner.as_bytes(), response, ttl.as_bytes()];
+        self.invoke(&scripts::PUT, record_key, &args).await.map(drop)
+    }
+
+    pub(crate) async fn release(&self, record_key: &str, owner: &str) -> Result<(), RedisUnavailable> {
+        self.invoke(&scripts::RELEASE, record_key, &[owner.as_bytes()]).await.map(drop)
+    }
+
+    pub(crate) async fn extend(&self, record_key: &str, owner: &str, lease_ms: i64) -> Result<(), RedisUnavailable> {
+        let lease = lease_ms.to_string();
+        self.invoke(&scripts::EXTEND, record_key, &[owner.as_bytes(), lease.as_bytes()]).await.map(drop)
+    }
+
+    /// Runs one script with EVALSHA (reloaded on NOSCRIPT by `Script::invoke_async`), bounded by the
+    /// budget; a failure opens the circuit for the cool-down.
+    async fn invoke(&self, script: &Script, record_key: &str, args: &[&[u8]]) -> Result<Value, RedisUnavailable> {
+        if self.now_ms() < self.open_until.load(Ordering::Relaxed) {
+            return Err(RedisUnavailable::CircuitOpen);
+        }
+        let call = async {
+            let mut conn = self.pool.get().await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
+            let mut invocation = script.key(record_key);
+            for arg in args {
+                invocation.arg(*arg);
+            }
+            invocation.invoke_async::<Value>(&mut conn).await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))
+        };
+        match tokio::time::timeout(self.budget, call).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) => Err(self.trip(e)),
+            Err(_) => Err(self.trip(RedisUnavailable::Timeout)),
+        }
+    }
+
+    fn trip(&self, error: RedisUnavailable) -> RedisUnavailable {
+        let until = self.now_ms() + u64::try_from(self.cooldown.as_millis()).unwrap_or(u64::MAX / 2);
+        self.open_until.store(until, Ordering::Relaxed);
+        tracing::warn!(error = %error, cooldown = ?self.cooldown, "Redis unavailable; using the Postgres path");
+        error
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX / 2)
+    }
+}

@@ -1,0 +1,60 @@
+//! Metric names and descriptions. The library only emits through the `metrics` facade; the application
+//! installs a recorder (for example `metrics-exporter-prometheus`) and may call [`describe`] once.
+//!
+//! Duplicate rate and conflict rate in PromQL:
+//! ```text
+//! sum(rate(idemstore_outcomes_total{outcome=~"replayed|in_flight"}[5m]))
+//!   / sum(rate(idemstore_outcomes_total[5m]))
+//! sum(rate(idemstore_outcomes_total{outcome="mismatch"}[5m])) / sum(rate(idemstore_outcomes_total[5m]))
+//! ```
+
+use std::time::Duration;
+
+/// Answers per operation; label `outcome`: executed, replayed, in_flight, mismatch, indeterminate,
+/// lease_lost, error.
+pub const OUTCOMES: &str = "idemstore_outcomes_total";
+/// Redis hot-path answers; label `result`: hit (answered from Redis), miss (went on to Postgres), error.
+pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";
+/// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open.
+pub const REDIS_FALLBACKS: &str = "idemstore_redis_fallbacks_total";
+/// Records found in Postgres that Redis had lost (eviction, flush, restart, expired TTL) and repaired.
+pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
+/// Keys re-acquired from an owner whose lease ran out.
+pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
+/// Time of one claim call; label `tier`: redis or postgres.
+pub const CLAIM_DURATION: &str = "idemstore_claim_duration_seconds";
+
+/// Registers the description and unit of every metric with the installed recorder.
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_histogram};
+    describe_counter!(OUTCOMES, "Idempotency answers by operation and outcome.");
+    describe_counter!(REDIS_LOOKUPS, "Redis hot-path answers by result.");
+    describe_counter!(REDIS_FALLBACKS, "Redis calls that degraded to the Postgres path, by reason.");
+    describe_counter!(RECONCILIATIONS, "Records Redis had lost, served from Postgres and repaired.");
+    describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
+    describe_histogram!(CLAIM_DURATION, Unit::Seconds, "Duration of one claim call, by tier.");
+}
+
+pub(crate) fn outcome(operation: &str, outcome: &'static str) {
+    metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn redis_lookup(operation: &str, result: &'static str) {
+    metrics::counter!(REDIS_LOOKUPS, "operation" => operation.to_owned(), "result" => result).increment(1);
+}
+
+pub(crate) fn redis_fallback(operation: &str, reason: &'static str) {
+    metrics::counter!(REDIS_FALLBACKS, "operation" => operation.to_owned(), "reason" => reason).increment(1);
+}
+
+pub(crate) fn reconciliation(operation: &str) {
+    metrics::counter!(RECONCILIATIONS, "operation" => operation.to_owned()).increment(1);
+}
+
+pub(crate) fn lease_takeover(operation: &str) {
+    metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(1);
+}
+
+pub(crate) fn claim_duration(tier: &'static str, elapsed: Duration) {
+    metrics::histogram!(CLAIM_DURATION, "tier" => tier).record(elapsed.as_secs_f64());
+}

@@ -1,0 +1,136 @@
+//! A throwaway PostgreSQL cluster.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use tempfile::TempDir;
+
+use super::{TestkitError, free_port, io, is_root, run};
+
+/// A PostgreSQL cluster in a temporary directory, listening on 127.0.0.1 only, with trust auth for the
+/// `postgres` role. Stopped (immediate mode) and deleted on drop.
+#[derive(Debug)]
+pub struct PostgresServer {
+    dir: TempDir,
+    port: u16,
+    durable: bool,
+    running: bool,
+}
+
+impl PostgresServer {
+    /// Starts a cluster tuned for tests: fsync off, so a crash of the whole machine would lose data but
+    /// a crash of the server process (`stop`, which is immediate) loses no committed transaction.
+    ///
+    /// # Errors
+    /// [`TestkitError`] if `initdb` or `pg_ctl` is missing or fails.
+    pub fn start() -> Result<Self, TestkitError> {
+        Self::start_with(false)
+    }
+
+    /// Starts a cluster with production durability (fsync and synchronous commit on), for benchmarks.
+    ///
+    /// # Errors
+    /// As [`PostgresServer::start`].
+    pub fn start_durable() -> Result<Self, TestkitError> {
+        Self::start_with(true)
+    }
+
+    fn start_with(durable: bool) -> Result<Self, TestkitError> {
+        let dir =
+            tempfile::Builder::new().prefix("idemstore-pg-").tempdir().map_err(io("creating a Postgres directory"))?;
+        let mut server = Self { dir, port: 0, durable, running: false };
+        if is_root() {
+            run(
+                "chown of the Postgres directory",
+                Command::new("chown").args(["-R", "postgres:"]).arg(server.dir.path()),
+            )?;
+        }
+        let mut initdb = server.command("initdb");
+        initdb.arg("-D").arg(server.data()).args([
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-N",
+            "-E",
+            "UTF8",
+            "--no-instructions",
+        ]);
+        run("initdb", &mut initdb)?;
+        let mut attempts = 0;
+        loop {
+            server.port = free_port()?;
+            match server.restart() {
+                Ok(()) => return Ok(server),
+                Err(error) if attempts >= 4 => return Err(error),
+                Err(_) => attempts += 1,
+            }
+        }
+    }
+
+    /// `postgres://postgres@127.0.0.1:<port>/postgres`.
+    pub fn url(&self) -> String {
+        self.url_for("postgres")
+    }
+
+    /// The URL of another database on this server.
+    pub fn url_for(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// Stops the server at once (`pg_ctl stop -m immediate`): like a crash, recovered on restart.
+    ///
+    /// # Errors
+    /// [`TestkitError`] if `pg_ctl` fails.
+    pub fn stop(&mut self) -> Result<(), TestkitError> {
+        if self.running {
+            let mut stop = self.command("pg_ctl");
+            stop.arg("-D").arg(self.data()).args(["-m", "immediate", "-w", "stop"]);
+            run("pg_ctl stop", &mut stop)?;
+            self.running = false;
+        }
+        Ok(())
+    }
+
+    /// Starts the server again on the same port (stopping it first if it runs).
+    ///
+    /// # Errors
+    /// [`TestkitError`] if `pg_ctl` fails.
+    pub fn restart(&mut self) -> Result<(), TestkitError> {
+        self.stop()?;
+        let sync = if self.durable { "on" } else { "off" };
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} -c fsync={sync} \
+             -c full_page_writes={sync} -c max_connections=200",
+            self.port,
+            self.dir.path().display()
+        );
+        let mut start = self.command("pg_ctl");
+        start.arg("-D").arg(self.data()).arg("-l").arg(self.dir.path().join("server.log"));
+        start.args(["-o", &options, "-w", "-t", "30", "start"]);
+        run("pg_ctl start", &mut start)?;
+        self.running = true;
+        Ok(())
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// Postgres refuses to run as root: run its programs as the `postgres` system user then.
+    fn command(&self, program: &str) -> Command {
+        if is_root() {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--", program]);
+            command
+        } else {
+            Command::new(program)
+        }
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}

@@ -1,0 +1,159 @@
+//! A throwaway `redis-server`.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::{TestkitError, free_port, io, is_root, run};
+
+/// A `redis-server` child process without persistence, bound to 127.0.0.1.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: TempDir,
+    extra_args: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts a server (installing `redis-server` first if it is missing and this runs as root).
+    ///
+    /// # Errors
+    /// [`TestkitError`] if `redis-server` is missing or does not come up.
+    pub fn start() -> Result<Self, TestkitError> {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra arguments, e.g. `["--maxmemory", "2mb"]`.
+    ///
+    /// # Errors
+    /// As [`RedisServer::start`].
+    pub fn start_with(extra_args: &[&str]) -> Result<Self, TestkitError> {
+        ensure_installed()?;
+        let dir =
+            tempfile::Builder::new().prefix("idemstore-redis-").tempdir().map_err(io("creating a Redis directory"))?;
+        let mut server =
+            Self { child: None, port: 0, dir, extra_args: extra_args.iter().map(|a| a.to_string()).collect() };
+        let mut attempts = 0;
+        loop {
+            server.port = free_port()?;
+            match server.spawn() {
+                Ok(()) => return Ok(server),
+                Err(error) if attempts >= 4 => return Err(error),
+                Err(_) => attempts += 1,
+            }
+        }
+    }
+
+    /// `redis://127.0.0.1:<port>/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Kills the server with SIGKILL: everything it held is gone, including its script cache.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, empty (after [`RedisServer::kill`]).
+    ///
+    /// # Errors
+    /// As [`RedisServer::start`].
+    pub fn restart(&mut self) -> Result<(), TestkitError> {
+        self.kill();
+        self.spawn()
+    }
+
+    /// Stops the process with SIGSTOP: connections stay open and nothing answers.
+    ///
+    /// # Errors
+    /// [`TestkitError`] if the signal could not be sent.
+    pub fn pause(&self) -> Result<(), TestkitError> {
+        self.signal("-STOP")
+    }
+
+    /// Resumes a paused server with SIGCONT.
+    ///
+    /// # Errors
+    /// [`TestkitError`] if the signal could not be sent.
+    pub fn resume(&self) -> Result<(), TestkitError> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, signal: &str) -> Result<(), TestkitError> {
+        let pid = self.child.as_ref().map(Child::id).unwrap_or_default().to_string();
+        run("signalling redis-server", Command::new("kill").args([signal, &pid])).map(drop)
+    }
+
+    fn spawn(&mut self) -> Result<(), TestkitError> {
+        let port = self.port.to_string();
+        let child = Command::new("redis-server")
+            .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(&self.extra_args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(io("starting redis-server"))?;
+        self.child = Some(child);
+        wait_for_pong(self.port).inspect_err(|_| self.kill())
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn wait_for_pong(port: u16) -> Result<(), TestkitError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) {
+            let mut reply = [0u8; 7];
+            if stream.write_all(b"PING\r\n").is_ok() && stream.read_exact(&mut reply).is_ok() && &reply == b"+PONG\r\n"
+            {
+                return Ok(());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(TestkitError::Failed {
+        step: "waiting for redis-server",
+        output: format!("no PONG on port {port} within 10 s"),
+    })
+}
+
+fn ensure_installed() -> Result<(), TestkitError> {
+    if Command::new("redis-server").arg("--version").output().is_ok() {
+        return Ok(());
+    }
+    if !is_root() || !Path::new("/usr/bin/apt-get").exists() {
+        return Err(TestkitError::Missing {
+            program: "redis-server",
+            hint: "install Debian's package as root: apt-get install -y redis-server",
+        });
+    }
+    // Parallel test processes may all get here: dpkg's lock timeout makes them queue, not fail.
+    let apt = |args: &[&str]| {
+        let mut command = Command::new("apt-get");
+        command.args(["-o", "DPkg::Lock::Timeout=600", "-q"]).args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        command
+    };
+    run("apt-get update", &mut apt(&["update"]))?;
+    run("apt-get install redis-server", &mut apt(&["install", "-y", "redis-server"]))?;
+    Ok(())
+}

@@ -1,0 +1,424 @@
+//! The behaviour suite of the store, against real Redis and Postgres, run once per mode.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::future::join_all;
+use idemstore::{
+    Begin, Fingerprint, FingerprintOptions, InputError, LeaseExpiry, Mode, Policy, RunError, RunOptions, RunOutcome,
+    Scope, State, StoreError,
+};
+use serde_json::{Value, json};
+use support::{Harness, Servers, key};
+
+type Outcome = Result<RunOutcome<Value>, RunError<sqlx::Error>>;
+
+macro_rules! suite {
+    ($($test:ident),* $(,)?) => {
+        mod two_tier {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $test() { super::$test(idemstore::Mode::TwoTier).await })*
+        }
+        mod postgres_only {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $test() { super::$test(idemstore::Mode::PostgresOnly).await })*
+        }
+    };
+}
+
+suite!(
+    exactly_once_under_64_concurrent_calls,
+    replay_after_completion,
+    mismatch_is_refused,
+    tenants_are_isolated,
+    redis_flushed_after_completion_is_reconciled,
+    redis_down_degrades_to_postgres,
+    redis_restart_reloads_scripts,
+    stale_owner_is_fenced_after_takeover,
+    expired_lease_marks_indeterminate_under_that_policy,
+    release_after_failure_lets_a_retry_run,
+    short_redis_ttl_falls_back_to_postgres,
+    bad_input_gets_typed_errors_and_loses_nothing,
+    heartbeat_keeps_a_slow_owner,
+    in_flight_duplicate_waits_for_the_result,
+    postgres_down_fails_closed,
+);
+
+fn policy(lease_ms: u64, redis_ttl_ms: u64) -> Policy {
+    Policy::builder()
+        .lease(Duration::from_millis(lease_ms))
+        .redis_ttl(Duration::from_millis(redis_ttl_ms))
+        .build()
+        .expect("valid policy")
+}
+
+async fn charge_once(h: &Harness, tenant: &str, k: &idemstore::IdempotencyKey, payload: &Value) -> Outcome {
+    h.store.run_once(&h.scope(tenant), k, payload, || h.charge(tenant, k)).await
+}
+
+/// 64 concurrent calls with one key execute the work once; every other call is told in flight or replayed.
+async fn exactly_once_under_64_concurrent_calls(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let k = key("order-64");
+    let payload = json!({"amount": 100});
+    let calls = (0..64).map(|_| charge_once(&h, "acme", &k, &payload));
+    let outcomes = join_all(calls).await;
+    let executed = outcomes.iter().filter(|o| matches!(o, Ok(RunOutcome::Executed(_)))).count();
+    let others_ok = outcomes
+        .iter()
+        .all(|o| matches!(o, Ok(RunOutcome::Executed(_) | RunOutcome::Replayed(_) | RunOutcome::InFlight { .. })));
+    assert_eq!(executed, 1, "{outcomes:?}");
+    assert!(others_ok, "{outcomes:?}");
+    assert_eq!(h.effects("acme", &k).await, 1);
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "executed")]), 1.0);
+}
+
+/// A retry after completion replays the stored result without executing again.
+async fn replay_after_completion(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let k = key("order-1");
+    let payload = json!({"amount": 100, "currency": "EUR"});
+    let Ok(RunOutcome::Executed(first)) = charge_once(&h, "acme", &k, &payload).await else {
+        panic!("first call executes")
+    };
+    // The same request with another member order and spelling of numbers is the same request.
+    let respelled = json!({"currency": "EUR", "amount": 100.0});
+    let second = charge_once(&h, "acme", &k, &respelled).await.expect("replay");
+    assert_eq!(second, RunOutcome::Replayed(first));
+    assert_eq!(h.effects("acme", &k).await, 1);
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "replayed")]), 1.0);
+    if mode == Mode::TwoTier {
+        assert_eq!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]), 1.0, "replayed from Redis");
+    }
+}
+
+/// The same key with a different payload is refused, and the original result stays.
+async fn mismatch_is_refused(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let k = key("order-2");
+    let Ok(RunOutcome::Executed(first)) = charge_once(&h, "acme", &k, &json!({"amount": 100})).await else { panic!() };
+    let other = charge_once(&h, "acme", &k, &json!({"amount": 999})).await.expect("an answer");
+    assert_eq!(other, RunOutcome::Mismatch);
+    assert_eq!(h.effects("acme", &k).await, 1);
+    let again = charge_once(&h, "acme", &k, &json!({"amount": 100})).await.expect("replay");
+    assert_eq!(again, RunOutcome::Replayed(first));
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "mismatch")]), 1.0);
+}
+
+/// Two tenants with the same key and operation get two executions and never each other's result.
+async fn tenants_are_isolated(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let k = key("shared-key");
+    let Ok(RunOutcome::Executed(a)) = charge_once(&h, "tenant-a", &k, &json!({"amount": 1})).await else { panic!() };
+    // Another payload under the same key is no mismatch for another tenant: it is another record.
+    let Ok(RunOutcome::Executed(b)) = charge_once(&h, "tenant-b", &k, &json!({"amount": 2})).await else { panic!() };
+    assert_ne!(a, b);
+    assert_eq!(charge_once(&h, "tenant-a", &k, &json!({"amount": 1})).await.expect("replay"), RunOutcome::Replayed(a));
+    assert_eq!(charge_once(&h, "tenant-b", &k, &json!({"amount": 2})).await.expect("replay"), RunOutcome::Replayed(b));
+    // Names cannot be forged with separators into another scope's Redis or Postgres key.
+    let fp = Fingerprint::of_json(b"1", &FingerprintOptions::default()).expect("fp");
+    let (first, second) = (Scope::new("t", "a:b").expect("scope"), Scope::new("t:a", "b").expect("scope"));
+    let Begin::Acquired(lease) = h.store.begin(&first, &k, &fp).await.expect("begin") else { panic!() };
+    h.store.complete(&lease, b"1").await.expect("complete");
+    assert!(matches!(h.store.begin(&second, &k, &fp).await.expect("begin"), Begin::Acquired(_)));
+    assert_eq!(h.effects("tenant-a", &k).await, 1);
+    assert_eq!(h.effects("tenant-b", &k).await, 1);
+}
+
+/// Redis loses everything (FLUSHALL + SCRIPT FLUSH) after a completion: the retry is replayed from
+/// Postgres, counted as a reconciliation, and Redis is repaired so the next retry is a Redis hit.
+async fn redis_flushed_after_completion_is_reconciled(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let k = key("order-3");
+    let payload = json!({"amount": 5});
+    let Ok(RunOutcome::Executed(first)) = charge_once(&h, "acme", &k, &payload).await else { panic!() };
+    if mode == Mode::TwoTier {
+        let mut conn = h.redis_connection().await;
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.expect("FLUSHALL");
+        let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut conn).await.expect("SCRIPT FLUSH");
+    }
+    assert_eq!(charge_once(&h, "acme", &k, &payload).await.expect("replay"), RunOutcome::Replayed(first.clone()));
+    assert_eq!(charge_once(&h, "acme", &k, &payload).await.expect("replay"), RunOutcome::Replayed(first));
+    assert_eq!(h.effects("acme", &k).await, 1);
+    if mode == Mode::TwoTier {
+        assert_eq!(h.counter("idemstore_reconciliations_total", &[]), 1.0);
+        assert_eq!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]), 1.0, "repaired");
+    }
+}
+
+/// With Redis killed, 64 concurrent calls still execute once (on the Postgres path), and the fallback
+/// metric says so; a completed result stays replayable.
+async fn redis_down_degrades_to_postgres(mode: Mode) {
+    let mut h = Harness::with(mode, Policy::default(), Servers::Owned).await;
+    if let Some(redis) = h.redis.as_mut() {
+        redis.kill();
+    }
+    let k = key("order-4");
+    let payload = json!({"amount": 7});
+    let outcomes = join_all((0..64).map(|_| charge_once(&h, "acme", &k, &payload))).await;
+    let executed = outcomes.iter().filter(|o| matches!(o, Ok(RunOutcome::Executed(_)))).count();
+    assert_eq!(executed, 1, "{outcomes:?}");
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert!(matches!(charge_once(&h, "acme", &k, &payload).await, Ok(RunOutcome::Replayed(_))));
+    assert_eq!(h.effects("acme", &k).await, 1);
+    let fallbacks = h.counter("idemstore_redis_fallbacks_total", &[]);
+    match mode {
+        Mode::TwoTier => assert!(fallbacks >= 65.0, "every call fell back: {fallbacks}"),
+        _ => assert_eq!(fallbacks, 0.0),
+    }
+}
+
+/// A Redis restart empties it, script cache included: the scripts are reloaded (NOSCRIPT) and Redis
+/// serves replays again after one reconciliation.
+async fn redis_restart_reloads_scripts(mode: Mode) {
+    let mut h = Harness::with(mode, Policy::default(), Servers::Owned).await;
+    let k = key("order-5");
+    let payload = json!({"amount": 8});
+    let Ok(RunOutcome::Executed(first)) = charge_once(&h, "acme", &k, &payload).await else { panic!() };
+    if let Some(redis) = h.redis.as_mut() {
+        redis.restart().expect("restart Redis");
+    }
+    let hits_before = h.counter("idemstore_redis_lookups_total", &[("result", "hit")]);
+    // The pool's connection died with the server: the first calls may fall back until the circuit
+    // closes again, and every answer meanwhile must still be the replay.
+    for _ in 0..100 {
+        assert_eq!(charge_once(&h, "acme", &k, &payload).await.expect("replay"), RunOutcome::Replayed(first.clone()));
+        if mode == Mode::PostgresOnly || h.counter("idemstore_redis_lookups_total", &[("result", "hit")]) > hits_before
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if mode == Mode::TwoTier {
+        assert!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]) > hits_before, "Redis serves again");
+    }
+    assert_eq!(h.effects("acme", &k).await, 1);
+}
+
+/// Polls `begin` until the first owner's lease runs out and the answer is no longer "in flight".
+async fn begin_after_lease(h: &Harness, scope: &Scope, k: &idemstore::IdempotencyKey, fp: &Fingerprint) -> Begin {
+    for _ in 0..200 {
+        match h.store.begin(scope, k, fp).await.expect("begin") {
+            Begin::InFlight { .. } => tokio::time::sleep(Duration::from_millis(10)).await,
+            other => return other,
+        }
+    }
+    panic!("the lease never ran out");
+}
+
+/// An owner whose lease ran out is taken over with a higher fence; its late completion is rejected with
+/// LeaseLost, and retries get the new owner's result.
+async fn stale_owner_is_fenced_after_takeover(mode: Mode) {
+    let h = Harness::with(mode, policy(200, 60_000), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("order-6"));
+    let fp = Fingerprint::of_json(br#"{"amount":1}"#, &FingerprintOptions::default()).expect("fp");
+    let Begin::Acquired(stale) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
+    let Begin::Acquired(fresh) = begin_after_lease(&h, &scope, &k, &fp).await else { panic!("takeover") };
+    assert!(fresh.fence() > stale.fence());
+    assert!(matches!(h.store.complete(&stale, b"\"stale\"").await, Err(StoreError::LeaseLost { .. })));
+    assert!(matches!(h.store.release(&stale).await, Err(StoreError::LeaseLost { .. })));
+    h.store.complete(&fresh, b"\"fresh\"").await.expect("the new owner completes");
+    let Begin::Completed(stored) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
+    assert_eq!(stored.as_bytes(), b"\"fresh\"");
+    assert_eq!(h.counter("idemstore_lease_takeovers_total", &[]), 1.0);
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "lease_lost")]), 2.0);
+}
+
+/// Under MarkIndeterminate, a lease that ran out makes the record indeterminate: nothing executes, and
+/// only the original owner (or an operator) can still settle it.
+async fn expired_lease_marks_indeterminate_under_that_policy(mode: Mode) {
+    let strict = Policy::builder()
+        .lease(Duration::from_millis(200))
+        .lease_expiry(LeaseExpiry::MarkIndeterminate)
+        .build()
+        .expect("policy");
+    let h = Harness::with(mode, strict, Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("order-7"));
+    let fp = Fingerprint::of_json(br#"{"amount":1}"#, &FingerprintOptions::default()).expect("fp");
+    let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
+    assert!(matches!(begin_after_lease(&h, &scope, &k, &fp).await, Begin::Indeterminate));
+    assert!(matches!(h.store.begin(&scope, &k, &fp).await.expect("begin"), Begin::Indeterminate));
+    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("a record");
+    assert_eq!(record.state, State::Indeterminate);
+    h.store.complete(&owner, b"\"late\"").await.expect("the owner settles its own record");
+    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("a record");
+    assert_eq!(record.state, State::Completed);
+}
+
+/// A failed execution releases the key: the retry executes (and is not told "in flight").
+async fn release_after_failure_lets_a_retry_run(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (scope, k) = (h.scope("acme"), key("order-8"));
+    let payload = json!({"amount": 3});
+    let failed: Outcome = h.store.run_once(&scope, &k, &payload, || async { Err(sqlx::Error::PoolTimedOut) }).await;
+    assert!(matches!(failed, Err(RunError::Work(sqlx::Error::PoolTimedOut))));
+    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("a record");
+    assert_eq!(record.state, State::Released);
+    assert!(matches!(charge_once(&h, "acme", &k, &payload).await, Ok(RunOutcome::Executed(_))));
+    assert!(matches!(charge_once(&h, "acme", &k, &payload).await, Ok(RunOutcome::Replayed(_))));
+    assert_eq!(h.effects("acme", &k).await, 1);
+    // A released key still belongs to its payload.
+    assert_eq!(charge_once(&h, "acme", &k, &json!({"amount": 4})).await.expect("answer"), RunOutcome::Mismatch);
+}
+
+/// A result whose Redis TTL ran out is still replayed, from Postgres, and counted as a reconciliation.
+async fn short_redis_ttl_falls_back_to_postgres(mode: Mode) {
+    let h = Harness::with(mode, policy(100, 300), Servers::Any).await;
+    let k = key("order-9");
+    let payload = json!({"amount": 9});
+    let Ok(RunOutcome::Executed(first)) = charge_once(&h, "acme", &k, &payload).await else { panic!() };
+    if mode == Mode::TwoTier {
+        for _ in 0..100 {
+            if h.redis_keys().await.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(h.redis_keys().await.is_empty(), "the Redis TTL ran out");
+    }
+    assert_eq!(charge_once(&h, "acme", &k, &payload).await.expect("replay"), RunOutcome::Replayed(first));
+    assert_eq!(h.effects("acme", &k).await, 1);
+    if mode == Mode::TwoTier {
+        assert_eq!(h.counter("idemstore_reconciliations_total", &[]), 1.0);
+    }
+}
+
+/// Oversized, too deeply nested and malformed payloads get typed errors, run nothing, and leave the
+/// stored record as it was.
+async fn bad_input_gets_typed_errors_and_loses_nothing(mode: Mode) {
+    let small =
+        Policy::builder().fingerprint(FingerprintOptions::default().with_max_bytes(1024)).build().expect("policy");
+    let h = Harness::with(mode, small, Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("order-10"));
+    let Ok(RunOutcome::Executed(first)) = charge_once(&h, "acme", &k, &json!({"amount": 1})).await else { panic!() };
+
+    let ran = AtomicBool::new(false);
+    let work = || async {
+        ran.store(true, Ordering::SeqCst);
+        Ok::<_, sqlx::Error>(json!(null))
+    };
+    let huge = json!({"amount": 1, "note": "x".repeat(2000)});
+    let too_large = h.store.run_once(&scope, &k, &huge, work).await;
+    assert!(matches!(too_large, Err(RunError::Store(StoreError::Input(InputError::PayloadTooLarge { .. })))));
+    let mut deep = json!(1);
+    for _ in 0..100 {
+        deep = json!([deep]);
+    }
+    let too_deep = h.store.run_once(&scope, &k, &deep, work).await;
+    assert!(matches!(too_deep, Err(RunError::Store(StoreError::Input(InputError::TooDeep { limit: 64 })))));
+    assert!(!ran.load(Ordering::SeqCst), "no work ran on bad input");
+
+    let options = h.store.policy(&h.operation).fingerprint().clone();
+    assert!(matches!(Fingerprint::of_json(br#"{"a":1,"a":1}"#, &options), Err(InputError::DuplicateMember { .. })));
+    assert!(matches!(Fingerprint::of_json(b"{\"amount\":", &options), Err(InputError::InvalidJson(_))));
+    for bad in ["", "has space", "ünïcode", &"k".repeat(256)] {
+        assert!(idemstore::IdempotencyKey::new(bad).is_err(), "{bad:?}");
+    }
+    assert!(Scope::new("", "op").is_err());
+
+    assert_eq!(charge_once(&h, "acme", &k, &json!({"amount": 1})).await.expect("replay"), RunOutcome::Replayed(first));
+    assert_eq!(h.effects("acme", &k).await, 1);
+}
+
+/// A live owner that works for several leases keeps its key through the heartbeat: duplicates meanwhile
+/// are told "in flight" and nothing executes twice.
+async fn heartbeat_keeps_a_slow_owner(mode: Mode) {
+    let h = Arc::new(Harness::with(mode, policy(300, 60_000), Servers::Any).await);
+    let k = key("order-11");
+    let payload = json!({"amount": 11});
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+    let owner = {
+        let (h, k, payload) = (h.clone(), k.clone(), payload.clone());
+        tokio::spawn(async move {
+            h.store
+                .run_once(&h.scope("acme"), &k, &payload, || async {
+                    let result = h.charge("acme", &k).await;
+                    let _ = finished.await;
+                    result
+                })
+                .await
+        })
+    };
+    // Several leases long: without the heartbeat the second call below would take the key over.
+    let mut in_flight = 0;
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match charge_once(&h, "acme", &k, &payload).await.expect("answer") {
+            RunOutcome::InFlight { .. } => in_flight += 1,
+            other => panic!("the slow owner lost its key: {other:?}"),
+        }
+    }
+    finish.send(()).expect("owner waiting");
+    assert!(matches!(owner.await.expect("join"), Ok(RunOutcome::Executed(_))));
+    assert_eq!(in_flight, 12);
+    assert_eq!(h.effects("acme", &k).await, 1);
+}
+
+/// A duplicate that may wait gets the owner's result once it completes, instead of "in flight".
+async fn in_flight_duplicate_waits_for_the_result(mode: Mode) {
+    let h = Arc::new(Harness::start(mode).await);
+    let k = key("order-12");
+    let payload = json!({"amount": 12});
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+    let (started, owner_started) = tokio::sync::oneshot::channel::<()>();
+    let owner = {
+        let (h, k, payload) = (h.clone(), k.clone(), payload.clone());
+        tokio::spawn(async move {
+            h.store
+                .run_once(&h.scope("acme"), &k, &payload, || async {
+                    let _ = started.send(());
+                    let result = h.charge("acme", &k).await;
+                    let _ = finished.await;
+                    result
+                })
+                .await
+        })
+    };
+    owner_started.await.expect("owner started");
+    let waiter = {
+        let (h, k, payload) = (h.clone(), k.clone(), payload.clone());
+        tokio::spawn(async move {
+            let options = RunOptions::default().wait_in_flight(Duration::from_secs(10));
+            let outcome: Outcome =
+                h.store.run_once_with(&h.scope("acme"), &k, &payload, &options, || h.charge("acme", &k)).await;
+            outcome
+        })
+    };
+    assert!(matches!(charge_once(&h, "acme", &k, &payload).await, Ok(RunOutcome::InFlight { .. })));
+    finish.send(()).expect("owner waiting");
+    let Ok(RunOutcome::Executed(value)) = owner.await.expect("join") else { panic!("owner executes") };
+    assert_eq!(waiter.await.expect("join").expect("answer"), RunOutcome::Replayed(value));
+    assert_eq!(h.effects("acme", &k).await, 1);
+}
+
+/// With Postgres down nothing executes: the caller gets a transient StoreUnavailable and no Redis marker
+/// is left behind; after recovery the retry executes once.
+async fn postgres_down_fails_closed(mode: Mode) {
+    let mut h = Harness::with(mode, Policy::default(), Servers::Owned).await;
+    let (scope, k) = (h.scope("acme"), key("order-13"));
+    let payload = json!({"amount": 13});
+    h.postgres.as_mut().expect("owned").stop().expect("stop Postgres");
+    let ran = AtomicBool::new(false);
+    let down = h
+        .store
+        .run_once(&scope, &k, &payload, || async {
+            ran.store(true, Ordering::SeqCst);
+            Ok::<_, sqlx::Error>(json!(null))
+        })
+        .await;
+    match down {
+        Err(RunError::Store(error @ StoreError::StoreUnavailable { .. })) => assert!(error.is_transient()),
+        other => panic!("expected StoreUnavailable, got {other:?}"),
+    }
+    assert!(!ran.load(Ordering::SeqCst));
+    if mode == Mode::TwoTier {
+        assert!(h.redis_keys().await.is_empty(), "the Redis marker was taken back");
+    }
+    h.postgres.as_mut().expect("owned").restart().expect("restart Postgres");
+    let after = charge_once(&h, "acme", &k, &payload).await;
+    assert!(matches!(after, Ok(RunOutcome::Executed(_))), "{after:?}");
+    assert_eq!(h.effects("acme", &k).await, 1);
+}

@@ -1,0 +1,173 @@
+//! Shared tooling of the integration tests: real servers, a store in the requested mode, an effects
+//! table that counts real executions, and a metrics recorder to read counters back.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idemstore::testkit::{PostgresServer, RedisServer};
+use idemstore::{IdempotencyKey, Mode, Policy, Scope, Store};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+/// Where the servers come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Servers {
+    /// `IDEMSTORE_TEST_DATABASE_URL` / `IDEMSTORE_TEST_REDIS_URL` when set, else throwaway servers.
+    Any,
+    /// Throwaway servers this test may kill, pause and restart.
+    Owned,
+}
+
+pub struct Harness {
+    pub mode: Mode,
+    pub store: Store,
+    pub pool: PgPool,
+    pub redis: Option<RedisServer>,
+    pub postgres: Option<PostgresServer>,
+    pub redis_url: Option<String>,
+    pub database_url: String,
+    pub prefix: String,
+    pub operation: String,
+}
+
+impl Harness {
+    pub async fn start(mode: Mode) -> Self {
+        Self::with(mode, Policy::default(), Servers::Any).await
+    }
+
+    pub async fn with(mode: Mode, policy: Policy, servers: Servers) -> Self {
+        let id = unique_id();
+        let env = |name| std::env::var(name).ok().filter(|_| servers == Servers::Any);
+
+        let (postgres, database_url) = match env("IDEMSTORE_TEST_DATABASE_URL") {
+            Some(admin_url) => (None, create_database(&admin_url, &id).await),
+            None => {
+                let server = PostgresServer::start().expect("start a throwaway Postgres");
+                let url = server.url();
+                (Some(server), url)
+            }
+        };
+        let (redis, redis_url) = match (mode, env("IDEMSTORE_TEST_REDIS_URL")) {
+            (Mode::PostgresOnly, _) => (None, None),
+            (_, Some(url)) => (None, Some(url)),
+            _ => {
+                let server = RedisServer::start().expect("start a throwaway Redis");
+                let url = server.url();
+                (Some(server), Some(url))
+            }
+        };
+
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(3))
+            .connect(&database_url)
+            .await
+            .expect("connect to Postgres");
+        sqlx::query("CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, tenant TEXT NOT NULL, key TEXT NOT NULL)")
+            .execute(&pool)
+            .await
+            .expect("create the effects table");
+
+        let prefix = format!("t{id}");
+        let operation = format!("charge-{id}");
+        let store = build_store(&pool, &prefix, &operation, redis_url.as_deref(), policy);
+        store.migrate().await.expect("migrate");
+        recorder();
+        Self { mode, store, pool, redis, postgres, redis_url, database_url, prefix, operation }
+    }
+
+    /// Another store on the same servers, as a second process would have.
+    pub fn new_store(&self, policy: Policy) -> Store {
+        build_store(&self.pool, &self.prefix, &self.operation, self.redis_url.as_deref(), policy)
+    }
+
+    pub fn scope(&self, tenant: &str) -> Scope {
+        Scope::new(tenant, self.operation.clone()).expect("valid scope")
+    }
+
+    /// The side effect under test: one row per execution, in a table without a unique constraint.
+    pub async fn charge(&self, tenant: &str, key: &IdempotencyKey) -> Result<serde_json::Value, sqlx::Error> {
+        let id: i64 = sqlx::query_scalar("INSERT INTO effects (tenant, key) VALUES ($1, $2) RETURNING id")
+            .bind(tenant)
+            .bind(key.as_str())
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(serde_json::json!({ "charge": id, "tenant": tenant }))
+    }
+
+    pub async fn effects(&self, tenant: &str, key: &IdempotencyKey) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE tenant = $1 AND key = $2")
+            .bind(tenant)
+            .bind(key.as_str())
+            .fetch_one(&self.pool)
+            .await
+            .expect("count effects")
+    }
+
+    /// A plain Redis connection, for flushing and inspecting.
+    pub async fn redis_connection(&self) -> redis::aio::MultiplexedConnection {
+        let url = self.redis_url.as_ref().expect("two-tier mode");
+        let client = redis::Client::open(url.as_str()).expect("Redis URL");
+        client.get_multiplexed_async_connection().await.expect("connect to Redis")
+    }
+
+    /// The Redis keys of this test.
+    pub async fn redis_keys(&self) -> Vec<String> {
+        let mut conn = self.redis_connection().await;
+        redis::cmd("KEYS").arg(format!("{}:*", self.prefix)).query_async(&mut conn).await.expect("KEYS")
+    }
+
+    /// A counter of this test's operation (labels other than `operation` must match too).
+    pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let operation = ("operation", self.operation.as_str());
+        let wanted: Vec<String> = labels.iter().chain([&operation]).map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+        recorder()
+            .render()
+            .lines()
+            .filter(|line| line.starts_with(&format!("{name}{{")))
+            .filter(|line| wanted.iter().all(|w| line.contains(w.as_str())))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+fn build_store(pool: &PgPool, prefix: &str, operation: &str, redis_url: Option<&str>, policy: Policy) -> Store {
+    let mut builder = Store::builder()
+        .postgres(pool.clone())
+        .key_prefix(prefix)
+        .redis_cooldown(Duration::from_millis(50))
+        .policy(operation, policy);
+    if let Some(url) = redis_url {
+        builder = builder.redis_url(url);
+    }
+    builder.build().expect("build the store")
+}
+
+pub fn key(name: &str) -> IdempotencyKey {
+    IdempotencyKey::new(name).expect("valid key")
+}
+
+fn unique_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("{}x{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+async fn create_database(admin_url: &str, id: &str) -> String {
+    let name = format!("idemstore_test_{id}");
+    let admin = PgPool::connect(admin_url).await.expect("connect to IDEMSTORE_TEST_DATABASE_URL");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .expect("create a test database");
+    let (base, _) = admin_url.rsplit_once('/').expect("URL with a database name");
+    format!("{base}/{name}")
+}
+
+/// One recorder per test process, shared by all tests in it; tests read only their own operation.
+fn recorder() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| PrometheusBuilder::new().install_recorder().expect("install the metrics recorder"))
+}
