@@ -65,7 +65,16 @@ impl Store {
     }
 
     /// The policy that applies to `operation`.
-    pub fn policy(&self, operation: &str) -> &Arc<Policy> {
+    pub fn policy(&self, operation: &str) -> &Policy {
+        self.shared_policy_ref(operation)
+    }
+
+    /// The policy of `operation`, shared with the leases taken under it.
+    pub(crate) fn shared_policy(&self, operation: &str) -> Arc<Policy> {
+        Arc::clone(self.shared_policy_ref(operation))
+    }
+
+    fn shared_policy_ref(&self, operation: &str) -> &Arc<Policy> {
         self.inner.policies.get(operation).unwrap_or(&self.inner.default_policy)
     }
 

@@ -35,7 +35,7 @@ impl Store {
             fingerprint: fingerprint.clone(),
             fence: 0,
             owner: format!("{:032x}", rand::random::<u128>()),
-            policy: self.policy(scope.operation()).clone(),
+            policy: self.shared_policy(scope.operation()),
         };
         let answer = self.claim(candidate).await;
         let outcome = match &answer {
@@ -115,20 +115,21 @@ impl Store {
             let started = Instant::now();
             let lease_ms = millis(candidate.policy.lease);
             match redis.begin(&record_key, candidate.fingerprint.as_hex(), &candidate.owner, lease_ms).await {
-                Ok(RedisBegin::Claimed) => {
-                    telemetry::claim_duration("redis", started.elapsed());
-                    telemetry::redis_lookup(operation, "miss");
-                    marked = Some((redis, record_key));
-                }
                 Ok(answer) => {
                     telemetry::claim_duration("redis", started.elapsed());
-                    telemetry::redis_lookup(operation, "hit");
-                    return Ok(match answer {
-                        RedisBegin::Completed(response) => Begin::Completed(StoredResponse::new(response)),
-                        RedisBegin::InFlight { retry_after } => Begin::InFlight { retry_after },
-                        RedisBegin::Mismatch => Begin::Mismatch,
-                        RedisBegin::Indeterminate | RedisBegin::Claimed => Begin::Indeterminate,
-                    });
+                    let answered = match answer {
+                        RedisBegin::Claimed => None,
+                        RedisBegin::Completed(response) => Some(Begin::Completed(StoredResponse::new(response))),
+                        RedisBegin::InFlight { retry_after } => Some(Begin::InFlight { retry_after }),
+                        RedisBegin::Mismatch => Some(Begin::Mismatch),
+                        RedisBegin::Indeterminate => Some(Begin::Indeterminate),
+                    };
+                    if let Some(answer) = answered {
+                        telemetry::redis_lookup(operation, "hit");
+                        return Ok(answer);
+                    }
+                    telemetry::redis_lookup(operation, "miss");
+                    marked = Some((redis, record_key));
                 }
                 Err(unavailable) => {
                     telemetry::redis_lookup(operation, "error");

@@ -65,6 +65,18 @@ fn free_port() -> Result<u16, TestkitError> {
     Ok(listener.local_addr().map_err(io("finding a free port"))?.port())
 }
 
+/// Runs `start` on a free port, trying up to five ports: another process may take a port between the
+/// check and the server's bind.
+fn on_free_port(mut start: impl FnMut(u16) -> Result<(), TestkitError>) -> Result<(), TestkitError> {
+    let mut attempts = 1;
+    loop {
+        match start(free_port()?) {
+            Err(_) if attempts < 5 => attempts += 1,
+            result => return result,
+        }
+    }
+}
+
 fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|out| out.stdout.trim_ascii() == b"0")
 }

@@ -5,7 +5,7 @@ use std::process::Command;
 
 use tempfile::TempDir;
 
-use super::{TestkitError, free_port, io, is_root, run};
+use super::{TestkitError, io, is_root, on_free_port, run};
 
 /// A PostgreSQL cluster in a temporary directory, listening on 127.0.0.1 only, with trust auth for the
 /// `postgres` role. Stopped (immediate mode) and deleted on drop.
@@ -57,15 +57,11 @@ impl PostgresServer {
             "--no-instructions",
         ]);
         run("initdb", &mut initdb)?;
-        let mut attempts = 0;
-        loop {
-            server.port = free_port()?;
-            match server.restart() {
-                Ok(()) => return Ok(server),
-                Err(error) if attempts >= 4 => return Err(error),
-                Err(_) => attempts += 1,
-            }
-        }
+        on_free_port(|port| {
+            server.port = port;
+            server.restart()
+        })?;
+        Ok(server)
     }
 
     /// `postgres://postgres@127.0.0.1:<port>/postgres`.

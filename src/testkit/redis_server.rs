@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use super::{TestkitError, free_port, io, is_root, run};
+use super::{TestkitError, io, is_root, on_free_port, run};
 
 /// A `redis-server` child process without persistence, bound to 127.0.0.1.
 #[derive(Debug)]
@@ -38,15 +38,11 @@ impl RedisServer {
             tempfile::Builder::new().prefix("idemstore-redis-").tempdir().map_err(io("creating a Redis directory"))?;
         let mut server =
             Self { child: None, port: 0, dir, extra_args: extra_args.iter().map(|a| a.to_string()).collect() };
-        let mut attempts = 0;
-        loop {
-            server.port = free_port()?;
-            match server.spawn() {
-                Ok(()) => return Ok(server),
-                Err(error) if attempts >= 4 => return Err(error),
-                Err(_) => attempts += 1,
-            }
-        }
+        on_free_port(|port| {
+            server.port = port;
+            server.spawn()
+        })?;
+        Ok(server)
     }
 
     /// `redis://127.0.0.1:<port>/`.
