@@ -9,7 +9,7 @@
 use std::error::Error;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use idemstore::testkit::{PostgresServer, RedisServer};
+use idemstore::testkit::LocalServers;
 use idemstore::{IdempotencyKey, RunOutcome, Scope, Store};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use serde_json::{Value, json};
@@ -19,29 +19,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let metrics = PrometheusBuilder::new().install_recorder()?;
     idemstore::telemetry::describe();
 
-    // Keep the throwaway servers alive until the end of main.
-    let mut _servers = (None, None);
-    let database_url = match std::env::var("DATABASE_URL") {
-        Ok(url) => url,
-        Err(_) => {
-            let server = PostgresServer::start()?;
-            println!("started a throwaway Postgres at {}", server.url());
-            _servers.0.insert(server).url()
-        }
-    };
-    let postgres_only = std::env::var("IDEMSTORE_MODE").is_ok_and(|mode| mode == "postgres-only");
-    let redis_url = match std::env::var("REDIS_URL") {
-        _ if postgres_only => None,
-        Ok(url) => Some(url),
-        Err(_) => {
-            let server = RedisServer::start()?;
-            println!("started a throwaway Redis at {}", server.url());
-            Some(_servers.1.insert(server).url())
-        }
-    };
-
-    let mut builder = Store::builder().database_url(database_url);
-    if let Some(url) = redis_url {
+    let servers = LocalServers::from_env()?;
+    let mut builder = Store::builder().database_url(&servers.database_url);
+    if let Some(url) = &servers.redis_url {
         builder = builder.redis_url(url);
     }
     let store = builder.build()?;
@@ -76,5 +56,6 @@ async fn main() -> Result<(), Box<dyn Error>> {
     for line in metrics.render().lines().filter(|l| l.starts_with("idemstore_") && !l.contains("_seconds")) {
         println!("  {line}");
     }
+    drop(servers);
     Ok(())
 }

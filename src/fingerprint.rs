@@ -62,6 +62,20 @@ impl Fingerprint {
         Ok(Self(format!("{:x}", hasher.finalize())))
     }
 
+    /// This fingerprint bound to a context (such as the HTTP method and target), so that the same body
+    /// sent to two different targets gives two different fingerprints.
+    pub fn within(&self, context: &[&str]) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"ctx\0");
+        for part in context {
+            // Length-prefixed, so no two different contexts hash the same bytes.
+            hasher.update((part.len() as u64).to_le_bytes());
+            hasher.update(part.as_bytes());
+        }
+        hasher.update(self.0.as_bytes());
+        Self(format!("{:x}", hasher.finalize()))
+    }
+
     /// The fingerprint as 64 lowercase hex digits.
     pub fn as_hex(&self) -> &str {
         &self.0

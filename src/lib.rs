@@ -63,6 +63,7 @@
 //! - [`Policy`]: lease, Redis TTL, Postgres retention and lease-expiry rule, per operation.
 //! - [`Store`]: the protocol (`begin` / `complete` / `release` / `extend` / `lookup`) on both tiers.
 //! - [`Store::run_once`]: the generic API on top.
+//! - [`http`] (feature `http`): the tower/axum `Idempotency-Key` middleware.
 //! - [`telemetry`]: metric names; the library never installs a recorder.
 //! - `testkit` (feature): throwaway Redis and Postgres servers for tests, examples and benchmarks.
 
@@ -72,6 +73,8 @@
 
 mod error;
 mod fingerprint;
+#[cfg(feature = "http")]
+pub mod http;
 mod key;
 mod policy;
 mod record;

@@ -174,7 +174,8 @@ impl Store {
         }
     }
 
-    async fn with_heartbeat<F: Future>(&self, lease: &Lease, heartbeat: Heartbeat, work: F) -> F::Output {
+    /// Runs `work`, extending the lease every third of its length until it finishes.
+    pub(crate) async fn with_heartbeat<F: Future>(&self, lease: &Lease, heartbeat: Heartbeat, work: F) -> F::Output {
         if heartbeat == Heartbeat::Off {
             return work.await;
         }

@@ -24,6 +24,9 @@ pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
 /// Time of one claim call; label `tier`: redis or postgres.
 pub const CLAIM_DURATION: &str = "idemstore_claim_duration_seconds";
 
+/// Histogram buckets (seconds) that resolve claim latency from a Redis round trip to a slow commit.
+pub const CLAIM_DURATION_BUCKETS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+
 /// Registers the description and unit of every metric with the installed recorder.
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_histogram};

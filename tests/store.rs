@@ -1,5 +1,6 @@
 //! The behaviour suite of the store, against real Redis and Postgres, run once per mode.
 
+#[macro_use]
 mod support;
 
 use std::sync::Arc;
@@ -15,19 +16,6 @@ use serde_json::{Value, json};
 use support::{Harness, Servers, key};
 
 type Outcome = Result<RunOutcome<Value>, RunError<sqlx::Error>>;
-
-macro_rules! suite {
-    ($($test:ident),* $(,)?) => {
-        mod two_tier {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $test() { super::$test(idemstore::Mode::TwoTier).await })*
-        }
-        mod postgres_only {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $test() { super::$test(idemstore::Mode::PostgresOnly).await })*
-        }
-    };
-}
 
 suite!(
     exactly_once_under_64_concurrent_calls,

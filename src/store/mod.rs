@@ -7,9 +7,10 @@ mod scripts;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
+use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 use crate::error::StoreError;
@@ -17,8 +18,13 @@ use crate::policy::Policy;
 use postgres_tier::PostgresTier;
 use redis_tier::RedisTier;
 
-/// The migrations in `migrations/`, embedded at build time.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
+/// The migrations in `migrations/`, embedded at build time. Their bookkeeping lives in its own table,
+/// `_idemstore_migrations`, so they never clash with the application's own sqlx migrations.
+pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
+    let mut migrator = sqlx::migrate!();
+    migrator.dangerous_set_table_name("_idemstore_migrations");
+    migrator
+});
 
 /// Which tiers a [`Store`] runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,6 +2,7 @@
 //! flight; Postgres decides who executes and holds every result. Each step that could run on either
 //! tier is written once, with the Redis half skipped in Postgres-only mode or when Redis is unavailable.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Store;
@@ -11,7 +12,7 @@ use super::scripts::RedisBegin;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
-use crate::policy::{LeaseExpiry, millis};
+use crate::policy::{LeaseExpiry, Policy, millis};
 use crate::record::{Begin, Lease, Record, State, StoredResponse};
 use crate::telemetry;
 
@@ -29,13 +30,37 @@ impl Store {
         key: &IdempotencyKey,
         fingerprint: &Fingerprint,
     ) -> Result<Begin, StoreError> {
+        self.begin_under(scope, key, fingerprint, self.shared_policy(scope.operation())).await
+    }
+
+    /// [`Store::begin`] under `policy` instead of the operation's configured one.
+    ///
+    /// # Errors
+    /// As [`Store::begin`].
+    pub async fn begin_with_policy(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        policy: &Policy,
+    ) -> Result<Begin, StoreError> {
+        self.begin_under(scope, key, fingerprint, Arc::new(policy.clone())).await
+    }
+
+    pub(crate) async fn begin_under(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        policy: Arc<Policy>,
+    ) -> Result<Begin, StoreError> {
         let candidate = Lease {
             scope: scope.clone(),
             key: key.clone(),
             fingerprint: fingerprint.clone(),
             fence: 0,
             owner: format!("{:032x}", rand::random::<u128>()),
-            policy: self.shared_policy(scope.operation()),
+            policy,
         };
         let answer = self.claim(candidate).await;
         let outcome = match &answer {

@@ -80,3 +80,45 @@ fn on_free_port(mut start: impl FnMut(u16) -> Result<(), TestkitError>) -> Resul
 fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|out| out.stdout.trim_ascii() == b"0")
 }
+
+/// Servers for demos: `DATABASE_URL` and `REDIS_URL` when set, else throwaway servers (announced on
+/// stdout) that stop when this is dropped. `IDEMSTORE_MODE=postgres-only` leaves Redis out.
+#[derive(Debug)]
+pub struct LocalServers {
+    /// The Postgres URL to use.
+    pub database_url: String,
+    /// The Redis URL to use; `None` in Postgres-only mode.
+    pub redis_url: Option<String>,
+    _postgres: Option<PostgresServer>,
+    _redis: Option<RedisServer>,
+}
+
+impl LocalServers {
+    /// Reads the environment and starts what it does not name.
+    ///
+    /// # Errors
+    /// [`TestkitError`] if a throwaway server cannot be started.
+    pub fn from_env() -> Result<Self, TestkitError> {
+        let (postgres, database_url) = match std::env::var("DATABASE_URL") {
+            Ok(url) => (None, url),
+            Err(_) => {
+                let server = PostgresServer::start()?;
+                println!("started a throwaway Postgres at {}", server.url());
+                let url = server.url();
+                (Some(server), url)
+            }
+        };
+        let postgres_only = std::env::var("IDEMSTORE_MODE").is_ok_and(|mode| mode == "postgres-only");
+        let (redis, redis_url) = match std::env::var("REDIS_URL") {
+            _ if postgres_only => (None, None),
+            Ok(url) => (None, Some(url)),
+            Err(_) => {
+                let server = RedisServer::start()?;
+                println!("started a throwaway Redis at {}", server.url());
+                let url = server.url();
+                (Some(server), Some(url))
+            }
+        };
+        Ok(Self { database_url, redis_url, _postgres: postgres, _redis: redis })
+    }
+}

@@ -12,6 +12,21 @@ use idemstore::{IdempotencyKey, Mode, Policy, Scope, Store};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
+/// Instantiates each `async fn name(mode: Mode)` of the calling file once per mode, as
+/// `two_tier::name` and `postgres_only::name`.
+macro_rules! suite {
+    ($($test:ident),* $(,)?) => {
+        mod two_tier {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $test() { super::$test(idemstore::Mode::TwoTier).await })*
+        }
+        mod postgres_only {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $test() { super::$test(idemstore::Mode::PostgresOnly).await })*
+        }
+    };
+}
+
 /// Where the servers come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Servers {
@@ -122,16 +137,21 @@ impl Harness {
 
     /// A counter of this test's operation (labels other than `operation` must match too).
     pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let operation = ("operation", self.operation.as_str());
-        let wanted: Vec<String> = labels.iter().chain([&operation]).map(|(k, v)| format!("{k}=\"{v}\"")).collect();
-        recorder()
-            .render()
-            .lines()
-            .filter(|line| line.starts_with(&format!("{name}{{")))
-            .filter(|line| wanted.iter().all(|w| line.contains(w.as_str())))
-            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        counter(&self.operation, name, labels)
     }
+}
+
+/// The sum of a counter's series for `operation` whose labels include `labels`.
+pub fn counter(operation: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let operation = ("operation", operation);
+    let wanted: Vec<String> = labels.iter().chain([&operation]).map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    recorder()
+        .render()
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter(|line| wanted.iter().all(|w| line.contains(w.as_str())))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 fn build_store(pool: &PgPool, prefix: &str, operation: &str, redis_url: Option<&str>, policy: Policy) -> Store {
@@ -167,7 +187,12 @@ async fn create_database(admin_url: &str, id: &str) -> String {
 }
 
 /// One recorder per test process, shared by all tests in it; tests read only their own operation.
-fn recorder() -> &'static PrometheusHandle {
+pub fn recorder() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE.get_or_init(|| PrometheusBuilder::new().install_recorder().expect("install the metrics recorder"))
+    HANDLE.get_or_init(|| {
+        let builder = PrometheusBuilder::new().set_buckets(idemstore::telemetry::CLAIM_DURATION_BUCKETS);
+        let handle = builder.and_then(PrometheusBuilder::install_recorder).expect("install the metrics recorder");
+        idemstore::telemetry::describe();
+        handle
+    })
 }

@@ -1,0 +1,122 @@
+//! The payments demo's HTTP application, shared by `main.rs` and the end-to-end tests.
+//!
+//! Demo-grade authentication: the tenant is the bearer token itself (`Authorization: Bearer acme`).
+//! Demo-only knobs: `X-Demo-Delay-Ms` slows the handler (to see a 409 for a concurrent retry) and
+//! `X-Demo-Fail: 500|400` makes it fail (to see what is stored and what is released).
+
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use idemstore::Store;
+use idemstore::http::IdempotencyLayer;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use sqlx::migrate::Migrator;
+
+/// The `charges` table, separate from the idempotency store's own schema.
+pub static CHARGES: Migrator = sqlx::migrate!("examples/payments/migrations");
+
+#[derive(Clone)]
+pub struct App {
+    pub store: Store,
+    pub metrics: PrometheusHandle,
+}
+
+/// Applies the store's migrations, then the demo's.
+pub async fn migrate(store: &Store) -> Result<(), Box<dyn std::error::Error>> {
+    store.migrate().await?;
+    CHARGES.run(store.pg_pool()).await?;
+    Ok(())
+}
+
+pub fn router(app: App) -> Router {
+    let idempotency =
+        IdempotencyLayer::new(app.store.clone(), |parts: &axum::http::request::Parts| bearer_tenant(&parts.headers))
+            .with_key_required();
+    Router::new()
+        .route("/payments", post(create_payment).route_layer(idempotency))
+        .route("/payments/{id}", get(show_payment))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(|State(app): State<App>| async move { app.metrics.render() }))
+        .with_state(app)
+}
+
+fn bearer_tenant(headers: &HeaderMap) -> Option<String> {
+    let token = headers.get(header::AUTHORIZATION)?.to_str().ok()?.strip_prefix("Bearer ")?.trim();
+    (!token.is_empty()).then(|| token.to_owned())
+}
+
+#[derive(Deserialize)]
+struct NewPayment {
+    amount: i64,
+    currency: String,
+    customer: String,
+}
+
+#[derive(Serialize, sqlx::FromRow)]
+struct Charge {
+    id: i64,
+    amount: i64,
+    currency: String,
+    customer: String,
+    created_at: String,
+}
+
+const CHARGE_COLUMNS: &str = "id, amount, currency, customer, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS created_at";
+
+async fn create_payment(State(app): State<App>, headers: HeaderMap, Json(payment): Json<NewPayment>) -> Response {
+    let Some(tenant) = bearer_tenant(&headers) else { return error(StatusCode::UNAUTHORIZED, "missing bearer token") };
+    if let Some(delay) = headers.get("x-demo-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    match headers.get("x-demo-fail").and_then(|v| v.to_str().ok()) {
+        Some("500") => return error(StatusCode::INTERNAL_SERVER_ERROR, "demo failure (X-Demo-Fail: 500)"),
+        Some("400") => return error(StatusCode::BAD_REQUEST, "demo failure (X-Demo-Fail: 400)"),
+        _ => {}
+    }
+    let valid_currency = payment.currency.len() == 3 && payment.currency.bytes().all(|b| b.is_ascii_uppercase());
+    if payment.amount <= 0 || !valid_currency || payment.customer.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "amount must be positive, currency an ISO code, customer set");
+    }
+    let insert = format!(
+        "INSERT INTO charges (tenant, amount, currency, customer) VALUES ($1, $2, $3, $4) RETURNING {CHARGE_COLUMNS}"
+    );
+    let charge = sqlx::query_as::<_, Charge>(sqlx::AssertSqlSafe(insert))
+        .bind(&tenant)
+        .bind(payment.amount)
+        .bind(&payment.currency)
+        .bind(&payment.customer)
+        .fetch_one(app.store.pg_pool())
+        .await;
+    match charge {
+        Ok(charge) => {
+            let location = format!("/payments/{}", charge.id);
+            (StatusCode::CREATED, [(header::LOCATION, location)], Json(charge)).into_response()
+        }
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &format!("could not record the charge: {e}")),
+    }
+}
+
+async fn show_payment(State(app): State<App>, headers: HeaderMap, Path(id): Path<i64>) -> Response {
+    let Some(tenant) = bearer_tenant(&headers) else { return error(StatusCode::UNAUTHORIZED, "missing bearer token") };
+    let select = format!("SELECT {CHARGE_COLUMNS} FROM charges WHERE id = $1 AND tenant = $2");
+    let charge = sqlx::query_as::<_, Charge>(sqlx::AssertSqlSafe(select))
+        .bind(id)
+        .bind(&tenant)
+        .fetch_optional(app.store.pg_pool())
+        .await;
+    match charge {
+        Ok(Some(charge)) => Json(charge).into_response(),
+        Ok(None) => error(StatusCode::NOT_FOUND, "no such payment"),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({ "error": message }))).into_response()
+}

@@ -1,0 +1,53 @@
+//! The payments demo: `POST /payments` behind the Idempotency-Key middleware.
+//!
+//! ```text
+//! cargo run --example payments
+//! ```
+//! Environment: `DATABASE_URL`, `REDIS_URL` (throwaway local servers when unset), `BIND` (default
+//! 127.0.0.1:8080), `IDEMSTORE_MODE` (`two-tier`, the default, or `postgres-only`).
+
+mod app;
+
+use std::error::Error;
+
+use idemstore::Store;
+use idemstore::testkit::LocalServers;
+use metrics_exporter_prometheus::PrometheusBuilder;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    // Served on /metrics; histograms as real buckets.
+    let metrics =
+        PrometheusBuilder::new().set_buckets(idemstore::telemetry::CLAIM_DURATION_BUCKETS)?.install_recorder()?;
+    idemstore::telemetry::describe();
+
+    let servers = LocalServers::from_env()?;
+    let mut store = Store::builder().database_url(&servers.database_url);
+    if let Some(url) = &servers.redis_url {
+        store = store.redis_url(url);
+    }
+    let store = store.build()?;
+    app::migrate(&store).await?;
+
+    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:8080".into());
+    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    let addr = listener.local_addr()?;
+    println!("payments demo on http://{addr} ({:?} mode)\n", store.mode());
+    println!("try:");
+    let post = format!(
+        "curl -si http://{addr}/payments -H 'Authorization: Bearer acme' -H 'Content-Type: application/json' \
+         -H 'Idempotency-Key: order-1'"
+    );
+    println!(
+        "  {post} -d '{{\"amount\": 1200, \"currency\": \"EUR\", \"customer\": \"cus_1\"}}'   # run twice: replayed"
+    );
+    println!(
+        "  {post} -d '{{\"amount\": 9900, \"currency\": \"EUR\", \"customer\": \"cus_1\"}}'   # same key, new payload: 422"
+    );
+    println!("  curl -s http://{addr}/metrics | grep idemstore_\n");
+
+    let app = app::router(app::App { store, metrics });
+    axum::serve(listener, app).with_graceful_shutdown(async { tokio::signal::ctrl_c().await.unwrap_or(()) }).await?;
+    drop(servers);
+    Ok(())
+}

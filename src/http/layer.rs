@@ -1,0 +1,218 @@
+//! [`IdempotencyLayer`]: the middleware's configuration, applied per router or per route.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::{HeaderName, Method, StatusCode};
+use tower::Layer;
+
+use super::TenantResolver;
+use super::capture::DEFAULT_REPLAYED_HEADERS;
+use super::service::IdempotencyService;
+use crate::policy::Policy;
+use crate::store::Store;
+
+/// Whether requests without an `Idempotency-Key` are accepted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyRequirement {
+    /// Requests without a key pass through untouched (the default).
+    #[default]
+    Optional,
+    /// Requests without a key get 400 and do not reach the handler.
+    Required,
+}
+
+/// The answer to a key reused with a different payload.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MismatchStatus {
+    /// 422 Unprocessable Content, as the IETF draft recommends (the default).
+    #[default]
+    UnprocessableEntity,
+    /// 400 Bad Request, as Stripe answers.
+    BadRequest,
+    /// 409 Conflict carrying the original stored response (problem+json if there is none yet).
+    ConflictWithOriginal,
+}
+
+impl MismatchStatus {
+    pub(crate) fn status(self) -> StatusCode {
+        match self {
+            MismatchStatus::UnprocessableEntity => StatusCode::UNPROCESSABLE_ENTITY,
+            MismatchStatus::BadRequest => StatusCode::BAD_REQUEST,
+            MismatchStatus::ConflictWithOriginal => StatusCode::CONFLICT,
+        }
+    }
+}
+
+/// Which handler responses are stored and replayed; the others release the key so a retry runs again.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoredStatuses {
+    /// Successes and client errors (2xx, 3xx, 4xx); server errors (5xx) release the key (the default).
+    #[default]
+    SuccessesAndClientErrors,
+    /// Every response once the handler ran, as Stripe does.
+    All,
+}
+
+impl StoredStatuses {
+    pub(crate) fn stores(self, status: StatusCode) -> bool {
+        self == StoredStatuses::All || !status.is_server_error()
+    }
+}
+
+/// A tower [`Layer`] that makes the wrapped service idempotent per `Idempotency-Key`.
+///
+/// The operation of a request is the name set with [`IdempotencyLayer::with_operation`], else the
+/// method and axum's matched route template (add the layer with `Router::route_layer`), else the
+/// method and the request path.
+pub struct IdempotencyLayer<T> {
+    pub(crate) config: Config<T>,
+}
+
+pub(crate) struct Config<T> {
+    pub(crate) store: Store,
+    pub(crate) tenant: Arc<T>,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key: KeyRequirement,
+    pub(crate) operation: Option<String>,
+    pub(crate) policy: Option<Arc<Policy>>,
+    pub(crate) mismatch: MismatchStatus,
+    pub(crate) stored: StoredStatuses,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) replayed_headers: Vec<HeaderName>,
+}
+
+impl<T> Clone for Config<T> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            tenant: Arc::clone(&self.tenant),
+            methods: self.methods.clone(),
+            key: self.key,
+            operation: self.operation.clone(),
+            policy: self.policy.clone(),
+            mismatch: self.mismatch,
+            stored: self.stored,
+            max_request_body: self.max_request_body,
+            max_response_body: self.max_response_body,
+            replayed_headers: self.replayed_headers.clone(),
+        }
+    }
+}
+
+impl<T> Clone for IdempotencyLayer<T> {
+    fn clone(&self) -> Self {
+        Self { config: self.config.clone() }
+    }
+}
+
+impl<T> fmt::Debug for IdempotencyLayer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        f.debug_struct("IdempotencyLayer")
+            .field("methods", &c.methods)
+            .field("key", &c.key)
+            .field("operation", &c.operation)
+            .field("mismatch", &c.mismatch)
+            .field("stored", &c.stored)
+            .field("max_request_body", &c.max_request_body)
+            .field("max_response_body", &c.max_response_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: TenantResolver> IdempotencyLayer<T> {
+    /// A layer over `store` that takes each request's tenant from `tenant`. Defaults: POST and PATCH,
+    /// optional key, 1 MiB request and response bodies, 422 on mismatch, 2xx-4xx stored.
+    pub fn new(store: Store, tenant: T) -> Self {
+        Self {
+            config: Config {
+                store,
+                tenant: Arc::new(tenant),
+                methods: vec![Method::POST, Method::PATCH],
+                key: KeyRequirement::Optional,
+                operation: None,
+                policy: None,
+                mismatch: MismatchStatus::default(),
+                stored: StoredStatuses::default(),
+                max_request_body: 1 << 20,
+                max_response_body: 1 << 20,
+                replayed_headers: DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
+            },
+        }
+    }
+
+    /// The methods the layer applies to; other requests pass through.
+    pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Answers 400 to requests without a key.
+    pub fn with_key_required(mut self) -> Self {
+        self.config.key = KeyRequirement::Required;
+        self
+    }
+
+    /// Whether requests without a key are accepted.
+    pub fn with_key(mut self, requirement: KeyRequirement) -> Self {
+        self.config.key = requirement;
+        self
+    }
+
+    /// Names the operation instead of deriving it from the route.
+    pub fn with_operation(mut self, operation: impl Into<String>) -> Self {
+        self.config.operation = Some(operation.into());
+        self
+    }
+
+    /// The policy (tier, lease, fingerprint rules) for requests through this layer, instead of the
+    /// store's policy for the operation.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.config.policy = Some(Arc::new(policy));
+        self
+    }
+
+    /// The answer to a key reused with a different payload.
+    pub fn with_mismatch_status(mut self, mismatch: MismatchStatus) -> Self {
+        self.config.mismatch = mismatch;
+        self
+    }
+
+    /// Which handler responses are stored.
+    pub fn with_stored_statuses(mut self, stored: StoredStatuses) -> Self {
+        self.config.stored = stored;
+        self
+    }
+
+    /// Largest request body read, in bytes; larger ones get 413.
+    pub fn with_max_request_body(mut self, bytes: usize) -> Self {
+        self.config.max_request_body = bytes;
+        self
+    }
+
+    /// Largest response body stored, in bytes; larger responses are passed through unstored and the key
+    /// is released.
+    pub fn with_max_response_body(mut self, bytes: usize) -> Self {
+        self.config.max_response_body = bytes;
+        self
+    }
+
+    /// Adds a response header to those stored and replayed.
+    pub fn with_replayed_header(mut self, name: HeaderName) -> Self {
+        self.config.replayed_headers.push(name);
+        self
+    }
+}
+
+impl<S, T> Layer<S> for IdempotencyLayer<T> {
+    type Service = IdempotencyService<S, T>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, Arc::new(self.config.clone()))
+    }
+}

@@ -1,0 +1,67 @@
+//! The HTTP `Idempotency-Key` middleware (feature `http`, on by default), for any tower service and for
+//! axum routers, following draft-ietf-httpapi-idempotency-key-header and the behaviour of Stripe's API.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use idemstore::http::IdempotencyLayer;
+//! use idemstore::Store;
+//!
+//! # fn app(store: Store) -> Router {
+//! // The tenant comes from the authenticated caller, never from a header the client picks freely.
+//! let tenant = |request: &http::request::Parts| {
+//!     request.extensions.get::<Principal>().map(|p| p.account_id.clone())
+//! };
+//! Router::new()
+//!     .route("/payments", post(|| async { "charged" }))
+//!     // `route_layer` runs after routing, so the operation is the route template ("POST /payments").
+//!     .route_layer(IdempotencyLayer::new(store, tenant).with_key_required())
+//! # }
+//! # #[derive(Clone)] struct Principal { account_id: String }
+//! ```
+//!
+//! | situation | answer |
+//! |---|---|
+//! | first request with a key | the handler runs; its response is stored (see [`StoredStatuses`]) |
+//! | retry after completion | the stored response, byte-identical, with `Idempotent-Replayed: true` |
+//! | retry while the first is running | 409, `Retry-After` |
+//! | same key, different payload | 422 (or 400, or 409 with the original: [`MismatchStatus`]) |
+//! | missing key on a required route; invalid or repeated key | 400 |
+//! | request body over the limit | 413 |
+//! | store unavailable | 503, `Retry-After`; the handler does not run |
+//! | record awaiting an operator (indeterminate) | 409 |
+//!
+//! Errors are `application/problem+json` with a stable `type` per case (see [`problem_types`]).
+//! A response body larger than the capture limit is passed through but not stored, and the key is
+//! released. A handler that panics or is cancelled (the client went away) releases its key when the
+//! operation's policy is [`crate::LeaseExpiry::TakeOver`]; under `MarkIndeterminate` its lease runs out
+//! and the record goes indeterminate.
+
+mod capture;
+mod layer;
+mod problem;
+mod service;
+
+pub use layer::{IdempotencyLayer, KeyRequirement, MismatchStatus, StoredStatuses};
+pub use problem::problem_types;
+pub use service::IdempotencyService;
+
+/// Finds the tenant of a request, typically from the authenticated principal that an earlier layer put
+/// in the request's extensions. `None` answers 401 and runs nothing.
+///
+/// Implemented for closures `Fn(&http::request::Parts) -> Option<String>`.
+pub trait TenantResolver: Send + Sync + 'static {
+    /// The tenant of this request, or `None` if it has none.
+    fn tenant(&self, request: &::http::request::Parts) -> Option<String>;
+}
+
+impl<F> TenantResolver for F
+where
+    F: Fn(&::http::request::Parts) -> Option<String> + Send + Sync + 'static,
+{
+    fn tenant(&self, request: &::http::request::Parts) -> Option<String> {
+        self(request)
+    }
+}
+
+/// The response header that marks a replay.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";

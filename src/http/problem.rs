@@ -1,0 +1,66 @@
+//! `application/problem+json` (RFC 9457) answers, one stable `type` per case.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{HeaderValue, Response, StatusCode, header};
+
+/// The `type` URIs of the problems the middleware answers with. They never change meaning.
+pub mod problem_types {
+    /// 400: the route requires an `Idempotency-Key` and the request has none.
+    pub const MISSING_KEY: &str = "urn:idemstore:problem:missing-key";
+    /// 400: the key is empty, too long, not visible ASCII, or the header is repeated.
+    pub const INVALID_KEY: &str = "urn:idemstore:problem:invalid-key";
+    /// 401: no tenant could be determined for the request.
+    pub const MISSING_TENANT: &str = "urn:idemstore:problem:missing-tenant";
+    /// 400: the body could not be read or fingerprinted (malformed or too deeply nested JSON).
+    pub const INVALID_BODY: &str = "urn:idemstore:problem:invalid-body";
+    /// 413: the request body is larger than the route's limit.
+    pub const BODY_TOO_LARGE: &str = "urn:idemstore:problem:body-too-large";
+    /// 409: a request with this key is being processed.
+    pub const IN_FLIGHT: &str = "urn:idemstore:problem:in-flight";
+    /// 422 (or 400/409 as configured): the key was used with a different payload.
+    pub const KEY_REUSED: &str = "urn:idemstore:problem:key-reused";
+    /// 409: an earlier attempt ended without an answer; an operator must resolve the key.
+    pub const INDETERMINATE: &str = "urn:idemstore:problem:indeterminate";
+    /// 503: the idempotency store is unavailable; nothing was executed.
+    pub const UNAVAILABLE: &str = "urn:idemstore:problem:store-unavailable";
+}
+
+pub(crate) struct Problem {
+    status: StatusCode,
+    kind: &'static str,
+    title: &'static str,
+    detail: String,
+    retry_after: Option<Duration>,
+}
+
+impl Problem {
+    pub(crate) fn new(status: StatusCode, kind: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+        Self { status, kind, title, detail: detail.into(), retry_after: None }
+    }
+
+    pub(crate) fn retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    pub(crate) fn into_response(self) -> Response<Body> {
+        let body = serde_json::json!({
+            "type": self.kind,
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        let mut response = Response::new(Body::from(body.to_string()));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if let Some(after) = self.retry_after {
+            // Whole seconds, rounded up, at least one: a client told "0" would retry in a tight loop.
+            let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+        }
+        response
+    }
+}

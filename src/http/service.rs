@@ -1,0 +1,312 @@
+//! [`IdempotencyService`]: reads the key, claims it, runs the inner service once, stores and replays.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::MatchedPath;
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode, request::Parts};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower::{BoxError, Service, ServiceExt};
+
+use super::TenantResolver;
+use super::capture::Captured;
+use super::layer::Config;
+use super::problem::{Problem, problem_types as types};
+use crate::error::InputError;
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, Scope};
+use crate::policy::LeaseExpiry;
+use crate::record::{Begin, Lease};
+use crate::run_once::Heartbeat;
+use crate::store::Store;
+
+/// The middleware service made by [`super::IdempotencyLayer`].
+pub struct IdempotencyService<S, T> {
+    inner: S,
+    config: Arc<Config<T>>,
+}
+
+impl<S: Clone, T> Clone for IdempotencyService<S, T> {
+    fn clone(&self) -> Self {
+        Self { inner: self.inner.clone(), config: Arc::clone(&self.config) }
+    }
+}
+
+impl<S: fmt::Debug, T> fmt::Debug for IdempotencyService<S, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService").field("inner", &self.inner).finish_non_exhaustive()
+    }
+}
+
+impl<S, T> IdempotencyService<S, T> {
+    pub(crate) fn new(inner: S, config: Arc<Config<T>>) -> Self {
+        Self { inner, config }
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, T, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotencyService<S, T>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send,
+    T: TenantResolver,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The ready clone serves this call; a fresh clone stays behind for the next poll_ready.
+        let fresh = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, fresh);
+        let config = Arc::clone(&self.config);
+        Box::pin(async move { Ok(handle(inner, &config, request).await) })
+    }
+}
+
+async fn handle<S, T, ReqBody, ResBody>(inner: S, config: &Config<T>, request: Request<ReqBody>) -> Response<Body>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>, Error = Infallible> + Send,
+    S::Future: Send,
+    T: TenantResolver,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    if !config.methods.contains(request.method()) {
+        return pass_through(inner, request.map(Body::new)).await;
+    }
+    let key = match read_key(request.headers()) {
+        Ok(Some(key)) => key,
+        Ok(None) if config.key == super::KeyRequirement::Optional => {
+            return pass_through(inner, request.map(Body::new)).await;
+        }
+        Ok(None) => {
+            let detail = "this route requires an Idempotency-Key header";
+            return Problem::new(StatusCode::BAD_REQUEST, types::MISSING_KEY, "Idempotency-Key missing", detail)
+                .into_response();
+        }
+        Err(detail) => {
+            return Problem::new(StatusCode::BAD_REQUEST, types::INVALID_KEY, "Invalid Idempotency-Key", detail)
+                .into_response();
+        }
+    };
+    let (parts, body) = request.into_parts();
+    let Some(tenant) = config.tenant.tenant(&parts) else {
+        let detail = "the request has no tenant; authenticate first";
+        return Problem::new(StatusCode::UNAUTHORIZED, types::MISSING_TENANT, "Tenant unknown", detail).into_response();
+    };
+    let operation = config.operation.clone().unwrap_or_else(|| {
+        let path = parts.extensions.get::<MatchedPath>().map_or(parts.uri.path(), MatchedPath::as_str);
+        format!("{} {path}", parts.method)
+    });
+    let scope = match Scope::new(tenant, operation) {
+        Ok(scope) => scope,
+        Err(error) => return invalid_body(error),
+    };
+    let policy = config.policy.clone().unwrap_or_else(|| config.store.shared_policy(scope.operation()));
+
+    let body = match Limited::new(Body::new(body), config.max_request_body).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+            return too_large(config.max_request_body);
+        }
+        Err(error) => return invalid_body(format!("the request body could not be read: {error}")),
+    };
+    let fingerprint = match fingerprint(&parts, &body, policy.fingerprint()) {
+        Ok(fingerprint) => fingerprint,
+        Err(InputError::PayloadTooLarge { limit, .. }) => return too_large(limit),
+        Err(error) => return invalid_body(error),
+    };
+
+    let store = &config.store;
+    let lease = match store.begin_under(&scope, &key, &fingerprint, policy).await {
+        Ok(Begin::Acquired(lease)) => lease,
+        Ok(Begin::Completed(stored)) => return replay(&stored, None),
+        Ok(Begin::InFlight { retry_after }) => {
+            let detail = "a request with this Idempotency-Key is being processed; retry later";
+            return Problem::new(StatusCode::CONFLICT, types::IN_FLIGHT, "Request in flight", detail)
+                .retry_after(retry_after)
+                .into_response();
+        }
+        Ok(Begin::Mismatch) => return mismatch(config, &scope, &key).await,
+        Ok(Begin::Indeterminate) => {
+            let detail = "an earlier attempt with this key ended without an answer; it must be resolved first";
+            return Problem::new(StatusCode::CONFLICT, types::INDETERMINATE, "Outcome unknown", detail).into_response();
+        }
+        Err(_) => return unavailable(),
+    };
+
+    let guard = ReleaseOnDrop { store: store.clone(), lease: Some(lease.clone()) };
+    let request = Request::from_parts(parts, Body::from(body));
+    let Ok(response) = store.with_heartbeat(&lease, Heartbeat::Auto, inner.oneshot(request)).await;
+    guard.disarm();
+    let (head, body) = response.into_parts();
+    let body = match Body::new(body).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => {
+            settle(store, &lease, None).await;
+            return Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::UNAVAILABLE, "Response failed", "")
+                .into_response();
+        }
+    };
+    let keep = config.stored.stores(head.status) && body.len() <= config.max_response_body;
+    let captured = keep.then(|| Captured::new(head.status, &head.headers, &body, &config.replayed_headers));
+    settle(store, &lease, captured).await;
+    Response::from_parts(head, Body::from(body))
+}
+
+async fn pass_through<S, ResBody>(inner: S, request: Request<Body>) -> Response<Body>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>, Error = Infallible>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Ok(response) = inner.oneshot(request).await;
+    response.map(Body::new)
+}
+
+/// Stores the captured response, or releases the key when there is nothing to store. A failure here
+/// cannot change what the client gets (the handler already ran): it is logged, and the lease runs out.
+async fn settle(store: &Store, lease: &Lease, captured: Option<Captured>) {
+    let settled = match captured {
+        Some(captured) => store.complete(lease, &captured.encode()).await,
+        None => store.release(lease).await,
+    };
+    if let Err(error) = settled {
+        tracing::warn!(%error, key = %lease.key(), "could not settle the idempotency record");
+    }
+}
+
+/// Releases the key if the handler panicked or its future was dropped (the client went away), so a
+/// retry is not locked out for a lease; only under `TakeOver`, which already allows a re-execution.
+struct ReleaseOnDrop {
+    store: Store,
+    lease: Option<Lease>,
+}
+
+impl ReleaseOnDrop {
+    /// The handler finished: the caller settles the lease itself.
+    fn disarm(mut self) {
+        self.lease = None;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else { return };
+        if lease.policy().lease_expiry() != LeaseExpiry::TakeOver {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let store = self.store.clone();
+            runtime.spawn(async move { settle(&store, &lease, None).await });
+        }
+    }
+}
+
+/// Reads `Idempotency-Key` in the draft's structured-field string form (`"abc"`) or bare (`abc`).
+fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, String> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let Some(value) = values.next() else { return Ok(None) };
+    if values.next().is_some() {
+        return Err("the Idempotency-Key header is repeated".into());
+    }
+    let raw = value.as_bytes();
+    let key = match raw {
+        [b'"', quoted @ .., b'"'] => unquote(quoted)?,
+        bare => bare.to_vec(),
+    };
+    let key = String::from_utf8(key).map_err(|_| InputError::KeyInvalidByte { offset: 0 }.to_string())?;
+    IdempotencyKey::new(key).map(Some).map_err(|e| e.to_string())
+}
+
+/// Undoes sf-string escaping (RFC 8941 §3.3.3): `\"` and `\\` only.
+fn unquote(quoted: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(quoted.len());
+    let mut bytes = quoted.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
+                _ => return Err("the quoted Idempotency-Key has an invalid escape".into()),
+            },
+            b'"' => return Err("the quoted Idempotency-Key has an unescaped quote".into()),
+            b => out.push(b),
+        }
+    }
+    Ok(out)
+}
+
+/// Method + path and query + the body's canonical fingerprint: the same body sent to another resource is
+/// another request.
+fn fingerprint(parts: &Parts, body: &[u8], options: &crate::FingerprintOptions) -> Result<Fingerprint, InputError> {
+    let is_json = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|mime| {
+            let mime = mime.trim();
+            mime.eq_ignore_ascii_case("application/json") || mime.to_ascii_lowercase().ends_with("+json")
+        });
+    let body = if is_json && !body.is_empty() {
+        Fingerprint::of_json(body, options)?
+    } else {
+        Fingerprint::of_bytes(body, options)?
+    };
+    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    Ok(body.within(&[parts.method.as_str(), target]))
+}
+
+fn replay(stored: &crate::StoredResponse, status: Option<StatusCode>) -> Response<Body> {
+    match Captured::decode(stored.as_bytes()) {
+        Some(captured) => captured.replay(status),
+        None => unavailable(),
+    }
+}
+
+async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey) -> Response<Body> {
+    let status = config.mismatch.status();
+    if config.mismatch == super::MismatchStatus::ConflictWithOriginal
+        && let Ok(Some(record)) = config.store.lookup(scope, key).await
+        && let Some(original) = record.response
+    {
+        return replay(&original, Some(status));
+    }
+    let detail = "this Idempotency-Key was used with a different request payload";
+    Problem::new(status, types::KEY_REUSED, "Idempotency-Key reused", detail).into_response()
+}
+
+fn too_large(limit: usize) -> Response<Body> {
+    let detail = format!("the request body is larger than {limit} bytes");
+    Problem::new(StatusCode::PAYLOAD_TOO_LARGE, types::BODY_TOO_LARGE, "Request body too large", detail).into_response()
+}
+
+fn invalid_body(detail: impl fmt::Display) -> Response<Body> {
+    Problem::new(StatusCode::BAD_REQUEST, types::INVALID_BODY, "Invalid request", detail.to_string()).into_response()
+}
+
+fn unavailable() -> Response<Body> {
+    let detail = "the idempotency store is unavailable; nothing was executed";
+    Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
+        .retry_after(Duration::from_secs(1))
+        .into_response()
+}

@@ -1,0 +1,445 @@
+//! The Idempotency-Key middleware and the payments demo, against real Redis and Postgres, in both modes:
+//! in-process through `tower::ServiceExt::oneshot`, and end to end over a real listener.
+
+#[macro_use]
+mod support;
+#[path = "../examples/payments/app.rs"]
+mod app;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use futures::future::join_all;
+use http_body_util::BodyExt;
+use idemstore::http::{IdempotencyLayer, MismatchStatus, problem_types};
+use idemstore::{IdempotencyKey, Mode, Policy, Scope, State};
+use serde_json::{Value, json};
+use support::{Harness, Servers};
+use tower::ServiceExt;
+
+suite!(
+    quoted_and_bare_keys_name_one_key,
+    invalid_or_missing_keys_get_400_and_run_nothing,
+    mismatch_answers_422_or_as_configured,
+    server_errors_release_and_client_errors_are_replayed,
+    oversized_request_body_gets_413,
+    concurrent_retry_gets_409_with_retry_after,
+    replay_keeps_allowed_headers_only,
+    oversized_response_is_passed_through_unstored,
+    handler_panic_releases_the_key,
+    dropped_request_releases_the_key,
+    store_unavailable_answers_503_and_runs_nothing,
+    missing_tenant_gets_401,
+    fifty_concurrent_posts_charge_once_end_to_end,
+    tenants_get_their_own_charges_end_to_end,
+    metrics_match_a_known_sequence_end_to_end,
+);
+
+const PAYMENTS: &str = "POST /payments";
+
+async fn demo(h: &Harness) -> Router {
+    app::migrate(&h.store).await.expect("migrations");
+    app::router(app::App { store: h.store.clone(), metrics: support::recorder().clone() })
+}
+
+fn payment(key: Option<&str>, tenant: &str, body: &Value) -> Request<Body> {
+    let mut request = Request::post("/payments")
+        .header("authorization", format!("Bearer {tenant}"))
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    request.body(Body::from(body.to_string())).expect("request")
+}
+
+fn charge(amount: i64) -> Value {
+    json!({"amount": amount, "currency": "EUR", "customer": "cus_1"})
+}
+
+async fn send(router: &Router, request: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let (parts, body) = response.into_parts();
+    (parts.status, parts.headers, body.collect().await.expect("body").to_bytes())
+}
+
+async fn charges(h: &Harness, tenant: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM charges WHERE tenant = $1")
+        .bind(tenant)
+        .fetch_one(&h.pool)
+        .await
+        .expect("count charges")
+}
+
+fn problem_type(body: &[u8]) -> String {
+    let problem: Value = serde_json::from_slice(body).expect("problem+json");
+    problem["type"].as_str().expect("a type").to_owned()
+}
+
+/// A router whose one handler counts its executions and answers what `respond` says.
+fn counting(
+    layer: IdempotencyLayer<fn(&axum::http::request::Parts) -> Option<String>>,
+    respond: impl Fn(usize) -> axum::response::Response + Clone + Send + Sync + 'static,
+) -> (Router, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let handler = move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        let response = respond(n);
+        async move { response }
+    };
+    (Router::new().route("/payments", post(handler).route_layer(layer)), runs)
+}
+
+fn bearer(parts: &axum::http::request::Parts) -> Option<String> {
+    let value = parts.headers.get("authorization")?.to_str().ok()?;
+    value.strip_prefix("Bearer ").map(str::to_owned)
+}
+
+fn layer(h: &Harness) -> IdempotencyLayer<fn(&axum::http::request::Parts) -> Option<String>> {
+    IdempotencyLayer::new(h.store.clone(), bearer as fn(&axum::http::request::Parts) -> Option<String>)
+}
+
+/// The draft's quoted form and the bare form that Stripe clients send name the same key: the second
+/// request is a byte-identical replay, marked `Idempotent-Replayed`.
+async fn quoted_and_bare_keys_name_one_key(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let router = demo(&h).await;
+    let (status, first_headers, first) = send(&router, payment(Some("order-1"), "acme", &charge(100))).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(first_headers.get("idempotent-replayed").is_none());
+    let (status, headers, replay) = send(&router, payment(Some("\"order-1\""), "acme", &charge(100))).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(headers["location"], first_headers["location"]);
+    assert_eq!(replay, first);
+    assert_eq!(charges(&h, "acme").await, 1);
+}
+
+/// Empty, oversized, non-ASCII, badly quoted and repeated keys get 400 invalid-key; a missing key on a
+/// required route gets 400 missing-key; none of them reaches the handler.
+async fn invalid_or_missing_keys_get_400_and_run_nothing(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let router = demo(&h).await;
+    let long = "k".repeat(256);
+    for bad in ["", long.as_str(), "a b", "\"a\\qb\"", "\"a\"b\"", "\"\""] {
+        let (status, _, body) = send(&router, payment(Some(bad), "acme", &charge(1))).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad:?}");
+        assert_eq!(problem_type(&body), problem_types::INVALID_KEY, "{bad:?}");
+    }
+    let mut non_ascii = payment(None, "acme", &charge(1));
+    non_ascii
+        .headers_mut()
+        .insert("idempotency-key", axum::http::HeaderValue::from_bytes(b"k\xc3\xa9").expect("obs-text"));
+    let (status, _, _) = send(&router, non_ascii).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let mut repeated = payment(Some("k1"), "acme", &charge(1));
+    repeated.headers_mut().append("idempotency-key", "k2".parse().expect("value"));
+    let (status, _, body) = send(&router, repeated).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::BAD_REQUEST, problem_types::INVALID_KEY.to_owned()));
+    let (status, _, body) = send(&router, payment(None, "acme", &charge(1))).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::BAD_REQUEST, problem_types::MISSING_KEY.to_owned()));
+    assert_eq!(charges(&h, "acme").await, 0);
+
+    // On an optional route, a request without a key passes through (and is not deduplicated).
+    let (router, runs) = counting(layer(&h), |_| StatusCode::CREATED.into_response());
+    for _ in 0..2 {
+        assert_eq!(send(&router, payment(None, "acme", &charge(1))).await.0, StatusCode::CREATED);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A key reused with another payload gets 422 by default and runs nothing; Stripe's 400 and 409 with the
+/// original response are configurable.
+async fn mismatch_answers_422_or_as_configured(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let router = demo(&h).await;
+    send(&router, payment(Some("m1"), "acme", &charge(100))).await;
+    let (status, headers, body) = send(&router, payment(Some("m1"), "acme", &charge(999))).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(headers["content-type"], "application/problem+json");
+    assert_eq!(problem_type(&body), problem_types::KEY_REUSED);
+    assert_eq!(charges(&h, "acme").await, 1);
+
+    let (router, _) = counting(layer(&h).with_mismatch_status(MismatchStatus::BadRequest), ok_body);
+    send(&router, payment(Some("m2"), "acme", &charge(1))).await;
+    assert_eq!(send(&router, payment(Some("m2"), "acme", &charge(2))).await.0, StatusCode::BAD_REQUEST);
+
+    let with_original = layer(&h).with_mismatch_status(MismatchStatus::ConflictWithOriginal);
+    let (router, runs) = counting(with_original, ok_body);
+    let (_, _, original) = send(&router, payment(Some("m3"), "acme", &charge(1))).await;
+    let (status, headers, body) = send(&router, payment(Some("m3"), "acme", &charge(2))).await;
+    assert_eq!((status, body), (StatusCode::CONFLICT, original));
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+fn ok_body(n: usize) -> axum::response::Response {
+    axum::Json(json!({ "run": n })).into_response()
+}
+
+/// A 5xx releases the key so the retry executes; a 4xx is stored and the retry replays it.
+async fn server_errors_release_and_client_errors_are_replayed(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let router = demo(&h).await;
+    let mut failing = payment(Some("e5"), "acme", &charge(5));
+    failing.headers_mut().insert("x-demo-fail", "500".parse().expect("value"));
+    assert_eq!(send(&router, failing).await.0, StatusCode::INTERNAL_SERVER_ERROR);
+    let (status, headers, _) = send(&router, payment(Some("e5"), "acme", &charge(5))).await;
+    assert_eq!(status, StatusCode::CREATED, "the retry executes");
+    assert!(headers.get("idempotent-replayed").is_none());
+
+    let mut refused = payment(Some("e4"), "acme", &charge(4));
+    refused.headers_mut().insert("x-demo-fail", "400".parse().expect("value"));
+    let (status, _, first) = send(&router, refused).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, headers, replay) = send(&router, payment(Some("e4"), "acme", &charge(4))).await;
+    assert_eq!((status, replay), (StatusCode::BAD_REQUEST, first));
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(charges(&h, "acme").await, 1);
+}
+
+/// A request body over the limit gets 413 and runs nothing.
+async fn oversized_request_body_gets_413(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let router = demo(&h).await;
+    let huge = json!({"amount": 1, "currency": "EUR", "customer": "x".repeat(2 << 20)});
+    let (status, _, body) = send(&router, payment(Some("big"), "acme", &huge)).await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (StatusCode::PAYLOAD_TOO_LARGE, problem_types::BODY_TOO_LARGE.to_owned())
+    );
+    assert_eq!(charges(&h, "acme").await, 0);
+}
+
+/// A retry while the first request is still running gets 409 with Retry-After.
+async fn concurrent_retry_gets_409_with_retry_after(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let router = demo(&h).await;
+    let mut slow = payment(Some("slow"), "acme", &charge(7));
+    slow.headers_mut().insert("x-demo-delay-ms", "1500".parse().expect("value"));
+    let first = tokio::spawn(router.clone().oneshot(slow));
+    wait_for_state(&h, "slow", State::InProgress).await;
+    let (status, headers, body) = send(&router, payment(Some("slow"), "acme", &charge(7))).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(problem_type(&body), problem_types::IN_FLIGHT);
+    let retry_after: u64 = headers["retry-after"].to_str().expect("ascii").parse().expect("seconds");
+    assert!(retry_after >= 1);
+    assert_eq!(first.await.expect("join").expect("infallible").status(), StatusCode::CREATED);
+    assert_eq!(charges(&h, "acme").await, 1);
+}
+
+/// Polls the store until the demo's record for `key` is in `state`.
+async fn wait_for_state(h: &Harness, key: &str, state: State) {
+    let scope = Scope::new("acme", PAYMENTS).expect("scope");
+    let key = IdempotencyKey::new(key).expect("key");
+    for _ in 0..500 {
+        if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == state) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the record never reached {state:?}");
+}
+
+/// The replay carries the allow-listed headers (Location, Content-Type) and never Set-Cookie.
+async fn replay_keeps_allowed_headers_only(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (router, _) = counting(layer(&h), |n| {
+        let headers = [("location", format!("/payments/{n}")), ("set-cookie", "session=secret".to_owned())];
+        (StatusCode::CREATED, headers, "created").into_response()
+    });
+    let (_, first, _) = send(&router, payment(Some("h1"), "acme", &charge(1))).await;
+    assert!(first.get("set-cookie").is_some());
+    let (status, replay, body) = send(&router, payment(Some("h1"), "acme", &charge(1))).await;
+    assert_eq!((status, &body[..]), (StatusCode::CREATED, &b"created"[..]));
+    assert_eq!(replay["location"], "/payments/1");
+    assert!(replay.get("set-cookie").is_none());
+}
+
+/// A response larger than the capture limit reaches the client whole but is not stored: the key is
+/// released and a retry executes again.
+async fn oversized_response_is_passed_through_unstored(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (router, runs) = counting(layer(&h).with_operation("big-response").with_max_response_body(16), |_| {
+        "x".repeat(100).into_response()
+    });
+    let (status, _, body) = send(&router, payment(Some("r1"), "acme", &charge(1))).await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 100));
+    let record = h.store.lookup(&Scope::new("acme", "big-response").expect("scope"), &support::key("r1")).await;
+    assert_eq!(record.expect("lookup").expect("record").state, State::Released);
+    send(&router, payment(Some("r1"), "acme", &charge(1))).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A handler that panics does not leave its key stuck: it is released and the retry executes.
+async fn handler_panic_releases_the_key(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (router, runs) = counting(layer(&h).with_operation(PAYMENTS), |n| {
+        assert!(n > 1, "the first run panics");
+        StatusCode::CREATED.into_response()
+    });
+    let crashed = tokio::spawn(router.clone().oneshot(payment(Some("p1"), "acme", &charge(1)))).await;
+    assert!(crashed.expect_err("the handler panicked").is_panic());
+    wait_for_state(&h, "p1", State::Released).await;
+    assert_eq!(send(&router, payment(Some("p1"), "acme", &charge(1))).await.0, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A request whose future is dropped mid-handler (the client went away) releases its key.
+async fn dropped_request_releases_the_key(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let handler = move || {
+        let first = counter.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                std::future::pending::<()>().await;
+            }
+            StatusCode::CREATED
+        }
+    };
+    let router = Router::new().route("/payments", post(handler).route_layer(layer(&h).with_operation(PAYMENTS)));
+    let abandoned = tokio::spawn(router.clone().oneshot(payment(Some("d1"), "acme", &charge(1))));
+    wait_for_state(&h, "d1", State::InProgress).await;
+    abandoned.abort();
+    wait_for_state(&h, "d1", State::Released).await;
+    assert_eq!(send(&router, payment(Some("d1"), "acme", &charge(1))).await.0, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// With Postgres down the layer answers 503 with Retry-After and the handler never runs.
+async fn store_unavailable_answers_503_and_runs_nothing(mode: Mode) {
+    let mut h = Harness::with(mode, Policy::default(), Servers::Owned).await;
+    let (router, runs) = counting(layer(&h), |_| StatusCode::CREATED.into_response());
+    h.postgres.as_mut().expect("owned").stop().expect("stop Postgres");
+    let (status, headers, body) = send(&router, payment(Some("u1"), "acme", &charge(1))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers["retry-after"], "1");
+    assert_eq!(problem_type(&body), problem_types::UNAVAILABLE);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// A request without a tenant gets 401 and runs nothing.
+async fn missing_tenant_gets_401(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (router, runs) = counting(layer(&h), |_| StatusCode::CREATED.into_response());
+    let mut anonymous = payment(Some("a1"), "acme", &charge(1));
+    anonymous.headers_mut().remove("authorization");
+    let (status, _, body) = send(&router, anonymous).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::UNAUTHORIZED, problem_types::MISSING_TENANT.to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// Serves the demo on 127.0.0.1:0; returns its base URL.
+async fn serve(h: &Harness) -> String {
+    let router = demo(h).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    format!("http://{addr}")
+}
+
+async fn post_payment(
+    client: &reqwest::Client,
+    base: &str,
+    key: &str,
+    tenant: &str,
+    body: &Value,
+    delay_ms: u64,
+) -> reqwest::Response {
+    client
+        .post(format!("{base}/payments"))
+        .bearer_auth(tenant)
+        .header("idempotency-key", key)
+        .header("x-demo-delay-ms", delay_ms.to_string())
+        .json(body)
+        .send()
+        .await
+        .expect("HTTP request")
+}
+
+/// 50 concurrent POSTs with one key over real HTTP: one charge row; every answer is the first response,
+/// byte for byte, or a 409.
+async fn fifty_concurrent_posts_charge_once_end_to_end(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let body = charge(42);
+    let posts = (0..50).map(|_| post_payment(&client, &base, "race-1", "acme", &body, 200));
+    let mut answers = Vec::new();
+    for response in join_all(posts).await {
+        let status = response.status();
+        answers.push((status, response.bytes().await.expect("body")));
+    }
+    assert_eq!(charges(&h, "acme").await, 1);
+    let created: Vec<_> = answers.iter().filter(|(s, _)| *s == reqwest::StatusCode::CREATED).collect();
+    assert!(!created.is_empty());
+    assert!(created.iter().all(|(_, body)| *body == created[0].1), "replays are byte-identical");
+    for (status, body) in &answers {
+        if *status != reqwest::StatusCode::CREATED {
+            assert_eq!(*status, reqwest::StatusCode::CONFLICT);
+            assert_eq!(problem_type(body), problem_types::IN_FLIGHT);
+        }
+    }
+    // Once the owner finished, every retry is the replay.
+    let late = post_payment(&client, &base, "race-1", "acme", &charge(42), 0).await;
+    assert_eq!(late.headers()["idempotent-replayed"], "true");
+    assert_eq!(late.bytes().await.expect("body"), created[0].1);
+}
+
+/// The same key from two tenants makes two charges, and neither replays the other's.
+async fn tenants_get_their_own_charges_end_to_end(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let a: Value = post_payment(&client, &base, "same", "tenant-a", &charge(1), 0).await.json().await.expect("json");
+    let b: Value = post_payment(&client, &base, "same", "tenant-b", &charge(1), 0).await.json().await.expect("json");
+    assert_ne!(a["id"], b["id"]);
+    let a_again: Value =
+        post_payment(&client, &base, "same", "tenant-a", &charge(1), 0).await.json().await.expect("json");
+    assert_eq!(a_again, a);
+    assert_eq!((charges(&h, "tenant-a").await, charges(&h, "tenant-b").await), (1, 1));
+    let b_view = client.get(format!("{base}/payments/{}", a["id"])).bearer_auth("tenant-b").send().await.expect("GET");
+    assert_eq!(b_view.status(), reqwest::StatusCode::NOT_FOUND);
+}
+
+/// After a known sequence the scraped counters match it, and `promtool check metrics` accepts the page
+/// when promtool is installed.
+async fn metrics_match_a_known_sequence_end_to_end(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let body = charge(1);
+    let slow = post_payment(&client, &base, "seq-1", "acme", &body, 800);
+    let duplicate = async {
+        wait_for_state(&h, "seq-1", State::InProgress).await;
+        post_payment(&client, &base, "seq-1", "acme", &charge(1), 0).await
+    };
+    let (first, in_flight) = tokio::join!(slow, duplicate);
+    assert_eq!((first.status(), in_flight.status()), (reqwest::StatusCode::CREATED, reqwest::StatusCode::CONFLICT));
+    for _ in 0..2 {
+        post_payment(&client, &base, "seq-1", "acme", &charge(1), 0).await;
+    }
+    post_payment(&client, &base, "seq-1", "acme", &charge(2), 0).await;
+
+    let page = client.get(format!("{base}/metrics")).send().await.expect("scrape").text().await.expect("text");
+    let count = |outcome: &str| support::counter(PAYMENTS, "idemstore_outcomes_total", &[("outcome", outcome)]);
+    assert_eq!((count("executed"), count("in_flight"), count("replayed"), count("mismatch")), (1.0, 1.0, 2.0, 1.0));
+    assert!(page.contains("idemstore_outcomes_total{operation=\"POST /payments\",outcome=\"replayed\"} 2"), "{page}");
+    assert!(page.contains("# TYPE idemstore_claim_duration_seconds histogram"));
+
+    if let Ok(mut promtool) =
+        std::process::Command::new("promtool").args(["check", "metrics"]).stdin(std::process::Stdio::piped()).spawn()
+    {
+        use std::io::Write;
+        promtool.stdin.take().expect("stdin").write_all(page.as_bytes()).expect("write to promtool");
+        assert!(promtool.wait().expect("promtool").success(), "promtool check metrics failed on:\n{page}");
+    }
+}
