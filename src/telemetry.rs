@@ -21,6 +21,11 @@ pub const REDIS_FALLBACKS: &str = "idemstore_redis_fallbacks_total";
 pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
 pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
+/// Statements sent to Postgres; label `statement`: claim, complete, release, extend, mark_indeterminate,
+/// lookup. With `idemstore_redis_calls_total`, the cost of each answer in round trips.
+pub const POSTGRES_STATEMENTS: &str = "idemstore_postgres_statements_total";
+/// Scripts run on Redis, answered or not; label `script`: begin, put, release, extend.
+pub const REDIS_CALLS: &str = "idemstore_redis_calls_total";
 /// Time of one claim call; label `tier`: redis or postgres.
 pub const CLAIM_DURATION: &str = "idemstore_claim_duration_seconds";
 
@@ -35,6 +40,8 @@ pub fn describe() {
     describe_counter!(REDIS_FALLBACKS, "Redis calls that degraded to the Postgres path, by reason.");
     describe_counter!(RECONCILIATIONS, "Records Redis had lost, served from Postgres and repaired.");
     describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
+    describe_counter!(POSTGRES_STATEMENTS, "Statements sent to Postgres, by statement.");
+    describe_counter!(REDIS_CALLS, "Scripts run on Redis, by script.");
     describe_histogram!(CLAIM_DURATION, Unit::Seconds, "Duration of one claim call, by tier.");
 }
 
@@ -56,6 +63,14 @@ pub(crate) fn reconciliation(operation: &str) {
 
 pub(crate) fn lease_takeover(operation: &str) {
     metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(1);
+}
+
+pub(crate) fn postgres_statement(statement: &'static str) {
+    metrics::counter!(POSTGRES_STATEMENTS, "statement" => statement).increment(1);
+}
+
+pub(crate) fn redis_call(script: &'static str) {
+    metrics::counter!(REDIS_CALLS, "script" => script).increment(1);
 }
 
 pub(crate) fn claim_duration(tier: &'static str, elapsed: Duration) {

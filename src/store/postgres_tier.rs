@@ -8,6 +8,7 @@ use sqlx::postgres::{PgPool, PgRow};
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::{LeaseExpiry, millis};
 use crate::record::{Lease, Record, State, StoredResponse};
+use crate::telemetry;
 
 /// The record columns every read returns, with the lease and retention as milliseconds of server time,
 /// so that application clocks never take part in a lease decision.
@@ -114,6 +115,7 @@ impl PostgresTier {
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
         // but is invisible to `prior`, so the statement returns no row; the next attempt sees it.
         loop {
+            telemetry::postgres_statement("claim");
             let row = sqlx::query(CLAIM)
                 .bind(lease.scope.tenant())
                 .bind(lease.scope.operation())
@@ -139,6 +141,7 @@ impl PostgresTier {
     }
 
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, sqlx::Error> {
+        telemetry::postgres_statement("lookup");
         let row = sqlx::query(LOOKUP)
             .bind(scope.tenant())
             .bind(scope.operation())
@@ -151,29 +154,36 @@ impl PostgresTier {
     /// Returns whether the fenced completion matched (false: the lease was lost).
     pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<bool, sqlx::Error> {
         let retention = lease.policy.retention.map(|r| millis(r) as f64);
-        self.fenced(sqlx::query(COMPLETE), lease).bind(response).bind(retention).execute(&self.pool).await.map(matched)
+        self.fenced("complete", COMPLETE, lease).bind(response).bind(retention).execute(&self.pool).await.map(matched)
     }
 
     pub(crate) async fn release(&self, lease: &Lease) -> Result<bool, sqlx::Error> {
-        self.fenced(sqlx::query(RELEASE), lease).execute(&self.pool).await.map(matched)
+        self.fenced("release", RELEASE, lease).execute(&self.pool).await.map(matched)
     }
 
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<bool, sqlx::Error> {
         let lease_ms = millis(lease.policy.lease) as f64;
-        self.fenced(sqlx::query(EXTEND), lease).bind(lease_ms).execute(&self.pool).await.map(matched)
+        self.fenced("extend", EXTEND, lease).bind(lease_ms).execute(&self.pool).await.map(matched)
     }
 
     /// Marks the record of `stale` (the lease that ran out, as read) indeterminate.
     pub(crate) async fn mark_indeterminate(&self, stale: &Lease) -> Result<bool, sqlx::Error> {
-        self.fenced(sqlx::query(MARK_INDETERMINATE), stale).execute(&self.pool).await.map(matched)
+        self.fenced("mark_indeterminate", MARK_INDETERMINATE, stale).execute(&self.pool).await.map(matched)
     }
 
+    /// A write keyed by the lease's record and fence (`$1`..`$4`), counted as `statement`.
     fn fenced<'q>(
         &self,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        statement: &'static str,
+        sql: &'static str,
         lease: &'q Lease,
     ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        query.bind(lease.scope.tenant()).bind(lease.scope.operation()).bind(lease.key.as_str()).bind(lease.fence)
+        telemetry::postgres_statement(statement);
+        sqlx::query(sql)
+            .bind(lease.scope.tenant())
+            .bind(lease.scope.operation())
+            .bind(lease.key.as_str())
+            .bind(lease.fence)
     }
 }
 

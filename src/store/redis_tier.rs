@@ -10,6 +10,7 @@ use redis::{Script, Value};
 use super::scripts::{self, RedisBegin};
 use crate::key::{IdempotencyKey, Scope};
 use crate::record::State;
+use crate::telemetry;
 
 /// Why a Redis call was not answered; every one degrades the call to the Postgres path.
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +65,7 @@ impl RedisTier {
     ) -> Result<RedisBegin, RedisUnavailable> {
         let lease = lease_ms.to_string();
         let reply = self
-            .invoke(&scripts::BEGIN, record_key, &[fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes()])
+            .invoke("begin", &scripts::BEGIN, record_key, &[fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes()])
             .await?;
         RedisBegin::decode(reply).map_err(|e| self.trip(RedisUnavailable::Failed(Box::new(e))))
     }
@@ -89,24 +90,31 @@ impl RedisTier {
         };
         let ttl = ttl_ms.max(1).to_string();
         let args = [tag, fingerprint.as_bytes(), owner.as_bytes(), response, ttl.as_bytes()];
-        self.invoke(&scripts::PUT, record_key, &args).await.map(drop)
+        self.invoke("put", &scripts::PUT, record_key, &args).await.map(drop)
     }
 
     pub(crate) async fn release(&self, record_key: &str, owner: &str) -> Result<(), RedisUnavailable> {
-        self.invoke(&scripts::RELEASE, record_key, &[owner.as_bytes()]).await.map(drop)
+        self.invoke("release", &scripts::RELEASE, record_key, &[owner.as_bytes()]).await.map(drop)
     }
 
     pub(crate) async fn extend(&self, record_key: &str, owner: &str, lease_ms: i64) -> Result<(), RedisUnavailable> {
         let lease = lease_ms.to_string();
-        self.invoke(&scripts::EXTEND, record_key, &[owner.as_bytes(), lease.as_bytes()]).await.map(drop)
+        self.invoke("extend", &scripts::EXTEND, record_key, &[owner.as_bytes(), lease.as_bytes()]).await.map(drop)
     }
 
     /// Runs one script with EVALSHA (reloaded on NOSCRIPT by `Script::invoke_async`), bounded by the
     /// budget; a failure opens the circuit for the cool-down.
-    async fn invoke(&self, script: &Script, record_key: &str, args: &[&[u8]]) -> Result<Value, RedisUnavailable> {
+    async fn invoke(
+        &self,
+        name: &'static str,
+        script: &Script,
+        record_key: &str,
+        args: &[&[u8]],
+    ) -> Result<Value, RedisUnavailable> {
         if self.now_ms() < self.open_until.load(Ordering::Relaxed) {
             return Err(RedisUnavailable::CircuitOpen);
         }
+        telemetry::redis_call(name);
         let call = async {
             let mut conn = self.pool.get().await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
             let mut invocation = script.key(record_key);

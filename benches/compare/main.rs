@@ -1,0 +1,217 @@
+//! Two-tier vs Postgres-only, side by side in one run, against the raw floor of each server.
+//!
+//! ```text
+//! cargo bench --bench compare                 # full run: 3 rounds x 3 s per cell, concurrency 1,16,64
+//! cargo bench --bench compare -- --quick      # a smoke run of about half a minute (CI)
+//! cargo bench --bench compare -- --concurrency 8,32 --rounds 5 --seconds 2
+//! ```
+//! Starts throwaway servers with durable settings (fsync and synchronous commit on; Redis without
+//! persistence, `noeviction`), or uses `IDEMSTORE_BENCH_REDIS_URL` / `IDEMSTORE_BENCH_DATABASE_URL`.
+//! The two modes alternate within each round (A B, then B A) so that machine drift hits both. Results go
+//! to `target/bench/compare.{json,md,svg}`; the table is printed too.
+
+mod report;
+mod workload;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use hdrhistogram::Histogram;
+use idemstore::Store;
+use idemstore::testkit::{PostgresServer, RedisServer};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sqlx::postgres::PgPoolOptions;
+use workload::{Fixture, Subject, Workload};
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// A smoke run: one round, half a second per cell, concurrency 1 and 16.
+    #[arg(long)]
+    quick: bool,
+    /// Concurrent requests in flight (comma separated).
+    #[arg(long, value_delimiter = ',')]
+    concurrency: Option<Vec<usize>>,
+    /// Rounds; each measures every cell once.
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Seconds per cell.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Workloads to run (default: all).
+    #[arg(long, value_delimiter = ',', value_enum)]
+    workloads: Option<Vec<Workload>>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// The plan of a run, with the defaults of full and quick runs applied.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Plan {
+    quick: bool,
+    concurrency: Vec<usize>,
+    rounds: usize,
+    seconds: f64,
+    workloads: Vec<Workload>,
+}
+
+impl From<Args> for Plan {
+    fn from(args: Args) -> Self {
+        let quick = args.quick;
+        Plan {
+            quick,
+            concurrency: args.concurrency.unwrap_or_else(|| if quick { vec![1, 16] } else { vec![1, 16, 64] }),
+            rounds: args.rounds.unwrap_or(if quick { 1 } else { 3 }),
+            seconds: args.seconds.unwrap_or(if quick { 0.5 } else { 3.0 }),
+            workloads: args.workloads.unwrap_or_else(|| {
+                vec![Workload::New, Workload::Replay, Workload::Inflight, Workload::Mismatch, Workload::Mixed]
+            }),
+        }
+    }
+}
+
+/// One timed cell.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Cell {
+    workload: Option<Workload>,
+    subject: Subject,
+    concurrency: usize,
+    round: usize,
+    requests: u64,
+    /// Requests whose answer was not the one the workload expects (0 in a sound run).
+    unexpected: u64,
+    throughput: f64,
+    p50_us: u64,
+    p95_us: u64,
+    p99_us: u64,
+    p999_us: u64,
+    /// Statements the store sent to Postgres per request (the work's own insert not included).
+    postgres_per_request: f64,
+    /// Scripts the store ran on Redis per request.
+    redis_per_request: f64,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let plan = Plan::from(Args::parse());
+    let metrics = PrometheusBuilder::new().install_recorder()?;
+
+    // Durable servers, unless the environment names some.
+    let mut owned: (Option<PostgresServer>, Option<RedisServer>) = (None, None);
+    let database_url = match std::env::var("IDEMSTORE_BENCH_DATABASE_URL") {
+        Ok(url) => url,
+        Err(_) => owned.0.insert(PostgresServer::start_durable()?).url(),
+    };
+    let redis_url = match std::env::var("IDEMSTORE_BENCH_REDIS_URL") {
+        Ok(url) => url,
+        Err(_) => owned.1.insert(RedisServer::start_with(&["--maxmemory-policy", "noeviction"])?).url(),
+    };
+    // About 16 connections suit this machine (more lose throughput to the 2 vCPUs).
+    let pg = PgPoolOptions::new().max_connections(16).connect(&database_url).await?;
+    let redis = deadpool_redis::Config::from_url(redis_url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+    let two_tier = Store::builder().postgres(pg.clone()).redis(redis.clone()).key_prefix("bench").build()?;
+    let postgres_only = Store::builder().postgres(pg.clone()).build()?;
+    two_tier.migrate().await?;
+    sqlx::raw_sql(workload::SCHEMA).execute(&pg).await?;
+
+    let run_id = std::process::id();
+    let mut cells = Vec::new();
+    for round in 0..plan.rounds {
+        for &concurrency in &plan.concurrency {
+            for &workload in &plan.workloads {
+                // A B in even rounds, B A in odd ones.
+                let mut order = [(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
+                if round % 2 == 1 {
+                    order.reverse();
+                }
+                for (subject, store) in order {
+                    let cell_id = format!("r{run_id}-{round}-{concurrency}-{}", subject.name().replace(' ', "_"));
+                    let fixture = Fixture::library(store.clone(), pg.clone(), workload, cell_id).await;
+                    cells.push(measure(&plan, &metrics, fixture, Some(workload), subject, concurrency, round).await);
+                }
+            }
+            let floors = [
+                (Subject::EvalshaFloor, Fixture::evalsha(redis.clone())),
+                (Subject::SqlFloor, Fixture::sql(pg.clone(), format!("r{run_id}-{round}-{concurrency}"))),
+            ];
+            for (subject, fixture) in floors {
+                cells.push(measure(&plan, &metrics, fixture, None, subject, concurrency, round).await);
+            }
+            eprintln!("round {} concurrency {concurrency}: done", round + 1);
+        }
+    }
+    report::write(&plan, &cells)?;
+    drop(owned);
+    Ok(())
+}
+
+/// Runs `concurrency` workers for the plan's duration and measures what they did.
+async fn measure(
+    plan: &Plan,
+    metrics: &PrometheusHandle,
+    fixture: Arc<Fixture>,
+    workload: Option<Workload>,
+    subject: Subject,
+    concurrency: usize,
+    round: usize,
+) -> Cell {
+    let before = store_calls(metrics);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs_f64(plan.seconds);
+    let workers = (0..concurrency).map(|_| {
+        let fixture = fixture.clone();
+        tokio::spawn(async move {
+            let mut latencies = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+            let mut unexpected = 0;
+            while Instant::now() < deadline {
+                let sent = Instant::now();
+                if !fixture.request().await {
+                    unexpected += 1;
+                }
+                latencies.saturating_record(sent.elapsed().as_micros() as u64);
+            }
+            (latencies, unexpected)
+        })
+    });
+    let mut latencies = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+    let mut unexpected = 0;
+    for worker in futures::future::join_all(workers).await {
+        let (worker_latencies, worker_unexpected) = worker.expect("worker panicked");
+        latencies.add(worker_latencies).expect("same bounds");
+        unexpected += worker_unexpected;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let after = store_calls(metrics);
+    let requests = latencies.len();
+    let per_request = |calls: f64| if requests == 0 { 0.0 } else { calls / requests as f64 };
+    let (postgres_per_request, redis_per_request) =
+        fixture.floor_costs().unwrap_or((per_request(after.0 - before.0), per_request(after.1 - before.1)));
+    Cell {
+        workload,
+        subject,
+        concurrency,
+        round,
+        requests,
+        unexpected,
+        throughput: requests as f64 / elapsed,
+        p50_us: latencies.value_at_quantile(0.50),
+        p95_us: latencies.value_at_quantile(0.95),
+        p99_us: latencies.value_at_quantile(0.99),
+        p999_us: latencies.value_at_quantile(0.999),
+        postgres_per_request,
+        redis_per_request,
+    }
+}
+
+/// Postgres statements and Redis scripts the stores have sent so far, as counted by the library.
+fn store_calls(metrics: &PrometheusHandle) -> (f64, f64) {
+    let page = metrics.render();
+    let total = |name: &str| -> f64 {
+        page.lines()
+            .filter(|line| line.starts_with(name))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    (total(idemstore::telemetry::POSTGRES_STATEMENTS), total(idemstore::telemetry::REDIS_CALLS))
+}

@@ -1,0 +1,206 @@
+//! Medians over rounds, ratios, and the JSON, Markdown and SVG outputs.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::workload::{Subject, Workload};
+use crate::{Cell, Plan};
+
+/// Median and range over rounds.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Spread {
+    fn of(mut values: Vec<f64>) -> Option<Self> {
+        values.retain(|v| v.is_finite());
+        values.sort_by(f64::total_cmp);
+        let (min, max) = (*values.first()?, *values.last()?);
+        let mid = values.len() / 2;
+        let median = if values.len().is_multiple_of(2) { (values[mid - 1] + values[mid]) / 2.0 } else { values[mid] };
+        Some(Self { median, min, max })
+    }
+}
+
+/// One row of the table: a workload (or floor) x subject x concurrency, summarized over rounds.
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    workload: Option<Workload>,
+    subject: Subject,
+    concurrency: usize,
+    throughput: Spread,
+    p50_ms: f64,
+    p95_ms: f64,
+    p99_ms: f64,
+    p999_ms: f64,
+    postgres_per_request: f64,
+    redis_per_request: f64,
+    unexpected: u64,
+    /// Two-tier ÷ Postgres-only throughput, per round (two-tier rows only).
+    vs_postgres_only: Option<Spread>,
+    /// Throughput ÷ the floor's in the same round: EVALSHA for answers from Redis, SQL for new keys.
+    vs_floor: Option<Spread>,
+}
+
+type Group = (Option<Workload>, Subject, usize);
+
+fn floor_for(workload: Option<Workload>, subject: Subject) -> Option<Subject> {
+    match (workload?, subject) {
+        (Workload::New | Workload::Mixed, _) => Some(Subject::SqlFloor),
+        (_, Subject::TwoTier) => Some(Subject::EvalshaFloor),
+        (_, _) => Some(Subject::SqlFloor),
+    }
+}
+
+fn summarize(cells: &[Cell]) -> Vec<Row> {
+    let mut groups: BTreeMap<String, (Group, Vec<&Cell>)> = BTreeMap::new();
+    for cell in cells {
+        let id = format!("{:?}|{}|{:05}", cell.workload, cell.subject.name(), cell.concurrency);
+        groups.entry(id).or_insert(((cell.workload, cell.subject, cell.concurrency), Vec::new())).1.push(cell);
+    }
+    let throughput_in = |workload: Option<Workload>, subject: Subject, concurrency: usize, round: usize| {
+        cells
+            .iter()
+            .find(|c| {
+                c.workload == workload && c.subject == subject && c.concurrency == concurrency && c.round == round
+            })
+            .map(|c| c.throughput)
+    };
+    let ratios = |of: &[&Cell], workload: Option<Workload>, against: Subject, concurrency: usize| {
+        let per_round =
+            of.iter().filter_map(|c| Some(c.throughput / throughput_in(workload, against, concurrency, c.round)?));
+        Spread::of(per_round.collect())
+    };
+    let median = |of: &[&Cell], pick: fn(&Cell) -> f64| {
+        Spread::of(of.iter().map(|c| pick(c)).collect()).map_or(0.0, |s| s.median)
+    };
+    groups
+        .into_values()
+        .map(|((workload, subject, concurrency), of)| Row {
+            workload,
+            subject,
+            concurrency,
+            throughput: Spread::of(of.iter().map(|c| c.throughput).collect()).unwrap_or(Spread {
+                median: 0.0,
+                min: 0.0,
+                max: 0.0,
+            }),
+            p50_ms: median(&of, |c| c.p50_us as f64 / 1000.0),
+            p95_ms: median(&of, |c| c.p95_us as f64 / 1000.0),
+            p99_ms: median(&of, |c| c.p99_us as f64 / 1000.0),
+            p999_ms: median(&of, |c| c.p999_us as f64 / 1000.0),
+            postgres_per_request: median(&of, |c| c.postgres_per_request),
+            redis_per_request: median(&of, |c| c.redis_per_request),
+            unexpected: of.iter().map(|c| c.unexpected).sum(),
+            vs_postgres_only: (subject == Subject::TwoTier)
+                .then(|| ratios(&of, workload, Subject::PostgresOnly, concurrency))
+                .flatten(),
+            vs_floor: floor_for(workload, subject).and_then(|floor| ratios(&of, None, floor, concurrency)),
+        })
+        .collect()
+}
+
+fn spread(s: &Spread, digits: usize) -> String {
+    format!("{:.d$} ({:.d$}–{:.d$})", s.median, s.min, s.max, d = digits)
+}
+
+fn markdown(plan: &Plan, rows: &[Row]) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "Rounds: {}, {} s per cell, modes alternating A B / B A. Medians over rounds (min–max). \
+         PG and Redis columns count the store's own statements and scripts per request (the work's insert \
+         is one more statement in both modes).\n",
+        plan.rounds, plan.seconds
+    );
+    md.push_str("| workload | c | subject | req/s | p50 ms | p95 ms | p99 ms | p99.9 ms | PG/req | Redis/req | ÷ PG-only | ÷ floor |\n");
+    md.push_str("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for r in rows {
+        let workload = r.workload.map_or("—".to_owned(), |w| format!("{w:?}").to_lowercase());
+        let _ = writeln!(
+            md,
+            "| {workload} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} |{}",
+            r.concurrency,
+            r.subject.name(),
+            spread(&r.throughput, 0),
+            r.p50_ms,
+            r.p95_ms,
+            r.p99_ms,
+            r.p999_ms,
+            r.postgres_per_request,
+            r.redis_per_request,
+            r.vs_postgres_only.map_or(String::new(), |s| spread(&s, 2)),
+            r.vs_floor.map_or(String::new(), |s| spread(&s, 2)),
+            if r.unexpected > 0 { format!(" {} unexpected answers", r.unexpected) } else { String::new() },
+        );
+    }
+    md
+}
+
+fn plot(rows: &[Row], path: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (left, right) = root.split_horizontally(600);
+    let max_c = rows.iter().map(|r| r.concurrency).max().unwrap_or(1).max(2) as f64;
+    let throughput: fn(&Row) -> f64 = |r| r.throughput.median;
+    let p99: fn(&Row) -> f64 = |r| r.p99_ms;
+    for (area, title, value) in [(&left, "throughput (req/s)", throughput), (&right, "p99 latency (ms)", p99)] {
+        let values: Vec<f64> = rows.iter().map(value).filter(|v| *v > 0.0).collect();
+        let lo = values.iter().copied().fold(f64::INFINITY, f64::min).max(1e-3) / 1.5;
+        let hi = values.iter().copied().fold(0.0, f64::max) * 1.5;
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .build_cartesian_2d((1.0..max_c * 1.2).log_scale(), (lo..hi.max(lo * 2.0)).log_scale())?;
+        chart.configure_mesh().x_desc("concurrency").draw()?;
+        let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        for r in rows {
+            let name = match r.workload {
+                Some(w) => format!("{} {}", format!("{w:?}").to_lowercase(), r.subject.name()),
+                None => r.subject.name().to_owned(),
+            };
+            series.entry(name).or_default().push((r.concurrency as f64, value(r)));
+        }
+        for (i, (name, mut points)) in series.into_iter().enumerate() {
+            points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let color = Palette99::pick(i).to_rgba();
+            let dashed = name.contains("postgres-only") || name.contains("floor");
+            let style = color.stroke_width(if dashed { 1 } else { 2 });
+            chart
+                .draw_series(LineSeries::new(points.clone(), style))?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+            chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 10))
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+pub fn write(plan: &Plan, cells: &[Cell]) -> Result<(), Box<dyn std::error::Error>> {
+    let rows = summarize(cells);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let json = serde_json::json!({ "plan": plan, "cells": cells, "summary": rows });
+    std::fs::write(dir.join("compare.json"), serde_json::to_vec_pretty(&json)?)?;
+    let table = markdown(plan, &rows);
+    std::fs::write(dir.join("compare.md"), &table)?;
+    plot(&rows, &dir.join("compare.svg"))?;
+    println!("{table}");
+    println!("written: target/bench/compare.json, compare.md, compare.svg");
+    Ok(())
+}
