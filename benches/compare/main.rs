@@ -90,6 +90,8 @@ pub struct Cell {
     postgres_per_request: f64,
     /// Scripts the store ran on Redis per request.
     redis_per_request: f64,
+    /// Redis calls that degraded to the Postgres path (over budget, errors): 0 in a healthy run.
+    redis_fallbacks: f64,
 }
 
 #[tokio::main]
@@ -109,6 +111,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     // About 16 connections suit this machine (more lose throughput to the 2 vCPUs).
     let pg = PgPoolOptions::new().max_connections(16).connect(&database_url).await?;
+    let redis_client = redis::Client::open(redis_url.as_str())?;
     let redis = deadpool_redis::Config::from_url(redis_url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
     let two_tier = Store::builder().postgres(pg.clone()).redis(redis.clone()).key_prefix("bench").build()?;
     let postgres_only = Store::builder().postgres(pg.clone()).build()?;
@@ -116,6 +119,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     sqlx::raw_sql(workload::SCHEMA).execute(&pg).await?;
 
     let run_id = std::process::id();
+    // Warm-up, not recorded: open every pooled connection and prepare every statement in both modes, so
+    // that whichever mode runs first does not pay for it.
+    let warm_up = Plan { seconds: 0.5, ..plan.clone() };
+    let widest = plan.concurrency.iter().copied().max().unwrap_or(1);
+    for (subject, store) in [(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)] {
+        for workload in [Workload::New, Workload::Replay] {
+            let fixture = Fixture::library(
+                store.clone(),
+                pg.clone(),
+                workload,
+                format!("r{run_id}-warm-{}", subject.name().replace(' ', "_")),
+            )
+            .await;
+            measure(&warm_up, &metrics, fixture, Some(workload), subject, widest, 0).await;
+        }
+    }
+
     let mut cells = Vec::new();
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
@@ -132,7 +152,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
             let floors = [
-                (Subject::EvalshaFloor, Fixture::evalsha(redis.clone())),
+                (Subject::EvalshaFloor, Fixture::evalsha(&redis_client).await),
                 (Subject::SqlFloor, Fixture::sql(pg.clone(), format!("r{run_id}-{round}-{concurrency}"))),
             ];
             for (subject, fixture) in floors {
@@ -201,11 +221,12 @@ async fn measure(
         p999_us: latencies.value_at_quantile(0.999),
         postgres_per_request,
         redis_per_request,
+        redis_fallbacks: after.2 - before.2,
     }
 }
 
-/// Postgres statements and Redis scripts the stores have sent so far, as counted by the library.
-fn store_calls(metrics: &PrometheusHandle) -> (f64, f64) {
+/// Postgres statements, Redis scripts and Redis fallbacks of the stores so far, as counted by the library.
+fn store_calls(metrics: &PrometheusHandle) -> (f64, f64, f64) {
     let page = metrics.render();
     let total = |name: &str| -> f64 {
         page.lines()
@@ -213,5 +234,6 @@ fn store_calls(metrics: &PrometheusHandle) -> (f64, f64) {
             .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
-    (total(idemstore::telemetry::POSTGRES_STATEMENTS), total(idemstore::telemetry::REDIS_CALLS))
+    use idemstore::telemetry::{POSTGRES_STATEMENTS, REDIS_CALLS, REDIS_FALLBACKS};
+    (total(POSTGRES_STATEMENTS), total(REDIS_CALLS), total(REDIS_FALLBACKS))
 }

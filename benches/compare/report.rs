@@ -42,6 +42,7 @@ struct Row {
     postgres_per_request: f64,
     redis_per_request: f64,
     unexpected: u64,
+    redis_fallbacks: f64,
     /// Two-tier ÷ Postgres-only throughput, per round (two-tier rows only).
     vs_postgres_only: Option<Spread>,
     /// Throughput ÷ the floor's in the same round: EVALSHA for answers from Redis, SQL for new keys.
@@ -98,6 +99,7 @@ fn summarize(cells: &[Cell]) -> Vec<Row> {
             postgres_per_request: median(&of, |c| c.postgres_per_request),
             redis_per_request: median(&of, |c| c.redis_per_request),
             unexpected: of.iter().map(|c| c.unexpected).sum(),
+            redis_fallbacks: of.iter().map(|c| c.redis_fallbacks).sum(),
             vs_postgres_only: (subject == Subject::TwoTier)
                 .then(|| ratios(&of, workload, Subject::PostgresOnly, concurrency))
                 .flatten(),
@@ -108,6 +110,18 @@ fn summarize(cells: &[Cell]) -> Vec<Row> {
 
 fn spread(s: &Spread, digits: usize) -> String {
     format!("{:.d$} ({:.d$}–{:.d$})", s.median, s.min, s.max, d = digits)
+}
+
+/// Anything a sound, healthy run should not show, after the row.
+fn notes(r: &Row) -> String {
+    let mut notes = String::new();
+    if r.unexpected > 0 {
+        let _ = write!(notes, " {} unexpected answers", r.unexpected);
+    }
+    if r.redis_fallbacks > 0.0 {
+        let _ = write!(notes, " {} Redis fallbacks", r.redis_fallbacks);
+    }
+    notes
 }
 
 fn markdown(plan: &Plan, rows: &[Row]) -> String {
@@ -137,7 +151,7 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
             r.redis_per_request,
             r.vs_postgres_only.map_or(String::new(), |s| spread(&s, 2)),
             r.vs_floor.map_or(String::new(), |s| spread(&s, 2)),
-            if r.unexpected > 0 { format!(" {} unexpected answers", r.unexpected) } else { String::new() },
+            notes(r),
         );
     }
     md

@@ -64,7 +64,7 @@ pub enum Fixture {
         held: Vec<(IdempotencyKey, Lease)>,
     },
     Evalsha {
-        pool: deadpool_redis::Pool,
+        conn: redis::aio::MultiplexedConnection,
         script: Script,
     },
     Sql {
@@ -112,8 +112,10 @@ impl Fixture {
         Arc::new(Fixture::Library { store, pool, workload, scope, cell, next: AtomicU64::new(0), completed, held })
     }
 
-    pub fn evalsha(pool: deadpool_redis::Pool) -> Arc<Self> {
-        Arc::new(Fixture::Evalsha { pool, script: Script::new("return 1") })
+    /// One multiplexed connection, as the store uses.
+    pub async fn evalsha(client: &redis::Client) -> Arc<Self> {
+        let conn = client.get_multiplexed_async_connection().await.expect("connect to Redis");
+        Arc::new(Fixture::Evalsha { conn, script: Script::new("return 1") })
     }
 
     pub fn sql(pool: PgPool, cell: String) -> Arc<Self> {
@@ -150,9 +152,8 @@ impl Fixture {
                         | (Workload::Mismatch, Ok(RunOutcome::Mismatch))
                 )
             }
-            Fixture::Evalsha { pool, script } => {
-                let Ok(mut conn) = pool.get().await else { return false };
-                script.invoke_async::<_, i64>(&mut conn).await.is_ok_and(|one| one == 1)
+            Fixture::Evalsha { conn, script } => {
+                script.invoke_async::<_, i64>(&mut conn.clone()).await.is_ok_and(|one| one == 1)
             }
             Fixture::Sql { pool, cell, next } => {
                 let key = format!("{cell}-{}", next.fetch_add(1, Ordering::Relaxed));

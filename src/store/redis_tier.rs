@@ -1,10 +1,12 @@
 //! The Redis hot path: script calls under a latency budget, with a circuit breaker so that a Redis
 //! outage costs one budget per cool-down instead of one per request.
 
+use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use deadpool_redis::Pool;
+use redis::aio::MultiplexedConnection;
 use redis::{Script, Value};
 
 use super::scripts::{self, RedisBegin};
@@ -36,6 +38,10 @@ impl RedisUnavailable {
 
 pub(crate) struct RedisTier {
     pool: Pool,
+    /// One multiplexed connection, shared by every call: it pipelines concurrent requests on one socket.
+    /// Taking a connection from the pool per call would cost a recycling PING each time, doubling the
+    /// round trips; the pool is only asked again after a failure.
+    shared: RwLock<Option<MultiplexedConnection>>,
     prefix: String,
     budget: Duration,
     cooldown: Duration,
@@ -46,7 +52,15 @@ pub(crate) struct RedisTier {
 
 impl RedisTier {
     pub(crate) fn new(pool: Pool, prefix: String, budget: Duration, cooldown: Duration) -> Self {
-        Self { pool, prefix, budget, cooldown, open_until: AtomicU64::new(0), epoch: Instant::now() }
+        Self {
+            pool,
+            shared: RwLock::new(None),
+            prefix,
+            budget,
+            cooldown,
+            open_until: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
     }
 
     /// `prefix:{len:tenant:len:operation:key}`. The lengths make the name unambiguous (no tenant can
@@ -116,7 +130,7 @@ impl RedisTier {
         }
         telemetry::redis_call(name);
         let call = async {
-            let mut conn = self.pool.get().await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
+            let mut conn = self.connection().await?;
             let mut invocation = script.key(record_key);
             for arg in args {
                 invocation.arg(*arg);
@@ -130,7 +144,23 @@ impl RedisTier {
         }
     }
 
+    async fn connection(&self) -> Result<MultiplexedConnection, RedisUnavailable> {
+        if let Some(conn) = self.shared.read().ok().and_then(|shared| shared.clone()) {
+            return Ok(conn);
+        }
+        let pooled = self.pool.get().await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
+        let conn = deadpool_redis::Connection::take(pooled);
+        if let Ok(mut shared) = self.shared.write() {
+            *shared = Some(conn.clone());
+        }
+        Ok(conn)
+    }
+
+    /// Opens the circuit for the cool-down, and drops the shared connection, which may be the broken part.
     fn trip(&self, error: RedisUnavailable) -> RedisUnavailable {
+        if let Ok(mut shared) = self.shared.write() {
+            *shared = None;
+        }
         let until = self.now_ms() + u64::try_from(self.cooldown.as_millis()).unwrap_or(u64::MAX / 2);
         self.open_until.store(until, Ordering::Relaxed);
         tracing::warn!(error = %error, cooldown = ?self.cooldown, "Redis unavailable; using the Postgres path");
