@@ -12,7 +12,11 @@
 --
 -- Returns one of:
 --   {'claimed'}                  no record: the marker is written, claim in Postgres next
---   {'mismatch'}                 the key holds a different fingerprint
+--   {'mismatch'}                 the key's settled record (completed or indeterminate) holds a
+--                                different fingerprint
+--   {'unconfirmed'}              an in-progress marker holds a different fingerprint; it may be the marker
+--                                of a request that Postgres is about to refuse, so ask Postgres instead
+--                                (nothing is written)
 --   {'in_flight', pttl_ms}       another owner holds the key
 --   {'completed', response}      replay this response
 --   {'indeterminate'}            the key awaits resolution
@@ -25,6 +29,9 @@ if not state then
   return {'claimed'}
 end
 if fingerprint ~= ARGV[1] then
+  if state == 'p' then
+    return {'unconfirmed'}
+  end
   return {'mismatch'}
 end
 if state == 'c' then

@@ -316,9 +316,9 @@ async fn dropped_request_releases_the_key(mode: Mode) {
 
 /// With Postgres down the layer answers 503 with Retry-After and the handler never runs.
 async fn store_unavailable_answers_503_and_runs_nothing(mode: Mode) {
-    let mut h = Harness::with(mode, Policy::default(), Servers::Owned).await;
+    let h = Harness::with(mode, Policy::default(), Servers::Owned).await;
     let (router, runs) = counting(layer(&h), |_| StatusCode::CREATED.into_response());
-    h.postgres.as_mut().expect("owned").stop().expect("stop Postgres");
+    h.postgres.as_ref().expect("owned").stop().expect("stop Postgres");
     let (status, headers, body) = send(&router, payment(Some("u1"), "acme", &charge(1))).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(headers["retry-after"], "1");

@@ -140,8 +140,8 @@ async fn redis_flushed_after_completion_is_reconciled(mode: Mode) {
 /// With Redis killed, 64 concurrent calls still execute once (on the Postgres path), and the fallback
 /// metric says so; a completed result stays replayable.
 async fn redis_down_degrades_to_postgres(mode: Mode) {
-    let mut h = Harness::with(mode, Policy::default(), Servers::Owned).await;
-    if let Some(redis) = h.redis.as_mut() {
+    let h = Harness::with(mode, Policy::default(), Servers::Owned).await;
+    if let Some(redis) = h.redis.as_ref() {
         redis.kill();
     }
     let k = key("order-4");
@@ -162,11 +162,11 @@ async fn redis_down_degrades_to_postgres(mode: Mode) {
 /// A Redis restart empties it, script cache included: the scripts are reloaded (NOSCRIPT) and Redis
 /// serves replays again after one reconciliation.
 async fn redis_restart_reloads_scripts(mode: Mode) {
-    let mut h = Harness::with(mode, Policy::default(), Servers::Owned).await;
+    let h = Harness::with(mode, Policy::default(), Servers::Owned).await;
     let k = key("order-5");
     let payload = json!({"amount": 8});
     let Ok(RunOutcome::Executed(first)) = charge_once(&h, "acme", &k, &payload).await else { panic!() };
-    if let Some(redis) = h.redis.as_mut() {
+    if let Some(redis) = h.redis.as_ref() {
         redis.restart().expect("restart Redis");
     }
     let hits_before = h.counter("idemstore_redis_lookups_total", &[("result", "hit")]);
@@ -385,10 +385,10 @@ async fn in_flight_duplicate_waits_for_the_result(mode: Mode) {
 /// With Postgres down nothing executes: the caller gets a transient StoreUnavailable and no Redis marker
 /// is left behind; after recovery the retry executes once.
 async fn postgres_down_fails_closed(mode: Mode) {
-    let mut h = Harness::with(mode, Policy::default(), Servers::Owned).await;
+    let h = Harness::with(mode, Policy::default(), Servers::Owned).await;
     let (scope, k) = (h.scope("acme"), key("order-13"));
     let payload = json!({"amount": 13});
-    h.postgres.as_mut().expect("owned").stop().expect("stop Postgres");
+    h.postgres.as_ref().expect("owned").stop().expect("stop Postgres");
     let ran = AtomicBool::new(false);
     let down = h
         .store
@@ -405,7 +405,7 @@ async fn postgres_down_fails_closed(mode: Mode) {
     if mode == Mode::TwoTier {
         assert!(h.redis_keys().await.is_empty(), "the Redis marker was taken back");
     }
-    h.postgres.as_mut().expect("owned").restart().expect("restart Postgres");
+    h.postgres.as_ref().expect("owned").restart().expect("restart Postgres");
     let after = charge_once(&h, "acme", &k, &payload).await;
     assert!(matches!(after, Ok(RunOutcome::Executed(_))), "{after:?}");
     assert_eq!(h.effects("acme", &k).await, 1);

@@ -83,6 +83,8 @@ impl Store {
     pub async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
         let stored = self.inner.postgres.complete(lease, response).await;
         self.fenced_step(lease, "complete", stored)?;
+        // Fault tests: the process "dies" after the commit, before Redis hears of it.
+        fail::fail_point!("complete-before-redis", |_| Ok(()));
         if let Some(redis) = &self.inner.redis {
             let ttl = millis(lease.policy.redis_ttl);
             let record_key = self.record_key(redis, lease);
@@ -142,8 +144,9 @@ impl Store {
             match redis.begin(&record_key, candidate.fingerprint.as_hex(), &candidate.owner, lease_ms).await {
                 Ok(answer) => {
                     telemetry::claim_duration("redis", started.elapsed());
+                    let answer_is_claimed = answer == RedisBegin::Claimed;
                     let answered = match answer {
-                        RedisBegin::Claimed => None,
+                        RedisBegin::Claimed | RedisBegin::Unconfirmed => None,
                         RedisBegin::Completed(response) => Some(Begin::Completed(StoredResponse::new(response))),
                         RedisBegin::InFlight { retry_after } => Some(Begin::InFlight { retry_after }),
                         RedisBegin::Mismatch => Some(Begin::Mismatch),
@@ -154,7 +157,9 @@ impl Store {
                         return Ok(answer);
                     }
                     telemetry::redis_lookup(operation, "miss");
-                    marked = Some((redis, record_key));
+                    if answer_is_claimed {
+                        marked = Some((redis, record_key));
+                    }
                 }
                 Err(unavailable) => {
                     telemetry::redis_lookup(operation, "error");

@@ -14,8 +14,12 @@ pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(includ
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum RedisBegin {
     Claimed,
+    /// Redis cannot tell (an unconfirmed marker of another payload): Postgres decides, no marker written.
+    Unconfirmed,
     Mismatch,
-    InFlight { retry_after: Duration },
+    InFlight {
+        retry_after: Duration,
+    },
     Completed(Vec<u8>),
     Indeterminate,
 }
@@ -32,6 +36,7 @@ impl RedisBegin {
         let answer = match items.as_slice() {
             [Value::BulkString(tag)] => match tag.as_slice() {
                 b"claimed" => Some(RedisBegin::Claimed),
+                b"unconfirmed" => Some(RedisBegin::Unconfirmed),
                 b"mismatch" => Some(RedisBegin::Mismatch),
                 b"indeterminate" => Some(RedisBegin::Indeterminate),
                 _ => None,
@@ -63,6 +68,7 @@ mod tests {
         let cases = [
             (vec![bulk(b"claimed")], RedisBegin::Claimed),
             (vec![bulk(b"mismatch")], RedisBegin::Mismatch),
+            (vec![bulk(b"unconfirmed")], RedisBegin::Unconfirmed),
             (vec![bulk(b"indeterminate")], RedisBegin::Indeterminate),
             (
                 vec![bulk(b"in_flight"), Value::Int(1500)],

@@ -2,19 +2,21 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tempfile::TempDir;
 
 use super::{TestkitError, io, is_root, on_free_port, run};
 
 /// A PostgreSQL cluster in a temporary directory, listening on 127.0.0.1 only, with trust auth for the
-/// `postgres` role. Stopped (immediate mode) and deleted on drop.
+/// `postgres` role. Stopped (immediate mode) and deleted on drop. Its controls take `&self`, so a fault
+/// can be injected while a workload shares the handle.
 #[derive(Debug)]
 pub struct PostgresServer {
     dir: TempDir,
     port: u16,
     durable: bool,
-    running: bool,
+    running: AtomicBool,
 }
 
 impl PostgresServer {
@@ -38,7 +40,7 @@ impl PostgresServer {
     fn start_with(durable: bool) -> Result<Self, TestkitError> {
         let dir =
             tempfile::Builder::new().prefix("idemstore-pg-").tempdir().map_err(io("creating a Postgres directory"))?;
-        let mut server = Self { dir, port: 0, durable, running: false };
+        let mut server = Self { dir, port: 0, durable, running: AtomicBool::new(false) };
         if is_root() {
             run(
                 "chown of the Postgres directory",
@@ -78,12 +80,11 @@ impl PostgresServer {
     ///
     /// # Errors
     /// [`TestkitError`] if `pg_ctl` fails.
-    pub fn stop(&mut self) -> Result<(), TestkitError> {
-        if self.running {
+    pub fn stop(&self) -> Result<(), TestkitError> {
+        if self.running.swap(false, Ordering::SeqCst) {
             let mut stop = self.command("pg_ctl");
             stop.arg("-D").arg(self.data()).args(["-m", "immediate", "-w", "stop"]);
             run("pg_ctl stop", &mut stop)?;
-            self.running = false;
         }
         Ok(())
     }
@@ -92,7 +93,7 @@ impl PostgresServer {
     ///
     /// # Errors
     /// [`TestkitError`] if `pg_ctl` fails.
-    pub fn restart(&mut self) -> Result<(), TestkitError> {
+    pub fn restart(&self) -> Result<(), TestkitError> {
         self.stop()?;
         let sync = if self.durable { "on" } else { "off" };
         let options = format!(
@@ -105,7 +106,7 @@ impl PostgresServer {
         start.arg("-D").arg(self.data()).arg("-l").arg(self.dir.path().join("server.log"));
         start.args(["-o", &options, "-w", "-t", "30", "start"]);
         run("pg_ctl start", &mut start)?;
-        self.running = true;
+        self.running.store(true, Ordering::SeqCst);
         Ok(())
     }
 

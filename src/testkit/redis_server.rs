@@ -4,16 +4,18 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
 use super::{TestkitError, io, is_root, on_free_port, run};
 
-/// A `redis-server` child process without persistence, bound to 127.0.0.1.
+/// A `redis-server` child process without persistence, bound to 127.0.0.1. Its controls take `&self`,
+/// so a fault can be injected while a workload shares the handle.
 #[derive(Debug)]
 pub struct RedisServer {
-    child: Option<Child>,
+    child: Mutex<Option<Child>>,
     port: u16,
     dir: TempDir,
     extra_args: Vec<String>,
@@ -36,8 +38,12 @@ impl RedisServer {
         ensure_installed()?;
         let dir =
             tempfile::Builder::new().prefix("idemstore-redis-").tempdir().map_err(io("creating a Redis directory"))?;
-        let mut server =
-            Self { child: None, port: 0, dir, extra_args: extra_args.iter().map(|a| a.to_string()).collect() };
+        let mut server = Self {
+            child: Mutex::new(None),
+            port: 0,
+            dir,
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+        };
         on_free_port(|port| {
             server.port = port;
             server.spawn()
@@ -56,8 +62,8 @@ impl RedisServer {
     }
 
     /// Kills the server with SIGKILL: everything it held is gone, including its script cache.
-    pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
+    pub fn kill(&self) {
+        if let Some(mut child) = self.lock().take() {
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -67,7 +73,7 @@ impl RedisServer {
     ///
     /// # Errors
     /// As [`RedisServer::start`].
-    pub fn restart(&mut self) -> Result<(), TestkitError> {
+    pub fn restart(&self) -> Result<(), TestkitError> {
         self.kill();
         self.spawn()
     }
@@ -89,11 +95,15 @@ impl RedisServer {
     }
 
     fn signal(&self, signal: &str) -> Result<(), TestkitError> {
-        let pid = self.child.as_ref().map(Child::id).unwrap_or_default().to_string();
+        let pid = self.lock().as_ref().map(Child::id).unwrap_or_default().to_string();
         run("signalling redis-server", Command::new("kill").args([signal, &pid])).map(drop)
     }
 
-    fn spawn(&mut self) -> Result<(), TestkitError> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
+        self.child.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn spawn(&self) -> Result<(), TestkitError> {
         let port = self.port.to_string();
         let child = Command::new("redis-server")
             .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
@@ -104,7 +114,7 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .map_err(io("starting redis-server"))?;
-        self.child = Some(child);
+        *self.lock() = Some(child);
         wait_for_pong(self.port).inspect_err(|_| self.kill())
     }
 }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod chaos;
+
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -34,6 +36,8 @@ pub enum Servers {
     Any,
     /// Throwaway servers this test may kill, pause and restart.
     Owned,
+    /// Like `Owned`, with extra `redis-server` arguments (memory limits, eviction policy).
+    OwnedRedisWith(&'static [&'static str]),
 }
 
 pub struct Harness {
@@ -69,7 +73,11 @@ impl Harness {
             (Mode::PostgresOnly, _) => (None, None),
             (_, Some(url)) => (None, Some(url)),
             _ => {
-                let server = RedisServer::start().expect("start a throwaway Redis");
+                let args = match servers {
+                    Servers::OwnedRedisWith(args) => args,
+                    _ => &[],
+                };
+                let server = RedisServer::start_with(args).expect("start a throwaway Redis");
                 let url = server.url();
                 (Some(server), Some(url))
             }
@@ -92,6 +100,26 @@ impl Harness {
         store.migrate().await.expect("migrate");
         recorder();
         Self { mode, store, pool, redis, postgres, redis_url, database_url, prefix, operation }
+    }
+
+    /// Joins servers another process started (for child processes of fault tests): no server is
+    /// started, nothing is created, and dropping it stops nothing.
+    pub async fn attach(mode: Mode, policy: Policy, database_url: String, redis_url: Option<String>, id: &str) -> Self {
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(3))
+            .connect(&database_url)
+            .await
+            .expect("connect to Postgres");
+        let (prefix, operation) = (format!("t{id}"), format!("charge-{id}"));
+        let store = build_store(&pool, &prefix, &operation, redis_url.as_deref(), policy);
+        recorder();
+        Self { mode, store, pool, redis: None, postgres: None, redis_url, database_url, prefix, operation }
+    }
+
+    /// The id that names this test's Redis prefix and operation, for child processes to `attach` with.
+    pub fn id(&self) -> &str {
+        self.prefix.trim_start_matches('t')
     }
 
     /// Another store on the same servers, as a second process would have.
@@ -151,7 +179,7 @@ pub fn counter(operation: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .filter(|line| line.starts_with(&format!("{name}{{")))
         .filter(|line| wanted.iter().all(|w| line.contains(w.as_str())))
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .fold(0.0, |sum, value| sum + value)
 }
 
 fn build_store(pool: &PgPool, prefix: &str, operation: &str, redis_url: Option<&str>, policy: Policy) -> Store {

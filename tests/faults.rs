@@ -1,0 +1,432 @@
+//! Fault injection: a concurrent workload of retrying clients (see `support::chaos`) meets one fault per
+//! test, and the checker reads the real effects. Every test runs in both modes; faults that only concern
+//! Redis leave the Postgres-only run as a baseline under the same load.
+//!
+//! Each test prints its report as `REPORT <fault> <mode> <json>`; `docs/reliability.md` tabulates them.
+
+#[macro_use]
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemstore::{Begin, Fingerprint, LeaseExpiry, Mode, Policy, RunOutcome, Scope, State};
+use serde_json::json;
+use support::chaos::{self, Load, Progress, Report};
+use support::{Harness, Servers, key};
+
+suite!(
+    redis_killed_and_restarted_empty_mid_load,
+    redis_flushed_mid_load,
+    redis_paused_beyond_the_budget,
+    redis_evicting_under_memory_pressure,
+    redis_out_of_memory_with_noeviction,
+    postgres_restarted_mid_load,
+    owner_task_aborted_mid_work_is_taken_over,
+    owner_task_aborted_mid_work_goes_indeterminate,
+    owner_process_killed_mid_work_is_taken_over,
+    crash_between_postgres_commit_and_redis_write,
+    three_processes_hammer_the_same_keys,
+);
+
+/// Short leases, so that markers orphaned by a fault expire within the test.
+fn short_lease(expiry: LeaseExpiry) -> Policy {
+    Policy::builder()
+        .lease(Duration::from_secs(2))
+        .redis_ttl(Duration::from_secs(600))
+        .lease_expiry(expiry)
+        .build()
+        .expect("policy")
+}
+
+/// Runs the default load, injecting `fault` once a third of the requests are answered.
+async fn load_with_fault<F: std::future::Future<Output = ()>>(h: &Harness, fault: impl FnOnce() -> F) -> Report {
+    load_with_fault_at(h, 3, fault).await
+}
+
+/// Runs the default load, injecting `fault` once 1/`fraction` of the requests are answered.
+async fn load_with_fault_at<F: std::future::Future<Output = ()>>(
+    h: &Harness,
+    fraction: u64,
+    fault: impl FnOnce() -> F,
+) -> Report {
+    let load = Load::default();
+    let progress = Progress::new();
+    let total = (load.clients * load.keys * load.passes) as u64;
+    let injected = async {
+        progress.reached(total / fraction).await;
+        fault().await;
+    };
+    let (report, ()) = tokio::join!(chaos::run(h, &h.store, "acme", load, &progress), injected);
+    report
+}
+
+fn print(fault: &str, h: &Harness, report: &Report) {
+    let mode = format!("{:?}", h.mode);
+    println!("REPORT {fault} {mode} {}", serde_json::to_string(report).expect("json"));
+}
+
+/// The invariants every fault must keep: nothing ran twice, every answer is what Postgres holds, and
+/// every request was answered.
+fn assert_once(report: &Report) {
+    assert_eq!(report.duplicate_executions, 0, "{report:#?}");
+    assert_clean(report);
+}
+
+/// Answers are consistent and complete (duplicates are checked by the caller).
+fn assert_clean(report: &Report) {
+    assert_eq!(report.lost_completions, 0, "{report:#?}");
+    assert_eq!(report.divergent_answers, 0, "{report:#?}");
+    assert_eq!(report.wrong_answers, 0, "{report:#?}");
+    assert_eq!(report.unanswered, 0, "{report:#?}");
+    assert_eq!(report.executions, report.keys as u64 + report.duplicate_executions, "{report:#?}");
+    assert!(report.mismatches_refused > 0, "the load reuses keys: {report:#?}");
+}
+
+fn fallbacks(h: &Harness) -> f64 {
+    h.counter("idemstore_redis_fallbacks_total", &[])
+}
+
+/// Redis is SIGKILLed mid-load and restarted empty (script cache included): the Postgres path answers
+/// meanwhile, the scripts are reloaded, and nothing runs twice.
+async fn redis_killed_and_restarted_empty_mid_load(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Owned).await;
+    let report = load_with_fault(&h, || async {
+        if let Some(redis) = &h.redis {
+            redis.kill();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            redis.restart().expect("restart Redis");
+        }
+    })
+    .await;
+    print("redis-killed", &h, &report);
+    assert_once(&report);
+    if mode == Mode::TwoTier {
+        assert!(fallbacks(&h) > 0.0);
+        assert!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]) > 0.0);
+    }
+}
+
+/// FLUSHALL + SCRIPT FLUSH mid-load: Postgres arbitrates every key Redis forgot and Redis is repaired.
+async fn redis_flushed_mid_load(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
+    let report = load_with_fault(&h, || async {
+        if mode == Mode::TwoTier {
+            let mut conn = h.redis_connection().await;
+            let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.expect("FLUSHALL");
+            let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut conn).await.expect("SCRIPT FLUSH");
+        }
+    })
+    .await;
+    print("redis-flushed", &h, &report);
+    assert_once(&report);
+    if mode == Mode::TwoTier {
+        assert!(h.counter("idemstore_reconciliations_total", &[]) > 0.0);
+    }
+}
+
+/// Redis stops answering (SIGSTOP) for three seconds: requests degrade to Postgres within the budget
+/// instead of waiting for Redis, and nothing runs twice.
+async fn redis_paused_beyond_the_budget(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Owned).await;
+    let pause = Duration::from_secs(3);
+    let report = load_with_fault(&h, || async {
+        if let Some(redis) = &h.redis {
+            redis.pause().expect("SIGSTOP");
+            tokio::time::sleep(pause).await;
+            redis.resume().expect("SIGCONT");
+        }
+    })
+    .await;
+    print("redis-paused", &h, &report);
+    assert_once(&report);
+    assert!(report.slowest_attempt_ms < pause.as_millis() as u64 / 2, "no attempt waited for Redis: {report:#?}");
+    if mode == Mode::TwoTier {
+        let timeouts = h.counter("idemstore_redis_fallbacks_total", &[("reason", "timeout")]);
+        assert!(timeouts > 0.0, "the budget ran out at least once");
+    }
+}
+
+/// A Redis that evicts (allkeys-lru, 2 MB, filled by another writer) loses live markers: Postgres still
+/// arbitrates, nothing runs twice.
+async fn redis_evicting_under_memory_pressure(mode: Mode) {
+    let args = &["--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"];
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::OwnedRedisWith(args)).await;
+    let filler = spawn_filler(&h).await;
+    let report = load_with_fault(&h, || async {}).await;
+    let evicted = stop_filler(&h, filler).await;
+    print("redis-evicting", &h, &report);
+    assert_once(&report);
+    if mode == Mode::TwoTier {
+        assert!(evicted > 0, "the filler made Redis evict");
+    }
+}
+
+/// A full Redis with `noeviction` answers OOM to every write: the store treats that as "Redis
+/// unavailable", falls back to Postgres and counts it.
+async fn redis_out_of_memory_with_noeviction(mode: Mode) {
+    let args = &["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"];
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::OwnedRedisWith(args)).await;
+    if mode == Mode::TwoTier {
+        // Fill it up until writes are refused.
+        let mut conn = h.redis_connection().await;
+        let junk = vec![b'x'; 16 << 10];
+        for i in 0.. {
+            let set: redis::RedisResult<()> =
+                redis::cmd("SET").arg(format!("junk:{i}")).arg(&junk).query_async(&mut conn).await;
+            if set.is_err() {
+                break;
+            }
+        }
+    }
+    let report = load_with_fault(&h, || async {}).await;
+    print("redis-oom", &h, &report);
+    assert_once(&report);
+    if mode == Mode::TwoTier {
+        assert!(h.counter("idemstore_redis_fallbacks_total", &[("reason", "error")]) > 0.0);
+    }
+}
+
+/// Writes 16 KB values into Redis until stopped, to keep it at its memory limit.
+async fn spawn_filler(h: &Harness) -> Option<(tokio::task::JoinHandle<()>, tokio::sync::oneshot::Sender<()>)> {
+    if h.mode != Mode::TwoTier {
+        return None;
+    }
+    let mut conn = h.redis_connection().await;
+    let (stop, mut stopped) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let junk = vec![b'x'; 16 << 10];
+        for i in 0u64.. {
+            if stopped.try_recv().is_ok() {
+                break;
+            }
+            let _: redis::RedisResult<()> =
+                redis::cmd("SET").arg(format!("junk:{i}")).arg(&junk).query_async(&mut conn).await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    Some((task, stop))
+}
+
+/// Stops the filler; returns how many keys Redis evicted.
+async fn stop_filler(
+    h: &Harness,
+    filler: Option<(tokio::task::JoinHandle<()>, tokio::sync::oneshot::Sender<()>)>,
+) -> u64 {
+    let Some((task, stop)) = filler else { return 0 };
+    let _ = stop.send(());
+    task.await.expect("filler");
+    let mut conn = h.redis_connection().await;
+    let info: String = redis::cmd("INFO").arg("stats").query_async(&mut conn).await.expect("INFO");
+    info.lines().find_map(|l| l.strip_prefix("evicted_keys:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Postgres crashes (immediate stop) and restarts mid-load: requests fail closed with a retryable error
+/// meanwhile, and retries complete. A work that committed its effect while its own completion failed is
+/// re-executed after its lease, under TakeOver: that is the documented at-least-once case, so duplicates
+/// are bounded by the takeovers, and every answer still matches what Postgres holds.
+async fn postgres_restarted_mid_load(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Owned).await;
+    // Early in the load, while most keys are still being claimed (later, Redis answers most of them).
+    let report = load_with_fault_at(&h, 50, || async {
+        let postgres = h.postgres.as_ref().expect("owned");
+        postgres.stop().expect("crash Postgres");
+        // Longer than the pool's 3 s acquire timeout, so waiting requests fail closed.
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        postgres.restart().expect("restart Postgres");
+    })
+    .await;
+    print("postgres-restarted", &h, &report);
+    let takeovers = h.counter("idemstore_lease_takeovers_total", &[]);
+    println!("REPORT postgres-restarted {:?} takeovers={takeovers:.0}", h.mode);
+    assert!(report.errors_surfaced > 0, "the crash was seen: {report:#?}");
+    assert!(report.duplicate_executions as f64 <= takeovers, "every duplicate follows a takeover: {report:#?}");
+    assert_clean(&report);
+}
+
+/// Starts an owner whose work inserts its effect and then hangs; returns once the effect is written.
+async fn hanging_owner(h: &Arc<Harness>, name: &str) -> tokio::task::JoinHandle<()> {
+    let (started, owner_started) = tokio::sync::oneshot::channel();
+    let task = {
+        let (h, k) = (h.clone(), key(name));
+        tokio::spawn(async move {
+            let _ = h
+                .store
+                .run_once(&h.scope("acme"), &k, &json!({"amount": 1}), || async {
+                    let effect = h.charge("acme", &k).await;
+                    let _ = started.send(());
+                    std::future::pending::<()>().await;
+                    effect
+                })
+                .await;
+        })
+    };
+    owner_started.await.expect("the owner ran its work");
+    task
+}
+
+/// Eight concurrent retries, each retrying until it gets a final answer.
+async fn retry_storm(h: &Harness, name: &str) -> Vec<RunOutcome<serde_json::Value>> {
+    let k = key(name);
+    let retries = (0..8).map(|_| async {
+        loop {
+            let outcome = h.store.run_once(&h.scope("acme"), &k, &json!({"amount": 1}), || h.charge("acme", &k)).await;
+            match outcome.expect("the store answers") {
+                RunOutcome::InFlight { .. } => tokio::time::sleep(Duration::from_millis(25)).await,
+                other => return other,
+            }
+        }
+    });
+    futures::future::join_all(retries).await
+}
+
+/// The owner's task is aborted after its effect: once its lease runs out exactly one retry executes
+/// again (the documented at-least-once of TakeOver: two effects), the others replay it.
+async fn owner_task_aborted_mid_work_is_taken_over(mode: Mode) {
+    let h = Arc::new(Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await);
+    hanging_owner(&h, "aborted").await.abort();
+    let outcomes = retry_storm(&h, "aborted").await;
+    let executed = outcomes.iter().filter(|o| matches!(o, RunOutcome::Executed(_))).count();
+    let replayed = outcomes.iter().filter(|o| matches!(o, RunOutcome::Replayed(_))).count();
+    println!("REPORT owner-aborted-takeover {mode:?} executed={executed} replayed={replayed}");
+    assert_eq!((executed, replayed), (1, 7), "{outcomes:?}");
+    assert_eq!(h.effects("acme", &key("aborted")).await, 2);
+    assert_eq!(h.counter("idemstore_lease_takeovers_total", &[]), 1.0);
+}
+
+/// Under MarkIndeterminate the same crash executes nothing again: every retry is told indeterminate.
+async fn owner_task_aborted_mid_work_goes_indeterminate(mode: Mode) {
+    let h = Arc::new(Harness::with(mode, short_lease(LeaseExpiry::MarkIndeterminate), Servers::Any).await);
+    hanging_owner(&h, "aborted").await.abort();
+    let outcomes = retry_storm(&h, "aborted").await;
+    assert!(outcomes.iter().all(|o| matches!(o, RunOutcome::Indeterminate)), "{outcomes:?}");
+    assert_eq!(h.effects("acme", &key("aborted")).await, 1);
+    let record = h.store.lookup(&h.scope("acme"), &key("aborted")).await.expect("lookup").expect("record");
+    assert_eq!(record.state, State::Indeterminate);
+}
+
+/// A separate OS process claims a key, writes its effect and is SIGKILLed mid-work: after its lease,
+/// exactly one retry executes.
+async fn owner_process_killed_mid_work_is_taken_over(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
+    let mut child = child(&h, "child_owner").stdout(Stdio::piped()).spawn().expect("spawn the owner process");
+    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    for line in lines {
+        if line.expect("child stdout").contains("OWNER WORKING") {
+            break;
+        }
+    }
+    child.kill().expect("SIGKILL the owner");
+    child.wait().expect("reap the owner");
+    let outcomes = retry_storm(&h, "killed").await;
+    let executed = outcomes.iter().filter(|o| matches!(o, RunOutcome::Executed(_))).count();
+    assert_eq!(executed, 1, "{outcomes:?}");
+    assert_eq!(h.effects("acme", &key("killed")).await, 2, "the killed owner's effect, then the takeover's");
+}
+
+/// The owner's process "dies" right after the completion commit, before Redis hears of it (failpoint):
+/// retries are told "in flight" until the owner's marker expires, then get the replay from Postgres,
+/// and Redis is repaired.
+async fn crash_between_postgres_commit_and_redis_write(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("crash"));
+    fail::cfg("complete-before-redis", "return").expect("failpoint");
+    let first = h.store.run_once(&scope, &k, &json!({"amount": 1}), || h.charge("acme", &k)).await;
+    fail::remove("complete-before-redis");
+    let Ok(RunOutcome::Executed(value)) = first else { panic!("{first:?}") };
+    let replay = retry_storm(&h, "crash").await;
+    assert!(replay.iter().all(|o| *o == RunOutcome::Replayed(value.clone())), "{replay:?}");
+    assert_eq!(h.effects("acme", &k).await, 1);
+    if mode == Mode::TwoTier {
+        assert_eq!(h.counter("idemstore_reconciliations_total", &[]), 1.0);
+        let fp = Fingerprint::of_serialize(&json!({"amount": 1}), h.store.policy(scope.operation()).fingerprint());
+        let hits = h.counter("idemstore_redis_lookups_total", &[("result", "hit")]);
+        assert!(matches!(h.store.begin(&scope, &k, &fp.expect("fp")).await, Ok(Begin::Completed(_))));
+        assert_eq!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]), hits + 1.0, "repaired");
+    }
+}
+
+/// Three OS processes, each with its own pools, run the retrying load on the same keys.
+async fn three_processes_hammer_the_same_keys(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
+    let children: Vec<_> =
+        (0..3).map(|_| child(&h, "child_load").stdout(Stdio::piped()).spawn().expect("spawn a load process")).collect();
+    let mut total = Report::default();
+    for child in children {
+        let output = child.wait_with_output().expect("load process");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stdout));
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let line = stdout.lines().find_map(|l| l.strip_prefix("CHILD REPORT ")).expect("a report line");
+        let report: serde_json::Value = serde_json::from_str(line).expect("json");
+        total.requests += report["requests"].as_u64().unwrap_or(0);
+        total.mismatches_refused += report["mismatches_refused"].as_u64().unwrap_or(0);
+        total.errors_surfaced += report["errors_surfaced"].as_u64().unwrap_or(0);
+        total.unanswered += report["unanswered"].as_u64().unwrap_or(0);
+        total.wrong_answers += report["wrong_answers"].as_u64().unwrap_or(0);
+        total.lost_completions += report["lost_completions"].as_u64().unwrap_or(0);
+    }
+    // The effects are shared: count them once, across all processes.
+    let keys = Load::default().keys;
+    for k in 0..keys {
+        let executions = h.effects("acme", &key(&format!("chaos-{k}"))).await as u64;
+        total.executions += executions;
+        total.duplicate_executions += executions.saturating_sub(1);
+    }
+    total.keys = keys;
+    print("three-processes", &h, &total);
+    assert_once(&total);
+}
+
+/// This test binary, run again as a child process that joins this test's servers.
+fn child(h: &Harness, entry: &str) -> Command {
+    let mut command = Command::new(std::env::current_exe().expect("test binary"));
+    command
+        .args(["--exact", entry, "--ignored", "--nocapture"])
+        .env("IDEMSTORE_CHILD_DATABASE_URL", &h.database_url)
+        .env("IDEMSTORE_CHILD_ID", h.id())
+        .env("IDEMSTORE_CHILD_MODE", format!("{:?}", h.mode));
+    if let Some(url) = &h.redis_url {
+        command.env("IDEMSTORE_CHILD_REDIS_URL", url);
+    }
+    command
+}
+
+/// In a child process: the harness of the parent test, or `None` when run on its own.
+async fn attach_to_parent() -> Option<Harness> {
+    let database_url = std::env::var("IDEMSTORE_CHILD_DATABASE_URL").ok()?;
+    let id = std::env::var("IDEMSTORE_CHILD_ID").ok()?;
+    let mode =
+        if std::env::var("IDEMSTORE_CHILD_MODE").ok()? == "TwoTier" { Mode::TwoTier } else { Mode::PostgresOnly };
+    let redis_url = std::env::var("IDEMSTORE_CHILD_REDIS_URL").ok();
+    Some(Harness::attach(mode, short_lease(LeaseExpiry::TakeOver), database_url, redis_url, &id).await)
+}
+
+/// Child process of `owner_process_killed_mid_work_is_taken_over`: claims, writes its effect, announces
+/// it, and hangs until killed.
+#[tokio::test]
+#[ignore = "run as a child process by the fault tests"]
+async fn child_owner() {
+    let Some(h) = attach_to_parent().await else { return };
+    let k = key("killed");
+    let scope = Scope::new("acme", h.operation.clone()).expect("scope");
+    let _ = h
+        .store
+        .run_once(&scope, &k, &json!({"amount": 1}), || async {
+            let effect = h.charge("acme", &k).await;
+            println!("OWNER WORKING");
+            std::future::pending::<()>().await;
+            effect
+        })
+        .await;
+}
+
+/// Child process of `three_processes_hammer_the_same_keys`: runs the load and prints its report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run as a child process by the fault tests"]
+async fn child_load() {
+    let Some(h) = attach_to_parent().await else { return };
+    let report = chaos::run(&h, &h.store, "acme", Load::default(), &Progress::new()).await;
+    println!("CHILD REPORT {}", serde_json::to_string(&report).expect("json"));
+}
