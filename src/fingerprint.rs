@@ -417,6 +417,25 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn pathological_payloads_get_typed_errors() {
+        let options = FingerprintOptions::default();
+        let deep = format!("{}1{}", "[".repeat(10_000), "]".repeat(10_000));
+        assert!(matches!(Fingerprint::of_json(deep.as_bytes(), &options), Err(InputError::TooDeep { limit: 64 })));
+        let deep_objects = "{\"a\":".repeat(10_000);
+        assert!(matches!(Fingerprint::of_json(deep_objects.as_bytes(), &options), Err(InputError::TooDeep { .. })));
+        let huge = vec![b' '; 100 << 20];
+        assert!(matches!(Fingerprint::of_json(&huge, &options), Err(InputError::PayloadTooLarge { .. })));
+        assert!(matches!(Fingerprint::of_bytes(&huge, &options), Err(InputError::PayloadTooLarge { .. })));
+        assert!(matches!(Fingerprint::of_json(b"1e400", &options), Err(InputError::InvalidJson(_))));
+        assert!(matches!(Fingerprint::of_json(b"\"\xff\xfe\"", &options), Err(InputError::InvalidJson(_))));
+        assert!(matches!(
+            Fingerprint::of_json(b"{\"a\":1,\"b\":{\"c\":1,\"c\":2}}", &options),
+            Err(InputError::DuplicateMember { .. })
+        ));
+        assert!(matches!(Fingerprint::of_json(b"", &options), Err(InputError::InvalidJson(_))));
+    }
+
     fn json_value() -> impl Strategy<Value = serde_json::Value> {
         let leaf = prop_oneof![
             Just(serde_json::Value::Null),
@@ -449,6 +468,16 @@ mod tests {
             parse(&compact, 64).expect("valid").write(&mut canonical);
             let reparsed: serde_json::Value = serde_json::from_slice(&canonical).expect("canonical form is JSON");
             prop_assert_eq!(parse(&canonical, 64).ok(), parse(&serde_json::to_vec(&reparsed).expect("ser"), 64).ok());
+        }
+
+        /// Two payloads share a fingerprint exactly when their canonical values are equal.
+        #[test]
+        fn different_values_differ(a in json_value(), b in json_value()) {
+            let (a, b) = (serde_json::to_vec(&a).expect("ser"), serde_json::to_vec(&b).expect("ser"));
+            let options = FingerprintOptions::default();
+            let same_value = parse(&a, 64).ok() == parse(&b, 64).ok();
+            let same_fingerprint = Fingerprint::of_json(&a, &options).ok() == Fingerprint::of_json(&b, &options).ok();
+            prop_assert_eq!(same_fingerprint, same_value);
         }
     }
 }

@@ -106,6 +106,16 @@ fn validate_name(field: &'static str, name: &str) -> Result<(), InputError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A key is accepted exactly when it is 1 to 255 bytes of visible ASCII.
+        #[test]
+        fn accepts_exactly_visible_ascii_up_to_255_bytes(key in "(\\PC|[ \t\x00-\x1f\x7f]){0,300}") {
+            let valid = (1..=255).contains(&key.len()) && key.bytes().all(|b| b.is_ascii_graphic());
+            prop_assert_eq!(IdempotencyKey::new(key.clone()).is_ok(), valid, "{:?}", key);
+        }
+    }
 
     #[test]
     fn keys_are_visible_ascii_of_bounded_length() {

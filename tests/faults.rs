@@ -12,6 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use idemstore::testkit::ProxyMode;
 use idemstore::{Begin, Fingerprint, LeaseExpiry, Mode, Policy, RunOutcome, Scope, State};
 use serde_json::json;
 use support::chaos::{self, Load, Progress, Report};
@@ -29,6 +30,11 @@ suite!(
     owner_process_killed_mid_work_is_taken_over,
     crash_between_postgres_commit_and_redis_write,
     three_processes_hammer_the_same_keys,
+    redis_connection_blackholed_mid_load,
+    redis_connections_cut_mid_load,
+    postgres_connections_cut_mid_load,
+    postgres_blackholed_mid_load,
+    skewed_clocks_do_not_move_leases,
 );
 
 /// Short leases, so that markers orphaned by a fault expire within the test.
@@ -63,9 +69,13 @@ async fn load_with_fault_at<F: std::future::Future<Output = ()>>(
     report
 }
 
+/// Prints the report with what the store counted meanwhile, for `docs/reliability.md`.
 fn print(fault: &str, h: &Harness, report: &Report) {
-    let mode = format!("{:?}", h.mode);
-    println!("REPORT {fault} {mode} {}", serde_json::to_string(report).expect("json"));
+    let mut line = serde_json::to_value(report).expect("json");
+    line["redis_fallbacks"] = json!(fallbacks(h));
+    line["reconciliations"] = json!(h.counter("idemstore_reconciliations_total", &[]));
+    line["takeovers"] = json!(h.counter("idemstore_lease_takeovers_total", &[]));
+    println!("REPORT {fault} {:?} {line}", h.mode);
 }
 
 /// The invariants every fault must keep: nothing ran twice, every answer is what Postgres holds, and
@@ -240,9 +250,75 @@ async fn postgres_restarted_mid_load(mode: Mode) {
     .await;
     print("postgres-restarted", &h, &report);
     let takeovers = h.counter("idemstore_lease_takeovers_total", &[]);
-    println!("REPORT postgres-restarted {:?} takeovers={takeovers:.0}", h.mode);
     assert!(report.errors_surfaced > 0, "the crash was seen: {report:#?}");
     assert!(report.duplicate_executions as f64 <= takeovers, "every duplicate follows a takeover: {report:#?}");
+    assert_clean(&report);
+}
+
+/// The network to Redis stops carrying packets for two seconds (a partition, through the proxy):
+/// requests degrade to Postgres within the budget, nothing runs twice.
+async fn redis_connection_blackholed_mid_load(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let report = load_with_fault(&h, || async {
+        if let Some(proxy) = &h.redis_proxy {
+            proxy.set(ProxyMode::Blackhole);
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            proxy.set(ProxyMode::Pass);
+        }
+    })
+    .await;
+    print("redis-blackholed", &h, &report);
+    assert_once(&report);
+    assert!(report.slowest_attempt_ms < 1000, "no attempt waited out the partition: {report:#?}");
+    if mode == Mode::TwoTier {
+        assert!(h.counter("idemstore_redis_fallbacks_total", &[("reason", "timeout")]) > 0.0);
+    }
+}
+
+/// Every connection to Redis is cut at once mid-load: calls fail, degrade, and reconnect.
+async fn redis_connections_cut_mid_load(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let report = load_with_fault(&h, || async {
+        if let Some(proxy) = &h.redis_proxy {
+            proxy.cut();
+        }
+    })
+    .await;
+    print("redis-cut", &h, &report);
+    assert_once(&report);
+    if mode == Mode::TwoTier {
+        assert!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]) > 0.0, "Redis serves again");
+    }
+}
+
+/// Every connection to Postgres is cut at once, early in the load: calls in flight fail closed, retries
+/// complete, and duplicates can only follow a takeover (a work whose completion was cut).
+async fn postgres_connections_cut_mid_load(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let report = load_with_fault_at(&h, 50, || async {
+        h.postgres_proxy.as_ref().expect("proxied").cut();
+    })
+    .await;
+    print("postgres-cut", &h, &report);
+    assert!(report.duplicate_executions as f64 <= h.counter("idemstore_lease_takeovers_total", &[]), "{report:#?}");
+    assert_clean(&report);
+}
+
+/// Postgres stops answering for three seconds (a partition, through the proxy): calls fail closed at
+/// the store's Postgres timeout instead of hanging, and retries complete.
+async fn postgres_blackholed_mid_load(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let report = load_with_fault_at(&h, 50, || async {
+        let proxy = h.postgres_proxy.as_ref().expect("proxied");
+        proxy.set(ProxyMode::Blackhole);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        proxy.set(ProxyMode::Pass);
+    })
+    .await;
+    print("postgres-blackholed", &h, &report);
+    assert!(report.errors_surfaced > 0, "the partition was seen: {report:#?}");
+    assert!(report.slowest_attempt_ms < 3000, "calls failed at the timeout, not after the partition: {report:#?}");
+    assert!(report.duplicate_executions as f64 <= h.counter("idemstore_lease_takeovers_total", &[]), "{report:#?}");
     assert_clean(&report);
 }
 
@@ -377,6 +453,63 @@ async fn three_processes_hammer_the_same_keys(mode: Mode) {
     total.keys = keys;
     print("three-processes", &h, &total);
     assert_once(&total);
+}
+
+/// A process whose clock runs two hours ahead (libfaketime) neither takes over a live lease of a process
+/// with a right clock, nor loses its own early to it: leases are measured by the servers' clocks only.
+async fn skewed_clocks_do_not_move_leases(mode: Mode) {
+    idemstore::testkit::ensure_installed("faketime", "faketime").expect("faketime");
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
+    let fp = Fingerprint::of_serialize(&json!({"amount": 1}), h.store.policy(&h.operation).fingerprint()).expect("fp");
+    let Ok(Begin::Acquired(held)) = h.store.begin(&h.scope("acme"), &key("skew-held"), &fp).await else { panic!() };
+
+    // libfaketime preloaded into the child itself (the `faketime` wrapper forks, and killing it would
+    // leave the child running). Only the wall clock is skewed: that is what disagrees between machines;
+    // monotonic clocks are never compared across them.
+    let mut child = child(&h, "child_skewed_clock")
+        .env("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+        .env("FAKETIME", "+2h")
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the skewed process");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines().map(|l| l.expect("stdout"));
+    let clock =
+        lines.find_map(|l| l.strip_prefix("CLOCK ").and_then(|c| c.parse::<u64>().ok())).expect("the child's clock");
+    assert!(clock > unix_seconds() + 3600, "the child's clock runs ahead");
+    let challenger = lines.find(|l| l.starts_with("CHALLENGER")).expect("the challenger's answer");
+    assert_eq!(challenger, "CHALLENGER in_flight", "a clock ahead does not expire another's lease");
+    assert!(lines.any(|l| l.contains("OWNER WORKING")));
+    let answer = h.store.begin(&h.scope("acme"), &key("skew-owned"), &fp).await.expect("begin");
+    assert!(
+        matches!(answer, Begin::InFlight { .. }),
+        "a clock behind does not expire the skewed owner's lease: {answer:?}"
+    );
+    child.kill().expect("kill");
+    child.wait().expect("reap");
+    h.store.complete(&held, b"1").await.expect("the held lease is still ours");
+}
+
+fn unix_seconds() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Child process of `skewed_clocks_do_not_move_leases`, run under libfaketime: challenges the parent's
+/// lease, then holds a lease of its own until killed.
+#[tokio::test]
+#[ignore = "run as a child process by the fault tests"]
+async fn child_skewed_clock() {
+    let Some(h) = attach_to_parent().await else { return };
+    println!("CLOCK {}", unix_seconds());
+    let scope = Scope::new("acme", h.operation.clone()).expect("scope");
+    let fp = Fingerprint::of_serialize(&json!({"amount": 1}), h.store.policy(&h.operation).fingerprint()).expect("fp");
+    match h.store.begin(&scope, &key("skew-held"), &fp).await {
+        Ok(Begin::InFlight { .. }) => println!("CHALLENGER in_flight"),
+        other => println!("CHALLENGER {other:?}"),
+    }
+    let Ok(Begin::Acquired(_lease)) = h.store.begin(&scope, &key("skew-owned"), &fp).await else { return };
+    println!("OWNER WORKING");
+    std::future::pending::<()>().await;
 }
 
 /// This test binary, run again as a child process that joins this test's servers.

@@ -310,3 +310,54 @@ fn unavailable() -> Response<Body> {
         .retry_after(Duration::from_secs(1))
         .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn headers(values: &[&[u8]]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for value in values {
+            headers.append("idempotency-key", http::HeaderValue::from_bytes(value).expect("header value"));
+        }
+        headers
+    }
+
+    proptest! {
+        /// The quoted (structured-field string) and bare forms of any valid key name the same key.
+        #[test]
+        fn quoted_and_bare_forms_agree(key in "[!-~]{1,255}") {
+            let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
+            let bare = read_key(&headers(&[key.as_bytes()]));
+            let from_quoted = read_key(&headers(&[quoted.as_bytes()]));
+            if key.starts_with('"') && key.ends_with('"') && key.len() >= 2 {
+                // A bare value wrapped in quotes is read as the quoted form; that is what the draft says.
+                prop_assert!(from_quoted.is_ok());
+            } else {
+                prop_assert_eq!(bare.clone().ok().flatten(), from_quoted.clone().ok().flatten());
+                prop_assert_eq!(bare.ok().flatten().map(|k| k.as_str().to_owned()), Some(key));
+            }
+        }
+
+        /// Arbitrary header bytes give a key or an error, never a panic.
+        #[test]
+        fn never_panics(value in prop::collection::vec(32u8..=255, 0..300)) {
+            if let Ok(value) = http::HeaderValue::from_bytes(&value) {
+                let _ = read_key(&headers(&[value.as_bytes()]));
+            }
+        }
+    }
+
+    #[test]
+    fn repeated_and_malformed_headers_are_refused() {
+        assert!(read_key(&headers(&[b"a", b"b"])).is_err());
+        assert!(read_key(&headers(&[b"\"a\\qb\""])).is_err());
+        assert!(read_key(&headers(&[b"\"a\"b\""])).is_err());
+        assert!(read_key(&headers(&[b"\"\""])).is_err());
+        assert!(read_key(&headers(&[b""])).is_err());
+        assert_eq!(read_key(&headers(&[])).ok(), Some(None));
+        let escaped = read_key(&headers(&[b"\"a\\\"b\""])).expect("valid escape").expect("a key");
+        assert_eq!(escaped.as_str(), "a\"b");
+    }
+}

@@ -108,6 +108,7 @@ pub struct StoreBuilder {
     key_prefix: Option<String>,
     redis_budget: Option<Duration>,
     redis_cooldown: Option<Duration>,
+    postgres_timeout: Option<Duration>,
     default_policy: Option<Policy>,
     policies: HashMap<String, Policy>,
 }
@@ -165,6 +166,13 @@ impl StoreBuilder {
         self
     }
 
+    /// Longest wait for one Postgres statement before the call fails closed with
+    /// [`StoreError::StoreUnavailable`] (default 5 s). Guards against a partitioned or stalled server.
+    pub fn postgres_timeout(mut self, timeout: Duration) -> Self {
+        self.postgres_timeout = Some(timeout);
+        self
+    }
+
     /// The policy of operations without one of their own (default [`Policy::default`]).
     pub fn default_policy(mut self, policy: Policy) -> Self {
         self.default_policy = Some(policy);
@@ -211,7 +219,7 @@ impl StoreBuilder {
         });
         Ok(Store {
             inner: Arc::new(Inner {
-                postgres: PostgresTier::new(pg_pool),
+                postgres: PostgresTier::new(pg_pool, self.postgres_timeout.unwrap_or(Duration::from_secs(5))),
                 redis,
                 default_policy: Arc::new(self.default_policy.unwrap_or_default()),
                 policies: self.policies.into_iter().map(|(op, p)| (op, Arc::new(p))).collect(),

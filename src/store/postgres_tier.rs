@@ -1,5 +1,7 @@
 //! The source of truth: every statement of the protocol, one round trip each, fenced where it writes.
 
+use std::future::Future;
+use std::io;
 use std::time::Duration;
 
 use sqlx::Row as _;
@@ -99,11 +101,21 @@ pub(crate) struct Claim {
 
 pub(crate) struct PostgresTier {
     pool: PgPool,
+    /// Longest wait for one statement: a partitioned or stalled Postgres fails the call (closed)
+    /// instead of holding the request forever.
+    timeout: Duration,
 }
 
 impl PostgresTier {
-    pub(crate) fn new(pool: PgPool) -> Self {
-        Self { pool }
+    pub(crate) fn new(pool: PgPool, timeout: Duration) -> Self {
+        Self { pool, timeout }
+    }
+
+    async fn bounded<T>(&self, call: impl Future<Output = Result<T, sqlx::Error>>) -> Result<T, sqlx::Error> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(sqlx::Error::Io(io::Error::new(io::ErrorKind::TimedOut, "Postgres did not answer in time"))),
+        }
     }
 
     pub(crate) fn pool(&self) -> &PgPool {
@@ -116,7 +128,7 @@ impl PostgresTier {
         // but is invisible to `prior`, so the statement returns no row; the next attempt sees it.
         loop {
             telemetry::postgres_statement("claim");
-            let row = sqlx::query(CLAIM)
+            let claim = sqlx::query(CLAIM)
                 .bind(lease.scope.tenant())
                 .bind(lease.scope.operation())
                 .bind(lease.key.as_str())
@@ -125,8 +137,8 @@ impl PostgresTier {
                 .bind(millis(policy.lease) as f64)
                 .bind(policy.retention.map(|r| millis(r) as f64))
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
-                .fetch_optional(&self.pool)
-                .await?;
+                .fetch_optional(&self.pool);
+            let row = self.bounded(claim).await?;
             if let Some(row) = row {
                 let acquired: bool = row.try_get("acquired")?;
                 let prior: Option<String> = row.try_get("prior_state")?;
@@ -142,33 +154,37 @@ impl PostgresTier {
 
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, sqlx::Error> {
         telemetry::postgres_statement("lookup");
-        let row = sqlx::query(LOOKUP)
+        let lookup = sqlx::query(LOOKUP)
             .bind(scope.tenant())
             .bind(scope.operation())
             .bind(key.as_str())
-            .fetch_optional(&self.pool)
-            .await?;
+            .fetch_optional(&self.pool);
+        let row = self.bounded(lookup).await?;
         row.as_ref().map(decode_record).transpose()
     }
 
     /// Returns whether the fenced completion matched (false: the lease was lost).
     pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<bool, sqlx::Error> {
         let retention = lease.policy.retention.map(|r| millis(r) as f64);
-        self.fenced("complete", COMPLETE, lease).bind(response).bind(retention).execute(&self.pool).await.map(matched)
+        self.bounded(self.fenced("complete", COMPLETE, lease).bind(response).bind(retention).execute(&self.pool))
+            .await
+            .map(matched)
     }
 
     pub(crate) async fn release(&self, lease: &Lease) -> Result<bool, sqlx::Error> {
-        self.fenced("release", RELEASE, lease).execute(&self.pool).await.map(matched)
+        self.bounded(self.fenced("release", RELEASE, lease).execute(&self.pool)).await.map(matched)
     }
 
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<bool, sqlx::Error> {
         let lease_ms = millis(lease.policy.lease) as f64;
-        self.fenced("extend", EXTEND, lease).bind(lease_ms).execute(&self.pool).await.map(matched)
+        self.bounded(self.fenced("extend", EXTEND, lease).bind(lease_ms).execute(&self.pool)).await.map(matched)
     }
 
     /// Marks the record of `stale` (the lease that ran out, as read) indeterminate.
     pub(crate) async fn mark_indeterminate(&self, stale: &Lease) -> Result<bool, sqlx::Error> {
-        self.fenced("mark_indeterminate", MARK_INDETERMINATE, stale).execute(&self.pool).await.map(matched)
+        self.bounded(self.fenced("mark_indeterminate", MARK_INDETERMINATE, stale).execute(&self.pool))
+            .await
+            .map(matched)
     }
 
     /// A write keyed by the lease's record and fence (`$1`..`$4`), counted as `statement`.

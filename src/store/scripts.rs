@@ -58,6 +58,35 @@ impl RedisBegin {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn reply() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Nil),
+            Just(Value::Okay),
+            any::<i64>().prop_map(Value::Int),
+            prop::collection::vec(any::<u8>(), 0..16).prop_map(Value::BulkString),
+            prop::sample::select(vec!["claimed", "completed", "in_flight", "mismatch", "unconfirmed", "x"])
+                .prop_map(|tag| Value::BulkString(tag.as_bytes().to_vec())),
+            "[a-z_]{0,12}".prop_map(Value::SimpleString),
+        ];
+        leaf.prop_recursive(3, 16, 4, |inner| prop::collection::vec(inner, 0..4).prop_map(Value::Array))
+    }
+
+    proptest! {
+        /// Any reply, however malformed, decodes to an answer or a typed error; never a panic.
+        #[test]
+        fn never_panics_on_any_reply(value in reply()) {
+            let _ = RedisBegin::decode(value);
+        }
+
+        /// A completed reply carries its stored bytes through unchanged.
+        #[test]
+        fn completed_responses_round_trip(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let reply = Value::Array(vec![bulk(b"completed"), Value::BulkString(bytes.clone())]);
+            prop_assert_eq!(RedisBegin::decode(reply).ok(), Some(RedisBegin::Completed(bytes)));
+        }
+    }
 
     fn bulk(s: &[u8]) -> Value {
         Value::BulkString(s.to_vec())

@@ -6,12 +6,14 @@
 //! `redis-server` is installed from Debian's packages when running as root.
 
 mod postgres_server;
+mod proxy;
 mod redis_server;
 
 use std::net::TcpListener;
 use std::process::{Command, Output};
 
 pub use postgres_server::PostgresServer;
+pub use proxy::{Proxy, ProxyMode};
 pub use redis_server::RedisServer;
 
 /// A throwaway server could not be started or controlled.
@@ -75,6 +77,29 @@ fn on_free_port(mut start: impl FnMut(u16) -> Result<(), TestkitError>) -> Resul
             result => return result,
         }
     }
+}
+
+/// Makes sure `program` runs, installing Debian's `package` when it is missing and this runs as root.
+///
+/// # Errors
+/// [`TestkitError::Missing`] when it is missing and cannot be installed here; [`TestkitError::Failed`]
+/// when apt-get fails.
+pub fn ensure_installed(program: &'static str, package: &'static str) -> Result<(), TestkitError> {
+    if Command::new(program).arg("--version").output().is_ok() {
+        return Ok(());
+    }
+    if !is_root() || !std::path::Path::new("/usr/bin/apt-get").exists() {
+        return Err(TestkitError::Missing { program, hint: "install it with apt-get (Debian) as root" });
+    }
+    // Parallel test processes may all get here: dpkg's lock timeout makes them queue, not fail.
+    let apt = |args: &[&str]| {
+        let mut command = Command::new("apt-get");
+        command.args(["-o", "DPkg::Lock::Timeout=600", "-q"]).args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        command
+    };
+    run("apt-get update", &mut apt(&["update"]))?;
+    run("apt-get install", &mut apt(&["install", "-y", package]))?;
+    Ok(())
 }
 
 fn is_root() -> bool {

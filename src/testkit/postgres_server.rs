@@ -71,6 +71,11 @@ impl PostgresServer {
         self.url_for("postgres")
     }
 
+    /// The port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// The URL of another database on this server.
     pub fn url_for(&self, database: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)

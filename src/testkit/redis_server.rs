@@ -2,14 +2,13 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use super::{TestkitError, io, is_root, on_free_port, run};
+use super::{TestkitError, io, on_free_port, run};
 
 /// A `redis-server` child process without persistence, bound to 127.0.0.1. Its controls take `&self`,
 /// so a fault can be injected while a workload shares the handle.
@@ -144,22 +143,5 @@ fn wait_for_pong(port: u16) -> Result<(), TestkitError> {
 }
 
 fn ensure_installed() -> Result<(), TestkitError> {
-    if Command::new("redis-server").arg("--version").output().is_ok() {
-        return Ok(());
-    }
-    if !is_root() || !Path::new("/usr/bin/apt-get").exists() {
-        return Err(TestkitError::Missing {
-            program: "redis-server",
-            hint: "install Debian's package as root: apt-get install -y redis-server",
-        });
-    }
-    // Parallel test processes may all get here: dpkg's lock timeout makes them queue, not fail.
-    let apt = |args: &[&str]| {
-        let mut command = Command::new("apt-get");
-        command.args(["-o", "DPkg::Lock::Timeout=600", "-q"]).args(args).env("DEBIAN_FRONTEND", "noninteractive");
-        command
-    };
-    run("apt-get update", &mut apt(&["update"]))?;
-    run("apt-get install redis-server", &mut apt(&["install", "-y", "redis-server"]))?;
-    Ok(())
+    super::ensure_installed("redis-server", "redis-server")
 }

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idemstore::testkit::{PostgresServer, RedisServer};
+use idemstore::testkit::{PostgresServer, Proxy, RedisServer};
 use idemstore::{IdempotencyKey, Mode, Policy, Scope, Store};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -38,6 +38,8 @@ pub enum Servers {
     Owned,
     /// Like `Owned`, with extra `redis-server` arguments (memory limits, eviction policy).
     OwnedRedisWith(&'static [&'static str]),
+    /// Like `Owned`, with the store reaching both servers through TCP proxies the test controls.
+    Proxied,
 }
 
 pub struct Harness {
@@ -46,6 +48,9 @@ pub struct Harness {
     pub pool: PgPool,
     pub redis: Option<RedisServer>,
     pub postgres: Option<PostgresServer>,
+    /// With `Servers::Proxied`: the proxies between the store and Redis, and Postgres.
+    pub redis_proxy: Option<Proxy>,
+    pub postgres_proxy: Option<Proxy>,
     pub redis_url: Option<String>,
     pub database_url: String,
     pub prefix: String,
@@ -96,10 +101,41 @@ impl Harness {
 
         let prefix = format!("t{id}");
         let operation = format!("charge-{id}");
-        let store = build_store(&pool, &prefix, &operation, redis_url.as_deref(), policy);
+        let (mut redis_proxy, mut postgres_proxy) = (None, None);
+        let (mut store_pool, mut store_redis_url) = (pool.clone(), redis_url.clone());
+        if servers == Servers::Proxied {
+            let loopback = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            let pg_port = postgres.as_ref().expect("owned Postgres").port();
+            let proxy = Proxy::start(loopback(pg_port)).await.expect("Postgres proxy");
+            store_pool = PgPoolOptions::new()
+                .max_connections(16)
+                .acquire_timeout(Duration::from_secs(3))
+                .connect(&format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port()))
+                .await
+                .expect("connect through the proxy");
+            postgres_proxy = Some(proxy);
+            if let Some(server) = &redis {
+                let proxy = Proxy::start(loopback(server.port())).await.expect("Redis proxy");
+                store_redis_url = Some(format!("redis://127.0.0.1:{}/", proxy.port()));
+                redis_proxy = Some(proxy);
+            }
+        }
+        let store = build_store(&store_pool, &prefix, &operation, store_redis_url.as_deref(), policy);
         store.migrate().await.expect("migrate");
         recorder();
-        Self { mode, store, pool, redis, postgres, redis_url, database_url, prefix, operation }
+        Self {
+            mode,
+            store,
+            pool,
+            redis,
+            postgres,
+            redis_proxy,
+            postgres_proxy,
+            redis_url,
+            database_url,
+            prefix,
+            operation,
+        }
     }
 
     /// Joins servers another process started (for child processes of fault tests): no server is
@@ -114,7 +150,19 @@ impl Harness {
         let (prefix, operation) = (format!("t{id}"), format!("charge-{id}"));
         let store = build_store(&pool, &prefix, &operation, redis_url.as_deref(), policy);
         recorder();
-        Self { mode, store, pool, redis: None, postgres: None, redis_url, database_url, prefix, operation }
+        Self {
+            mode,
+            store,
+            pool,
+            redis: None,
+            postgres: None,
+            redis_proxy: None,
+            postgres_proxy: None,
+            redis_url,
+            database_url,
+            prefix,
+            operation,
+        }
     }
 
     /// The id that names this test's Redis prefix and operation, for child processes to `attach` with.
@@ -187,6 +235,7 @@ fn build_store(pool: &PgPool, prefix: &str, operation: &str, redis_url: Option<&
         .postgres(pool.clone())
         .key_prefix(prefix)
         .redis_cooldown(Duration::from_millis(50))
+        .postgres_timeout(Duration::from_secs(2))
         .policy(operation, policy);
     if let Some(url) = redis_url {
         builder = builder.redis_url(url);
