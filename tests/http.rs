@@ -211,7 +211,10 @@ async fn oversized_request_body_gets_413(mode: Mode) {
     let mut huge = payment(Some("big"), "acme", &charge(1));
     *huge.body_mut() = Body::from(vec![b' '; 100 << 20]);
     let (status, _, body) = send(&router, huge).await;
-    assert_eq!((status, problem_type(&body)), (StatusCode::PAYLOAD_TOO_LARGE, problem_types::BODY_TOO_LARGE.to_owned()));
+    assert_eq!(
+        (status, problem_type(&body)),
+        (StatusCode::PAYLOAD_TOO_LARGE, problem_types::BODY_TOO_LARGE.to_owned())
+    );
     assert_eq!(charges(&h, "acme").await, 0);
 }
 
