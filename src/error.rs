@@ -95,6 +95,10 @@ pub enum StoreError {
     /// The store or policy configuration is invalid.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// Redis failed an operator command that only Redis can answer (such as `evict`). The protocol
+    /// itself never returns this: it degrades to Postgres instead.
+    #[error("Redis is unavailable")]
+    RedisUnavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The Redis pool could not be created from its configuration.
     #[error("invalid Redis configuration")]
     RedisConfig(#[source] deadpool_redis::CreatePoolError),

@@ -76,6 +76,11 @@ impl Fingerprint {
         Self(format!("{:x}", hasher.finalize()))
     }
 
+    /// A fingerprint read back from storage.
+    pub(crate) fn from_hex(hex: String) -> Self {
+        Self(hex)
+    }
+
     /// The fingerprint as 64 lowercase hex digits.
     pub fn as_hex(&self) -> &str {
         &self.0

@@ -71,6 +71,7 @@
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations, unreachable_pub)]
 
+pub mod config;
 mod error;
 mod fingerprint;
 #[cfg(feature = "http")]
@@ -84,13 +85,14 @@ pub mod telemetry;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use config::{PolicyConfig, parse_duration};
 pub use error::{InputError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
 pub use key::{IdempotencyKey, Scope};
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use record::{Begin, Lease, Record, State, StoredResponse};
 pub use run_once::{Heartbeat, RunError, RunOptions, RunOutcome};
-pub use store::{MIGRATOR, Mode, Store, StoreBuilder};
+pub use store::{Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder};
 
 /// Compiles the README's examples as doc tests.
 #[cfg(doctest)]

@@ -1,6 +1,7 @@
 //! Per-operation policy: how long an owner holds a key, how long each tier keeps a result, and what a
 //! lease that ran out means.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use crate::error::StoreError;
@@ -36,6 +37,7 @@ pub enum Tier {
 /// How the store treats one operation. Build with [`Policy::builder`] or start from [`Policy::tier`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
+    pub(crate) name: Cow<'static, str>,
     pub(crate) lease: Duration,
     pub(crate) redis_ttl: Duration,
     pub(crate) retention: Option<Duration>,
@@ -52,6 +54,18 @@ impl Default for Policy {
 const MINUTE: Duration = Duration::from_secs(60);
 const HOUR: Duration = Duration::from_secs(3600);
 
+impl Tier {
+    /// The preset's name, recorded with every record stored under it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Ephemeral => "ephemeral",
+            Tier::Standard => "standard",
+            Tier::Webhook => "webhook",
+            Tier::Ledger => "ledger",
+        }
+    }
+}
+
 impl Policy {
     /// A builder starting from the [`Tier::Standard`] preset.
     pub fn builder() -> PolicyBuilder {
@@ -67,12 +81,18 @@ impl Policy {
             Tier::Ledger => (24 * HOUR, None),
         };
         Self {
+            name: Cow::Borrowed(tier.name()),
             lease: Duration::from_secs(30),
             redis_ttl,
             retention,
             lease_expiry: LeaseExpiry::TakeOver,
             fingerprint: FingerprintOptions::default(),
         }
+    }
+
+    /// The policy's name (its tier's, unless renamed), recorded with every record stored under it.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// How long an owner holds a key before others may act on it (see [`LeaseExpiry`]).
@@ -110,6 +130,12 @@ impl PolicyBuilder {
     pub fn tier(mut self, tier: Tier) -> Self {
         let Policy { lease, lease_expiry, fingerprint, .. } = self.0;
         self.0 = Policy { lease, lease_expiry, fingerprint, ..Policy::tier(tier) };
+        self
+    }
+
+    /// Names the policy (default: its tier's name), as recorded with each record.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.0.name = Cow::Owned(name.into());
         self
     }
 
@@ -169,6 +195,13 @@ impl PolicyBuilder {
             )));
         }
         Ok(p)
+    }
+}
+
+impl From<Policy> for PolicyBuilder {
+    /// A builder starting from an existing policy.
+    fn from(policy: Policy) -> Self {
+        PolicyBuilder(policy)
     }
 }
 

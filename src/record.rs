@@ -19,7 +19,8 @@ use crate::policy::Policy;
 ///             │     └──release──────────────────────────────────────────^       │
 ///             └── lease ran out, LeaseExpiry::MarkIndeterminate ──> Indeterminate
 /// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum State {
     /// An owner holds a lease and may be executing the work.
@@ -164,4 +165,6 @@ pub struct Record {
     pub expires_in: Option<Duration>,
     /// The stored response, once completed.
     pub response: Option<StoredResponse>,
+    /// The tier (policy name) the record was stored under; `None` for records older than tiers.
+    pub tier: Option<String>,
 }

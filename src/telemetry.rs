@@ -26,6 +26,12 @@ pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
 pub const POSTGRES_STATEMENTS: &str = "idemstore_postgres_statements_total";
 /// Scripts run on Redis, answered or not; label `script`: begin, put, release, extend.
 pub const REDIS_CALLS: &str = "idemstore_redis_calls_total";
+/// Expired records deleted by `purge_expired`.
+pub const PURGED: &str = "idemstore_purged_records_total";
+/// Stale in-progress records recovered by `recover_stale`; label `action`: released, marked_indeterminate.
+pub const RECOVERED: &str = "idemstore_recovered_records_total";
+/// Records awaiting an operator, as last counted by `recover_stale` or `resolve`.
+pub const INDETERMINATE: &str = "idemstore_indeterminate_records";
 /// Time of one claim call; label `tier`: redis or postgres.
 pub const CLAIM_DURATION: &str = "idemstore_claim_duration_seconds";
 
@@ -42,6 +48,9 @@ pub fn describe() {
     describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
     describe_counter!(POSTGRES_STATEMENTS, "Statements sent to Postgres, by statement.");
     describe_counter!(REDIS_CALLS, "Scripts run on Redis, by script.");
+    describe_counter!(PURGED, "Expired records deleted by purge_expired.");
+    describe_counter!(RECOVERED, "Stale in-progress records recovered, by action.");
+    metrics::describe_gauge!(INDETERMINATE, "Records awaiting an operator (indeterminate), as last counted.");
     describe_histogram!(CLAIM_DURATION, Unit::Seconds, "Duration of one claim call, by tier.");
 }
 
@@ -71,6 +80,18 @@ pub(crate) fn postgres_statement(statement: &'static str) {
 
 pub(crate) fn redis_call(script: &'static str) {
     metrics::counter!(REDIS_CALLS, "script" => script).increment(1);
+}
+
+pub(crate) fn purged(records: u64) {
+    metrics::counter!(PURGED).increment(records);
+}
+
+pub(crate) fn recovered(action: &'static str) {
+    metrics::counter!(RECOVERED, "action" => action).increment(1);
+}
+
+pub(crate) fn indeterminate(records: u64) {
+    metrics::gauge!(INDETERMINATE).set(records as f64);
 }
 
 pub(crate) fn claim_duration(tier: &'static str, elapsed: Duration) {

@@ -1,5 +1,6 @@
 //! The store: configuration and lifecycle here, the claim protocol in [`protocol`](self) submodules.
 
+mod maintenance;
 mod postgres_tier;
 mod protocol;
 mod redis_tier;
@@ -13,10 +14,13 @@ use std::time::Duration;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
+use crate::config::PolicyConfig;
 use crate::error::StoreError;
 use crate::policy::Policy;
+pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
 use postgres_tier::PostgresTier;
 use redis_tier::RedisTier;
+pub use redis_tier::RedisView;
 
 /// The migrations in `migrations/`, embedded at build time. Their bookkeeping lives in its own table,
 /// `_idemstore_migrations`, so they never clash with the application's own sqlx migrations.
@@ -47,6 +51,8 @@ struct Inner {
     redis: Option<RedisTier>,
     default_policy: Arc<Policy>,
     policies: HashMap<String, Arc<Policy>>,
+    /// Operation prefixes (patterns ending in `*`), longest first.
+    patterns: Vec<(String, Arc<Policy>)>,
 }
 
 impl fmt::Debug for Store {
@@ -80,8 +86,14 @@ impl Store {
         Arc::clone(self.shared_policy_ref(operation))
     }
 
+    /// The exact operation's policy, else that of the longest matching `prefix*` pattern, else the default.
     fn shared_policy_ref(&self, operation: &str) -> &Arc<Policy> {
-        self.inner.policies.get(operation).unwrap_or(&self.inner.default_policy)
+        let inner = &self.inner;
+        inner
+            .policies
+            .get(operation)
+            .or_else(|| inner.patterns.iter().find(|(prefix, _)| operation.starts_with(prefix)).map(|(_, p)| p))
+            .unwrap_or(&inner.default_policy)
     }
 
     /// The Postgres pool the store uses (to run the embedded migrations elsewhere, or for your own work).
@@ -179,7 +191,16 @@ impl StoreBuilder {
         self
     }
 
-    /// The policy of one operation.
+    /// The policies of a [`PolicyConfig`] (a TOML file of tiers and operations): its default and every
+    /// operation it lists.
+    pub fn policies(mut self, config: PolicyConfig) -> Self {
+        self.default_policy = Some(config.default);
+        self.policies.extend(config.operations);
+        self
+    }
+
+    /// The policy of one operation; an operation ending in `*` is a prefix pattern
+    /// (`"POST /webhooks/*"`), used when no exact operation matches.
     pub fn policy(mut self, operation: impl Into<String>, policy: Policy) -> Self {
         self.policies.insert(operation.into(), policy);
         self
@@ -217,12 +238,20 @@ impl StoreBuilder {
                 self.redis_cooldown.unwrap_or(Duration::from_secs(1)),
             )
         });
+        let (mut patterns, policies): (Vec<_>, Vec<_>) =
+            self.policies.into_iter().map(|(op, p)| (op, Arc::new(p))).partition(|(op, _)| op.ends_with('*'));
+        let policies: HashMap<_, _> = policies.into_iter().collect();
+        for (pattern, _) in &mut patterns {
+            pattern.pop();
+        }
+        patterns.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
         Ok(Store {
             inner: Arc::new(Inner {
                 postgres: PostgresTier::new(pg_pool, self.postgres_timeout.unwrap_or(Duration::from_secs(5))),
                 redis,
                 default_policy: Arc::new(self.default_policy.unwrap_or_default()),
-                policies: self.policies.into_iter().map(|(op, p)| (op, Arc::new(p))).collect(),
+                patterns,
+                policies,
             }),
         })
     }

@@ -16,9 +16,11 @@ use crate::telemetry;
 /// so that application clocks never take part in a lease decision.
 macro_rules! record_columns {
     () => {
-        "state, fingerprint, fence, owner, response,
-         CEIL(GREATEST(0, EXTRACT(EPOCH FROM lease_expires_at - now()) * 1000))::bigint AS lease_ms,
-         CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint AS expires_ms"
+        "state, fingerprint, fence, owner, response, tier,
+         CASE WHEN lease_expires_at IS NOT NULL
+              THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM lease_expires_at - now()) * 1000))::bigint END AS lease_ms,
+         CASE WHEN expires_at IS NOT NULL
+              THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms"
     };
 }
 
@@ -28,24 +30,27 @@ macro_rules! record_columns {
 /// says what was re-acquired (for the takeover metric) and is the answer when nothing was written.
 const CLAIM: &str = concat!(
     "WITH prior AS (
-        SELECT state, fingerprint, fence, owner, response, lease_expires_at, expires_at
+        SELECT state, fingerprint, fence, owner, response, tier, lease_expires_at, expires_at
         FROM idempotency_records
         WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
     ), claimed AS (
         INSERT INTO idempotency_records AS r
-            (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at)
+            (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
+             tier, on_lease_expiry, retention_ms)
         VALUES ($1, $2, $3, $4, 'in_progress', 1, $5,
                 now() + $6::float8 * interval '1 millisecond',
-                now() + $7::float8 * interval '1 millisecond')
+                now() + $7::float8 * interval '1 millisecond', $9,
+                CASE WHEN $8 THEN 'take_over' ELSE 'mark_indeterminate' END, $7::float8::bigint)
         ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
         SET fingerprint = EXCLUDED.fingerprint, state = 'in_progress', fence = r.fence + 1,
             owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
-            expires_at = EXCLUDED.expires_at, updated_at = now()
+            expires_at = EXCLUDED.expires_at, tier = EXCLUDED.tier,
+            on_lease_expiry = EXCLUDED.on_lease_expiry, retention_ms = EXCLUDED.retention_ms, updated_at = now()
         WHERE r.expires_at <= now()
            OR (r.fingerprint = EXCLUDED.fingerprint
                AND (r.state = 'released'
                     OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND $8)))
-        RETURNING state, fingerprint, fence, owner, response, lease_expires_at, expires_at
+        RETURNING state, fingerprint, fence, owner, response, tier, lease_expires_at, expires_at
     )
     SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, ",
     record_columns!(),
@@ -137,6 +142,7 @@ impl PostgresTier {
                 .bind(millis(policy.lease) as f64)
                 .bind(policy.retention.map(|r| millis(r) as f64))
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
+                .bind(policy.name())
                 .fetch_optional(&self.pool);
             let row = self.bounded(claim).await?;
             if let Some(row) = row {
@@ -222,5 +228,6 @@ fn decode_record(row: &PgRow) -> Result<Record, sqlx::Error> {
         lease_remaining: if state == State::InProgress { ms("lease_ms")? } else { None },
         expires_in: ms("expires_ms")?,
         response: row.try_get::<Option<Vec<u8>>, _>("response")?.map(StoredResponse::new),
+        tier: row.try_get("tier")?,
     })
 }

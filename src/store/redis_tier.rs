@@ -36,6 +36,22 @@ impl RedisUnavailable {
     }
 }
 
+/// A record's Redis copy, for operators ([`crate::Store::inspect`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedisView {
+    /// `p` in progress, `c` completed, `i` indeterminate.
+    pub state: String,
+    /// The fingerprint the copy holds.
+    pub fingerprint: String,
+    /// The owner token of an in-progress marker.
+    pub owner: Option<String>,
+    /// Bytes of the stored response, if completed.
+    pub response_bytes: usize,
+    /// Time left before Redis drops the copy.
+    pub ttl: Option<Duration>,
+}
+
 pub(crate) struct RedisTier {
     pool: Pool,
     /// One multiplexed connection, shared by every call: it pipelines concurrent requests on one socket.
@@ -114,6 +130,36 @@ impl RedisTier {
     pub(crate) async fn extend(&self, record_key: &str, owner: &str, lease_ms: i64) -> Result<(), RedisUnavailable> {
         let lease = lease_ms.to_string();
         self.invoke("extend", &scripts::EXTEND, record_key, &[owner.as_bytes(), lease.as_bytes()]).await.map(drop)
+    }
+
+    /// Reads a record's copy (not budgeted: an operator command).
+    pub(crate) async fn view(&self, record_key: &str) -> Result<Option<RedisView>, RedisUnavailable> {
+        let mut conn = self.connection().await?;
+        let (fields, pttl): (std::collections::HashMap<String, Vec<u8>>, i64) = redis::pipe()
+            .hgetall(record_key)
+            .pttl(record_key)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
+        let text = |name: &str| fields.get(name).map(|v| String::from_utf8_lossy(v).into_owned());
+        Ok(text("s").map(|state| RedisView {
+            state,
+            fingerprint: text("h").unwrap_or_default(),
+            owner: text("t"),
+            response_bytes: fields.get("r").map_or(0, Vec::len),
+            ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+        }))
+    }
+
+    /// Deletes a record's copy; returns whether there was one.
+    pub(crate) async fn evict(&self, record_key: &str) -> Result<bool, RedisUnavailable> {
+        let mut conn = self.connection().await?;
+        let deleted: i64 = redis::cmd("DEL")
+            .arg(record_key)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
+        Ok(deleted == 1)
     }
 
     /// Runs one script with EVALSHA (reloaded on NOSCRIPT by `Script::invoke_async`), bounded by the

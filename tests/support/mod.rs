@@ -217,6 +217,16 @@ impl Harness {
     }
 }
 
+/// The sum of all series of a metric in this process (for metrics without an `operation` label).
+pub fn total(name: &str) -> f64 {
+    recorder()
+        .render()
+        .lines()
+        .filter(|line| line.starts_with(name) && !line.starts_with('#'))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |sum, value| sum + value)
+}
+
 /// The sum of a counter's series for `operation` whose labels include `labels`.
 pub fn counter(operation: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     let operation = ("operation", operation);

@@ -1,0 +1,275 @@
+//! `idemctl`: the operator's view of an idemstore deployment.
+//!
+//! ```text
+//! idemctl migrate
+//! idemctl inspect <tenant> <operation> <key>
+//! idemctl purge [--dry-run] [--batch N]
+//! idemctl recover [--dry-run] [--batch N]
+//! idemctl resolve <tenant> <operation> <key> (--complete-with FILE | --release)
+//! idemctl stats [--window 1h]
+//! idemctl evict <tenant> <operation> <key>
+//! ```
+//! Reads `DATABASE_URL` and `REDIS_URL` (or `--database-url`, `--redis-url`); `--json` prints one JSON
+//! document for scripts. Exit status 0 on success, 1 when the store failed, 2 on bad usage.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use idemstore::{IdempotencyKey, Inspection, Resolution, Scope, Store, StoreError};
+use serde_json::{Value, json};
+
+#[derive(Parser, Debug)]
+#[command(name = "idemctl", version, about = "Inspect and maintain an idemstore idempotency store")]
+struct Cli {
+    /// Postgres URL of the store.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// Redis URL of the store (omit for a Postgres-only deployment).
+    #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
+    redis_url: Option<String>,
+    /// Prefix of the store's Redis keys.
+    #[arg(long, default_value = "idem", global = true)]
+    key_prefix: String,
+    /// Print one JSON document instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Debug)]
+struct RecordId {
+    tenant: String,
+    operation: String,
+    key: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Apply the store's migrations.
+    Migrate,
+    /// Show a key as Postgres and Redis hold it.
+    Inspect(RecordId),
+    /// Delete expired records in batches.
+    Purge {
+        /// Only count what would be deleted.
+        #[arg(long)]
+        dry_run: bool,
+        /// Records per batch (one short statement each).
+        #[arg(long, default_value_t = 1000)]
+        batch: u32,
+    },
+    /// Release or mark indeterminate the in-progress records whose lease ran out.
+    Recover {
+        /// Only count the stale records.
+        #[arg(long)]
+        dry_run: bool,
+        /// Most records handled in one run.
+        #[arg(long, default_value_t = 1000)]
+        batch: u32,
+    },
+    /// Settle an indeterminate record.
+    Resolve {
+        #[command(flatten)]
+        id: RecordId,
+        /// The work happened: store this file's bytes as the response to replay.
+        #[arg(long, conflicts_with = "release", required_unless_present = "release")]
+        complete_with: Option<PathBuf>,
+        /// The work did not happen: let the next request execute it.
+        #[arg(long)]
+        release: bool,
+    },
+    /// Count records by operation, state and tier, and those expiring soon.
+    Stats {
+        /// What "expiring soon" means (e.g. 30m, 1h, 2d).
+        #[arg(long, default_value = "1h", value_parser = parse_duration)]
+        window: Duration,
+    },
+    /// Delete a key's Redis copy; Postgres keeps the record.
+    Evict(RecordId),
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    idemstore::parse_duration(text).map_err(|e| e.to_string())
+}
+
+/// What went wrong, with the step, for a clear message and exit status.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error("DATABASE_URL is not set (or pass --database-url)")]
+    NoDatabase,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Input(String),
+    #[error("reading {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli).await {
+        Ok(output) => {
+            print(&cli, &output);
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            let mut message = error.to_string();
+            let mut source = std::error::Error::source(&error);
+            while let Some(cause) = source {
+                message.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            if cli.json {
+                println!("{}", json!({ "error": message }));
+            } else {
+                eprintln!("idemctl: {message}");
+            }
+            if matches!(error, CliError::Input(_)) { ExitCode::from(2) } else { ExitCode::from(1) }
+        }
+    }
+}
+
+/// A command's result: JSON for `--json`, and the text shown otherwise.
+struct Output {
+    json: Value,
+    text: String,
+}
+
+fn print(cli: &Cli, output: &Output) {
+    if cli.json {
+        println!("{}", output.json);
+    } else {
+        println!("{}", output.text);
+    }
+}
+
+async fn run(cli: &Cli) -> Result<Output, CliError> {
+    let database_url = cli.database_url.clone().ok_or(CliError::NoDatabase)?;
+    let mut builder = Store::builder().database_url(database_url).key_prefix(cli.key_prefix.clone());
+    if let Some(url) = &cli.redis_url {
+        builder = builder.redis_url(url.clone());
+    }
+    let store = builder.build()?;
+    let record = |id: &RecordId| -> Result<(Scope, IdempotencyKey), CliError> {
+        let scope = Scope::new(id.tenant.clone(), id.operation.clone()).map_err(|e| CliError::Input(e.to_string()))?;
+        let key = IdempotencyKey::new(id.key.clone()).map_err(|e| CliError::Input(e.to_string()))?;
+        Ok((scope, key))
+    };
+    Ok(match &cli.command {
+        Command::Migrate => {
+            store.migrate().await?;
+            Output { json: json!({ "migrated": true }), text: "migrations applied".into() }
+        }
+        Command::Inspect(id) => {
+            let (scope, key) = record(id)?;
+            inspection(&store.inspect(&scope, &key).await?)
+        }
+        Command::Purge { dry_run: true, .. } => {
+            let expired = store.count_expired().await?;
+            Output {
+                json: json!({ "expired": expired, "purged": 0 }),
+                text: format!("{expired} expired records (dry run)"),
+            }
+        }
+        Command::Purge { batch, .. } => {
+            let expired = store.count_expired().await?;
+            let progress = indicatif::ProgressBar::new(expired);
+            if cli.json {
+                progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+            }
+            let mut purged = 0;
+            loop {
+                let deleted = store.purge_expired_batch(*batch).await?;
+                purged += deleted;
+                progress.inc(deleted);
+                if deleted < u64::from(*batch) {
+                    break;
+                }
+            }
+            progress.finish_and_clear();
+            Output {
+                json: json!({ "expired": expired, "purged": purged }),
+                text: format!("purged {purged} expired records"),
+            }
+        }
+        Command::Recover { dry_run, batch } => {
+            let recovery = store.recover_stale(*batch, *dry_run).await?;
+            let text = format!(
+                "{} stale records: {} released, {} marked indeterminate{}",
+                recovery.found,
+                recovery.released,
+                recovery.marked_indeterminate,
+                if *dry_run { " (dry run)" } else { "" }
+            );
+            Output { json: serde_json::to_value(&recovery).unwrap_or_default(), text }
+        }
+        Command::Resolve { id, complete_with, .. } => {
+            let (scope, key) = record(id)?;
+            let resolution = match complete_with {
+                Some(path) => Resolution::Completed(
+                    std::fs::read(path).map_err(|source| CliError::Read { path: path.clone(), source })?,
+                ),
+                None => Resolution::Released,
+            };
+            let resolved = store.resolve(&scope, &key, resolution).await?;
+            let text = if resolved { "resolved" } else { "not resolved: the record is not indeterminate" };
+            Output { json: json!({ "resolved": resolved }), text: text.into() }
+        }
+        Command::Stats { window } => {
+            let rows = store.stats(*window).await?;
+            let mut text =
+                format!("{:<32} {:<14} {:<10} {:>10} {:>10}\n", "operation", "state", "tier", "records", "expiring");
+            for row in &rows {
+                let state = serde_json::to_value(row.state)
+                    .ok()
+                    .and_then(|s| s.as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                text.push_str(&format!(
+                    "{:<32} {:<14} {:<10} {:>10} {:>10}\n",
+                    row.operation, state, row.tier, row.records, row.expiring
+                ));
+            }
+            Output { json: json!({ "window_seconds": window.as_secs(), "rows": rows }), text: text.trim_end().into() }
+        }
+        Command::Evict(id) => {
+            let (scope, key) = record(id)?;
+            let evicted = store.evict(&scope, &key).await?;
+            let text = if evicted { "evicted from Redis" } else { "Redis held no copy" };
+            Output { json: json!({ "evicted": evicted }), text: text.into() }
+        }
+    })
+}
+
+fn inspection(inspection: &Inspection) -> Output {
+    let millis = |d: Option<Duration>| d.map(|d| d.as_millis() as u64);
+    let postgres = inspection.postgres.as_ref().map(|r| {
+        json!({
+            "state": r.state,
+            "fence": r.fence,
+            "fingerprint": r.fingerprint,
+            "tier": r.tier,
+            "lease_remaining_ms": millis(r.lease_remaining),
+            "expires_in_ms": millis(r.expires_in),
+            "response_bytes": r.response.as_ref().map(|r| r.as_bytes().len()),
+        })
+    });
+    let redis = inspection.redis.as_ref().map(|r| {
+        json!({
+            "state": r.state,
+            "fingerprint": r.fingerprint,
+            "owner": r.owner,
+            "ttl_ms": millis(r.ttl),
+            "response_bytes": r.response_bytes,
+        })
+    });
+    let document = json!({ "redis_key": inspection.redis_key, "postgres": postgres, "redis": redis });
+    let side = |v: &Option<Value>| {
+        v.as_ref().map_or("(none)".to_owned(), |v| serde_json::to_string_pretty(v).unwrap_or_default())
+    };
+    let text = format!("postgres: {}\nredis:    {}", side(&postgres), side(&redis));
+    Output { json: document, text }
+}

@@ -1,0 +1,181 @@
+//! Tiers and the operations that use them, loaded from TOML, so retention is configured next to the
+//! routes it protects:
+//!
+//! ```toml
+//! default = "standard"            # the tier of operations not listed below
+//!
+//! [tiers.ledger]                  # overrides fields of a preset (ephemeral, standard, webhook, ledger)
+//! lease = "60s"
+//! lease_expiry = "mark_indeterminate"
+//!
+//! [tiers.partner]                 # a tier of your own, starting from `standard`
+//! redis_ttl = "2h"
+//! retention = "30d"               # or "never"
+//!
+//! [operations]
+//! "POST /payments" = "ledger"
+//! "POST /webhooks/*" = "webhook"  # a trailing * matches any operation with that prefix
+//! ```
+//!
+//! Durations are a number and a unit: `ms`, `s`, `m`, `h` or `d`. Every tier is validated like
+//! [`PolicyBuilder::build`]: a lease shorter than the Redis TTL, a Redis TTL no longer than the retention.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::StoreError;
+use crate::policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
+
+/// Policies by operation, as read from a configuration file. Apply with [`crate::StoreBuilder::policies`].
+#[derive(Clone, Debug)]
+pub struct PolicyConfig {
+    pub(crate) default: Policy,
+    pub(crate) operations: Vec<(String, Policy)>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    default: Option<String>,
+    #[serde(default)]
+    tiers: BTreeMap<String, TierFields>,
+    #[serde(default)]
+    operations: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TierFields {
+    lease: Option<String>,
+    redis_ttl: Option<String>,
+    retention: Option<String>,
+    lease_expiry: Option<String>,
+}
+
+impl PolicyConfig {
+    /// Parses and validates a configuration.
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] naming the tier, operation or field at fault.
+    pub fn from_toml(text: &str) -> Result<Self, StoreError> {
+        let file: File = toml::from_str(text).map_err(|e| StoreError::Config(format!("policy file: {e}")))?;
+        let mut tiers: BTreeMap<String, Policy> = [Tier::Ephemeral, Tier::Standard, Tier::Webhook, Tier::Ledger]
+            .into_iter()
+            .map(|tier| (tier.name().to_owned(), Policy::tier(tier)))
+            .collect();
+        for (name, fields) in file.tiers {
+            let base = tiers.get(&name).cloned().unwrap_or_default();
+            let policy = fields.apply(PolicyBuilder::from(base).name(name.clone()));
+            let policy = policy.and_then(PolicyBuilder::build).map_err(|e| config(format!("tier {name:?}: {e}")))?;
+            tiers.insert(name, policy);
+        }
+        let tier = |name: &str, used_by: &str| {
+            tiers.get(name).cloned().ok_or_else(|| config(format!("{used_by} uses the unknown tier {name:?}")))
+        };
+        let default = tier(file.default.as_deref().unwrap_or("standard"), "default")?;
+        let operations = file
+            .operations
+            .iter()
+            .map(|(operation, name)| Ok((operation.clone(), tier(name, &format!("operation {operation:?}"))?)))
+            .collect::<Result<_, StoreError>>()?;
+        Ok(Self { default, operations })
+    }
+}
+
+impl TierFields {
+    fn apply(self, mut builder: PolicyBuilder) -> Result<PolicyBuilder, StoreError> {
+        if let Some(lease) = self.lease {
+            builder = builder.lease(parse_duration(&lease)?);
+        }
+        if let Some(ttl) = self.redis_ttl {
+            builder = builder.redis_ttl(parse_duration(&ttl)?);
+        }
+        if let Some(retention) = self.retention {
+            builder = builder.retention(if retention == "never" { None } else { Some(parse_duration(&retention)?) });
+        }
+        if let Some(rule) = self.lease_expiry {
+            builder = builder.lease_expiry(match rule.as_str() {
+                "take_over" => LeaseExpiry::TakeOver,
+                "mark_indeterminate" => LeaseExpiry::MarkIndeterminate,
+                other => return Err(config(format!("lease_expiry {other:?} is not take_over or mark_indeterminate"))),
+            });
+        }
+        Ok(builder)
+    }
+}
+
+/// Parses `500ms`, `30s`, `15m`, `24h` or `7d`.
+///
+/// # Errors
+/// [`StoreError::Config`] for anything else.
+pub fn parse_duration(text: &str) -> Result<Duration, StoreError> {
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number.parse().map_err(|_| config(format!("{text:?} is not a duration like 30s, 15m or 7d")))?;
+    let unit = match unit {
+        "ms" => Duration::from_millis(1),
+        "s" => Duration::from_secs(1),
+        "m" => Duration::from_secs(60),
+        "h" => Duration::from_secs(3600),
+        "d" => Duration::from_secs(86_400),
+        _ => return Err(config(format!("{text:?}: the unit must be ms, s, m, h or d"))),
+    };
+    u32::try_from(n).ok().and_then(|n| unit.checked_mul(n)).ok_or_else(|| config(format!("{text:?} is too long")))
+}
+
+fn config(message: String) -> StoreError {
+    StoreError::Config(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_tiers_and_operations() {
+        let config = PolicyConfig::from_toml(
+            r#"
+            default = "ephemeral"
+            [tiers.ledger]
+            lease = "60s"
+            lease_expiry = "mark_indeterminate"
+            [tiers.partner]
+            redis_ttl = "2h"
+            retention = "30d"
+            [operations]
+            "POST /payments" = "ledger"
+            "POST /partners" = "partner"
+            "POST /webhooks/*" = "webhook"
+            "#,
+        )
+        .expect("valid");
+        assert_eq!(config.default, Policy::tier(Tier::Ephemeral));
+        let find = |op: &str| config.operations.iter().find(|(o, _)| o == op).map(|(_, p)| p.clone()).expect(op);
+        let ledger = find("POST /payments");
+        assert_eq!((ledger.name(), ledger.lease(), ledger.retention()), ("ledger", Duration::from_secs(60), None));
+        assert_eq!(ledger.lease_expiry(), LeaseExpiry::MarkIndeterminate);
+        let partner = find("POST /partners");
+        assert_eq!((partner.name(), partner.retention()), ("partner", Some(Duration::from_secs(30 * 86_400))));
+        assert_eq!(find("POST /webhooks/*").name(), "webhook");
+    }
+
+    #[test]
+    fn refuses_inconsistent_or_unknown_settings() {
+        for (text, fault) in [
+            ("[tiers.short]\nretention = \"10m\"", "tier \"short\""),
+            ("[tiers.slow]\nlease = \"2h\"", "tier \"slow\""),
+            ("[operations]\n\"POST /x\" = \"gold\"", "unknown tier \"gold\""),
+            ("default = \"gold\"", "unknown tier"),
+            ("[tiers.x]\nlease = \"soon\"", "not a duration"),
+            ("[tiers.x]\nlease_expiry = \"retry\"", "take_over"),
+            ("[tiers.x]\nttl = \"1h\"", "unknown field"),
+        ] {
+            let error = PolicyConfig::from_toml(text).expect_err(text).to_string();
+            assert!(error.contains(fault), "{text}: {error}");
+        }
+        assert_eq!(parse_duration("1500ms").ok(), Some(Duration::from_millis(1500)));
+        assert!(parse_duration("99999999999d").is_err());
+    }
+}

@@ -1,0 +1,325 @@
+//! Jobs for operators and schedulers: purge expired records, recover stale leases, resolve indeterminate
+//! records, inspect and evict keys, and count what the store holds. The library runs none of them by
+//! itself; schedule them (or run `idemctl`).
+
+use std::time::Duration;
+
+use sqlx::Row as _;
+
+use super::Store;
+use super::redis_tier::RedisView;
+use crate::error::StoreError;
+use crate::key::{IdempotencyKey, Scope};
+use crate::policy::{LeaseExpiry, millis};
+use crate::record::{Lease, Record, State};
+use crate::telemetry;
+
+/// One bounded batch. `FOR UPDATE SKIP LOCKED` lets several purgers run at once and never waits on a
+/// record being claimed; the outer condition is checked again on the locked row, so a record that a
+/// concurrent claim just renewed is kept.
+const PURGE_BATCH: &str = "
+    DELETE FROM idempotency_records
+    WHERE ctid IN (
+        SELECT ctid FROM idempotency_records
+        WHERE expires_at <= now()
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED)
+      AND expires_at <= now()";
+
+const COUNT_EXPIRED: &str = "SELECT count(*) FROM idempotency_records WHERE expires_at <= now()";
+
+const STALE: &str = "
+    SELECT tenant, operation, idempotency_key, fingerprint, fence, owner, on_lease_expiry
+    FROM idempotency_records
+    WHERE state = 'in_progress' AND lease_expires_at <= now()
+    ORDER BY lease_expires_at
+    LIMIT $1";
+
+/// Fenced like every write: an owner that extended its lease or finished since it was read is untouched.
+const RELEASE_STALE: &str = "
+    UPDATE idempotency_records
+    SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
+      AND state = 'in_progress' AND lease_expires_at <= now()";
+
+/// Kept for the retention the record was claimed under (NULL: forever); records claimed before tiers were
+/// recorded (no `tier`) get the resolver's configured retention.
+const RESOLVE_COMPLETED: &str = "
+    UPDATE idempotency_records
+    SET state = 'completed', response = $4, owner = NULL, lease_expires_at = NULL,
+        expires_at = now() + (CASE WHEN tier IS NOT NULL THEN retention_ms::float8 ELSE $5::float8 END)
+                             * interval '1 millisecond',
+        updated_at = now()
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'indeterminate'";
+
+const RESOLVE_RELEASED: &str = "
+    UPDATE idempotency_records
+    SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'indeterminate'";
+
+const COUNTS: &str = "
+    SELECT operation, state, COALESCE(tier, '') AS tier, count(*) AS records,
+           count(*) FILTER (WHERE expires_at <= now() + $1::float8 * interval '1 millisecond') AS expiring
+    FROM idempotency_records GROUP BY 1, 2, 3 ORDER BY 1, 2, 3";
+
+const INDETERMINATE: &str = "SELECT count(*) FROM idempotency_records WHERE state = 'indeterminate'";
+
+/// What [`Store::recover_stale`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Recovery {
+    /// Stale records found.
+    pub found: u64,
+    /// Released so the next request executes (operations under `LeaseExpiry::TakeOver`).
+    pub released: u64,
+    /// Marked indeterminate (operations under `LeaseExpiry::MarkIndeterminate`).
+    pub marked_indeterminate: u64,
+}
+
+/// How an operator settles an indeterminate record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Resolution {
+    /// The work did happen: store this response for replay.
+    Completed(Vec<u8>),
+    /// The work did not happen: the next request executes it.
+    Released,
+}
+
+/// Records by operation, state and tier ([`Store::stats`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct StatsRow {
+    /// The operation.
+    pub operation: String,
+    /// The state.
+    pub state: State,
+    /// The tier the records were stored under (empty for records older than tiers).
+    pub tier: String,
+    /// How many records.
+    pub records: u64,
+    /// How many of them expire within the window asked for.
+    pub expiring: u64,
+}
+
+/// A key as both tiers hold it ([`Store::inspect`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Inspection {
+    /// The Redis key of the record.
+    pub redis_key: Option<String>,
+    /// What Postgres holds, the source of truth.
+    pub postgres: Option<Record>,
+    /// What Redis holds, if it is configured and reachable.
+    pub redis: Option<RedisView>,
+}
+
+impl Store {
+    /// Deletes expired records, `batch` at a time, until none is left; returns how many. Safe to run
+    /// from several processes at once; each batch is one short statement on the expiry index.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed (batches already deleted stay deleted).
+    pub async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let mut purged = 0;
+        loop {
+            let deleted = self.purge_expired_batch(batch).await?;
+            purged += deleted;
+            if deleted < u64::from(batch) {
+                return Ok(purged);
+            }
+        }
+    }
+
+    /// Deletes one batch of at most `batch` expired records; returns how many.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn purge_expired_batch(&self, batch: u32) -> Result<u64, StoreError> {
+        telemetry::postgres_statement("purge");
+        let query = sqlx::query(PURGE_BATCH).bind(i64::from(batch.max(1))).execute(self.pg_pool());
+        let deleted = query.await.map_err(unavailable("purge"))?.rows_affected();
+        telemetry::purged(deleted);
+        Ok(deleted)
+    }
+
+    /// How many records have expired and await purging.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn count_expired(&self) -> Result<u64, StoreError> {
+        count(self, COUNT_EXPIRED, "count expired").await
+    }
+
+    /// Applies the [`LeaseExpiry`] each record was claimed under to in-progress records whose lease ran out (at most
+    /// `batch` of them): released for a retry, or marked indeterminate. Fenced, so a live owner that
+    /// extended its lease meanwhile is never disturbed. With `dry_run`, only counts them.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn recover_stale(&self, batch: u32, dry_run: bool) -> Result<Recovery, StoreError> {
+        telemetry::postgres_statement("stale");
+        let rows = sqlx::query(STALE).bind(i64::from(batch.max(1))).fetch_all(self.pg_pool());
+        let rows = rows.await.map_err(unavailable("recover"))?;
+        let mut recovery = Recovery { found: rows.len() as u64, ..Recovery::default() };
+        for row in rows {
+            let decode = |e| StoreError::StoreUnavailable { step: "recover", source: e };
+            let scope =
+                Scope::new(row.try_get::<String, _>(0).map_err(decode)?, row.try_get::<String, _>(1).map_err(decode)?)?;
+            let key = IdempotencyKey::new(row.try_get::<String, _>(2).map_err(decode)?)?;
+            let stale = Lease {
+                fingerprint: crate::Fingerprint::from_hex(row.try_get::<String, _>(3).map_err(decode)?),
+                fence: row.try_get(4).map_err(decode)?,
+                owner: row.try_get::<Option<String>, _>(5).map_err(decode)?.unwrap_or_default(),
+                policy: self.shared_policy(scope.operation()),
+                scope,
+                key,
+            };
+            if dry_run {
+                continue;
+            }
+            // The rule the record was claimed under; the configured one for records older than the column.
+            let rule = match row.try_get::<Option<String>, _>(6).map_err(decode)?.as_deref() {
+                Some("take_over") => LeaseExpiry::TakeOver,
+                Some(_) => LeaseExpiry::MarkIndeterminate,
+                None => stale.policy.lease_expiry,
+            };
+            let (recovered, action) = match rule {
+                LeaseExpiry::TakeOver => {
+                    telemetry::postgres_statement("release_stale");
+                    let released = sqlx::query(RELEASE_STALE)
+                        .bind(stale.scope.tenant())
+                        .bind(stale.scope.operation())
+                        .bind(stale.key.as_str())
+                        .bind(stale.fence)
+                        .execute(self.pg_pool());
+                    (released.await.map_err(unavailable("recover"))?.rows_affected() == 1, "released")
+                }
+                LeaseExpiry::MarkIndeterminate => {
+                    let marked = self.inner.postgres.mark_indeterminate(&stale).await;
+                    (marked.map_err(unavailable("recover"))?, "marked_indeterminate")
+                }
+            };
+            if recovered {
+                telemetry::recovered(action);
+                match action {
+                    "released" => recovery.released += 1,
+                    _ => recovery.marked_indeterminate += 1,
+                }
+                self.evict_redis(&stale.scope, &stale.key).await;
+            }
+        }
+        self.indeterminate_gauge().await?;
+        Ok(recovery)
+    }
+
+    /// Settles an indeterminate record. Returns `false` if the record is not indeterminate (absent,
+    /// or settled meanwhile); nothing is changed then.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn resolve(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        resolution: Resolution,
+    ) -> Result<bool, StoreError> {
+        let retention = self.policy(scope.operation()).retention.map(|r| millis(r) as f64);
+        let query = match &resolution {
+            Resolution::Completed(response) => sqlx::query(RESOLVE_COMPLETED)
+                .bind(scope.tenant())
+                .bind(scope.operation())
+                .bind(key.as_str())
+                .bind(response.as_slice())
+                .bind(retention),
+            Resolution::Released => {
+                sqlx::query(RESOLVE_RELEASED).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str())
+            }
+        };
+        telemetry::postgres_statement("resolve");
+        let resolved = query.execute(self.pg_pool()).await.map_err(unavailable("resolve"))?.rows_affected() == 1;
+        if resolved {
+            // Redis may still answer "indeterminate": drop its copy so the next request reads Postgres.
+            self.evict_redis(scope, key).await;
+            self.indeterminate_gauge().await?;
+        }
+        Ok(resolved)
+    }
+
+    /// Records by operation, state and tier, with how many expire within `window`.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn stats(&self, window: Duration) -> Result<Vec<StatsRow>, StoreError> {
+        telemetry::postgres_statement("stats");
+        let rows = sqlx::query(COUNTS).bind(millis(window) as f64).fetch_all(self.pg_pool());
+        let rows = rows.await.map_err(unavailable("stats"))?;
+        let decode = |e| StoreError::StoreUnavailable { step: "stats", source: e };
+        rows.iter()
+            .map(|row| {
+                let state: String = row.try_get("state").map_err(decode)?;
+                Ok(StatsRow {
+                    operation: row.try_get("operation").map_err(decode)?,
+                    state: State::parse(&state).unwrap_or(State::Indeterminate),
+                    tier: row.try_get("tier").map_err(decode)?,
+                    records: u64::try_from(row.try_get::<i64, _>("records").map_err(decode)?).unwrap_or(0),
+                    expiring: u64::try_from(row.try_get::<i64, _>("expiring").map_err(decode)?).unwrap_or(0),
+                })
+            })
+            .collect()
+    }
+
+    /// A key as Postgres and Redis hold it, side by side.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn inspect(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Inspection, StoreError> {
+        let postgres = self.lookup(scope, key).await?;
+        let (redis_key, redis) = match &self.inner.redis {
+            Some(redis) => {
+                let record_key = redis.record_key(scope, key);
+                let view = redis.view(&record_key).await.ok().flatten();
+                (Some(record_key), view)
+            }
+            None => (None, None),
+        };
+        Ok(Inspection { redis_key, postgres, redis })
+    }
+
+    /// Deletes a key's Redis copy (Postgres keeps the record); the next request reads Postgres and
+    /// repairs Redis. Returns whether Redis held it.
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] in Postgres-only mode; [`StoreError::RedisUnavailable`] if Redis failed.
+    pub async fn evict(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let Some(redis) = &self.inner.redis else {
+            return Err(StoreError::Config("evict needs Redis; this store is Postgres-only".into()));
+        };
+        redis.evict(&redis.record_key(scope, key)).await.map_err(|e| StoreError::RedisUnavailable(Box::new(e)))
+    }
+
+    async fn evict_redis(&self, scope: &Scope, key: &IdempotencyKey) {
+        if let Some(redis) = &self.inner.redis
+            && let Err(error) = redis.evict(&redis.record_key(scope, key)).await
+        {
+            telemetry::redis_fallback(scope.operation(), error.reason());
+        }
+    }
+
+    async fn indeterminate_gauge(&self) -> Result<(), StoreError> {
+        let indeterminate = count(self, INDETERMINATE, "count indeterminate").await?;
+        telemetry::indeterminate(indeterminate);
+        Ok(())
+    }
+}
+
+async fn count(store: &Store, sql: &'static str, step: &'static str) -> Result<u64, StoreError> {
+    telemetry::postgres_statement("count");
+    let count: i64 = sqlx::query_scalar(sql).fetch_one(store.pg_pool()).await.map_err(unavailable(step))?;
+    Ok(u64::try_from(count).unwrap_or(0))
+}
+
+fn unavailable(step: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |source| StoreError::StoreUnavailable { step, source }
+}

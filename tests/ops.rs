@@ -1,0 +1,250 @@
+//! Operations: expiry and recovery jobs, resolution of indeterminate records, tiers recorded per record,
+//! and the `idemctl` binary run as a process. Real servers, both modes.
+
+#[macro_use]
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use idemstore::{
+    Begin, Fingerprint, LeaseExpiry, Mode, Policy, PolicyConfig, Resolution, RunOutcome, State, Store, Tier,
+};
+use serde_json::{Value, json};
+use support::{Harness, Servers, key};
+
+suite!(
+    purge_in_batches_spares_a_record_reclaimed_meanwhile,
+    recover_stale_spares_live_owners,
+    resolve_settles_indeterminate_records,
+    tier_is_recorded_with_each_record,
+    tiers_are_selected_by_operation_from_a_config_file,
+    idemctl_commands,
+);
+
+fn policy(lease_ms: u64, redis_ttl_ms: u64, retention_ms: u64, expiry: LeaseExpiry) -> Policy {
+    Policy::builder()
+        .lease(Duration::from_millis(lease_ms))
+        .redis_ttl(Duration::from_millis(redis_ttl_ms))
+        .retention(Some(Duration::from_millis(retention_ms)))
+        .lease_expiry(expiry)
+        .build()
+        .expect("policy")
+}
+
+fn fingerprint(h: &Harness, payload: &Value) -> Fingerprint {
+    Fingerprint::of_serialize(payload, h.store.policy(&h.operation).fingerprint()).expect("fingerprint")
+}
+
+async fn complete(h: &Harness, name: &str) -> Value {
+    let k = key(name);
+    match h.store.run_once(&h.scope("acme"), &k, &json!({"n": name}), || h.charge("acme", &k)).await {
+        Ok(RunOutcome::Executed(value) | RunOutcome::Replayed(value)) => value,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Polls until `check` holds (time must pass for leases and retention to run out).
+async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    for _ in 0..300 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("never: {what}");
+}
+
+/// 40 expired records are purged 7 at a time while one of them is claimed again: the purge deletes the
+/// other 39 and never the live one.
+async fn purge_in_batches_spares_a_record_reclaimed_meanwhile(mode: Mode) {
+    let h = Harness::with(mode, policy(100, 200, 400, LeaseExpiry::TakeOver), Servers::Any).await;
+    for i in 0..40 {
+        complete(&h, &format!("old-{i}")).await;
+    }
+    eventually("all 40 expired", async || h.store.count_expired().await.expect("count") == 40).await;
+    let (reclaimed, scope, payload) = (key("old-7"), h.scope("acme"), json!({"n": "old-7"}));
+    let (purged, claim) = tokio::join!(
+        h.store.purge_expired(7),
+        h.store.run_once(&scope, &reclaimed, &payload, || h.charge("acme", &reclaimed)),
+    );
+    assert!(matches!(claim, Ok(RunOutcome::Executed(_))), "an expired key is a new key: {claim:?}");
+    let purged = purged.expect("purge");
+    assert!((39..=40).contains(&purged), "{purged}");
+    let live = h.store.lookup(&h.scope("acme"), &reclaimed).await.expect("lookup");
+    assert_eq!(live.map(|r| r.state), Some(State::Completed), "the reclaimed record survived the purge");
+    assert_eq!(h.store.count_expired().await.expect("count"), 0);
+    assert!(support::total("idemstore_purged_records_total") >= 39.0);
+}
+
+/// A dead owner's stale record is released; a live owner that keeps extending is left alone; a record
+/// claimed under MarkIndeterminate is marked, whatever the recoverer's own configuration says.
+async fn recover_stale_spares_live_owners(mode: Mode) {
+    let h = Harness::with(mode, policy(300, 60_000, 600_000, LeaseExpiry::TakeOver), Servers::Any).await;
+    let (scope, payload) = (h.scope("acme"), json!({"n": 1}));
+    let fp = fingerprint(&h, &payload);
+    let Ok(Begin::Acquired(_dead)) = h.store.begin(&scope, &key("dead"), &fp).await else { panic!() };
+    let Ok(Begin::Acquired(live)) = h.store.begin(&scope, &key("live"), &fp).await else { panic!() };
+    let strict = policy(300, 60_000, 600_000, LeaseExpiry::MarkIndeterminate);
+    let Ok(Begin::Acquired(_strict)) = h.store.begin_with_policy(&scope, &key("strict"), &fp, &strict).await else {
+        panic!()
+    };
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let heartbeat = {
+        let (store, live) = (h.store.clone(), live.clone());
+        tokio::spawn(async move {
+            while stopped.try_recv().is_err() {
+                store.extend(&live).await.expect("the live owner keeps its lease");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    eventually("the dead and strict leases ran out", async || {
+        let mut ran_out = true;
+        for name in ["dead", "strict"] {
+            let record = h.store.lookup(&scope, &key(name)).await.expect("lookup").expect("record");
+            ran_out &= record.lease_remaining == Some(Duration::ZERO);
+        }
+        ran_out
+    })
+    .await;
+    let dry = h.store.recover_stale(100, true).await.expect("dry run");
+    assert_eq!((dry.found, dry.released, dry.marked_indeterminate), (2, 0, 0));
+    let recovery = h.store.recover_stale(100, false).await.expect("recover");
+    assert_eq!((recovery.found, recovery.released, recovery.marked_indeterminate), (2, 1, 1));
+    let state = async |name: &str| h.store.lookup(&scope, &key(name)).await.expect("lookup").expect("record").state;
+    assert_eq!(state("dead").await, State::Released);
+    assert_eq!(state("strict").await, State::Indeterminate);
+    assert_eq!(state("live").await, State::InProgress);
+    stop.send(()).expect("stop the heartbeat");
+    heartbeat.await.expect("heartbeat");
+    h.store.complete(&live, b"\"done\"").await.expect("the live owner completes");
+    assert_eq!(support::total("idemstore_recovered_records_total"), 2.0);
+    assert_eq!(support::total("idemstore_indeterminate_records"), 1.0);
+}
+
+/// An indeterminate record settled as completed replays the operator's response; settled as released,
+/// the next request executes. Settling anything else changes nothing.
+async fn resolve_settles_indeterminate_records(mode: Mode) {
+    let h = Harness::with(mode, policy(200, 60_000, 600_000, LeaseExpiry::MarkIndeterminate), Servers::Any).await;
+    let (scope, payload) = (h.scope("acme"), json!({"n": 1}));
+    let fp = fingerprint(&h, &payload);
+    for name in ["settle-done", "settle-redo"] {
+        let Ok(Begin::Acquired(_abandoned)) = h.store.begin(&scope, &key(name), &fp).await else { panic!() };
+    }
+    eventually("both are indeterminate", async || {
+        let a = h.store.begin(&scope, &key("settle-done"), &fp).await;
+        let b = h.store.begin(&scope, &key("settle-redo"), &fp).await;
+        matches!((a, b), (Ok(Begin::Indeterminate), Ok(Begin::Indeterminate)))
+    })
+    .await;
+    let done = h.store.resolve(&scope, &key("settle-done"), Resolution::Completed(b"\"by hand\"".to_vec())).await;
+    assert!(done.expect("resolve"));
+    let Ok(Begin::Completed(stored)) = h.store.begin(&scope, &key("settle-done"), &fp).await else { panic!() };
+    assert_eq!(stored.as_bytes(), b"\"by hand\"");
+    assert!(h.store.resolve(&scope, &key("settle-redo"), Resolution::Released).await.expect("resolve"));
+    let k = key("settle-redo");
+    let again = h.store.run_once(&scope, &k, &payload, || h.charge("acme", &k)).await;
+    assert!(matches!(again, Ok(RunOutcome::Executed(_))), "{again:?}");
+    assert!(!h.store.resolve(&scope, &k, Resolution::Released).await.expect("resolve"), "completed: untouched");
+}
+
+/// The tier a record was stored under is recorded with it, and a ledger record never expires.
+async fn tier_is_recorded_with_each_record(mode: Mode) {
+    let h = Harness::with(mode, Policy::tier(Tier::Ledger), Servers::Any).await;
+    complete(&h, "ledger-1").await;
+    let record = h.store.lookup(&h.scope("acme"), &key("ledger-1")).await.expect("lookup").expect("record");
+    assert_eq!((record.tier.as_deref(), record.expires_in), (Some("ledger"), None));
+    let custom = Policy::builder().tier(Tier::Webhook).name("partner-webhooks").build().expect("policy");
+    let other = h.new_store(custom);
+    let k = key("hook-1");
+    other.run_once(&h.scope("acme"), &k, &json!({}), || h.charge("acme", &k)).await.expect("run");
+    let record = h.store.lookup(&h.scope("acme"), &k).await.expect("lookup").expect("record");
+    assert_eq!(record.tier.as_deref(), Some("partner-webhooks"));
+    assert!(record.expires_in.is_some_and(|d| d > Duration::from_secs(6 * 86_400)), "7 days: {record:?}");
+}
+
+/// A TOML file maps operations (exact, or `prefix*`) to tiers; records carry the tier they got.
+async fn tiers_are_selected_by_operation_from_a_config_file(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let text = format!(
+        "default = \"ephemeral\"\n[tiers.ledger]\nlease = \"45s\"\n[operations]\n\"{}\" = \"ledger\"\n\"POST /webhooks/*\" = \"webhook\"\n",
+        h.operation
+    );
+    let mut builder = Store::builder().postgres(h.pool.clone()).key_prefix(h.prefix.clone());
+    if let Some(url) = &h.redis_url {
+        builder = builder.redis_url(url.clone());
+    }
+    let store = builder.policies(PolicyConfig::from_toml(&text).expect("valid config")).build().expect("store");
+    assert_eq!(
+        (store.policy(&h.operation).name(), store.policy(&h.operation).lease()),
+        ("ledger", Duration::from_secs(45))
+    );
+    assert_eq!(store.policy("POST /webhooks/{provider}").name(), "webhook");
+    assert_eq!(store.policy("POST /refunds").name(), "ephemeral");
+    let k = key("configured");
+    store.run_once(&h.scope("acme"), &k, &json!({}), || h.charge("acme", &k)).await.expect("run");
+    let record = store.lookup(&h.scope("acme"), &k).await.expect("lookup").expect("record");
+    assert_eq!((record.tier.as_deref(), record.expires_in), (Some("ledger"), None));
+}
+
+/// Runs `idemctl --json` against the test's servers; returns the exit code and the parsed document.
+fn idemctl(h: &Harness, args: &[&str]) -> (i32, Value) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idemctl"));
+    command.args(["--json", "--key-prefix", &h.prefix]).args(args).env("DATABASE_URL", &h.database_url);
+    match &h.redis_url {
+        Some(url) => command.env("REDIS_URL", url),
+        None => command.env_remove("REDIS_URL"),
+    };
+    let output = command.output().expect("run idemctl");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let document = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{args:?}: {e}: {stdout}"));
+    (output.status.code().unwrap_or(-1), document)
+}
+
+/// Every idemctl command, run as a process with `--json`, against real data.
+async fn idemctl_commands(mode: Mode) {
+    let h = Harness::with(mode, policy(200, 400, 800, LeaseExpiry::MarkIndeterminate), Servers::Any).await;
+    let op = h.operation.clone();
+    assert_eq!(idemctl(&h, &["migrate"]), (0, json!({ "migrated": true })));
+
+    complete(&h, "kept").await;
+    let (code, inspected) = idemctl(&h, &["inspect", "acme", &op, "kept"]);
+    assert_eq!(code, 0);
+    assert_eq!(inspected["postgres"]["state"], "completed");
+    assert_eq!(inspected["postgres"]["fence"], 1);
+    match mode {
+        Mode::TwoTier => assert_eq!(inspected["redis"]["state"], "c"),
+        _ => assert!(inspected["redis"].is_null()),
+    }
+
+    let (code, stats) = idemctl(&h, &["stats", "--window", "1h"]);
+    assert_eq!(code, 0);
+    assert_eq!(stats["rows"][0]["operation"], op.as_str());
+    assert_eq!(stats["rows"][0]["records"], 1);
+
+    let fp = fingerprint(&h, &json!({"n": 1}));
+    let Ok(Begin::Acquired(_abandoned)) = h.store.begin(&h.scope("acme"), &key("stuck"), &fp).await else { panic!() };
+    eventually("the lease ran out", async || idemctl(&h, &["recover", "--dry-run"]).1["found"] == 1).await;
+    assert_eq!(idemctl(&h, &["recover"]).1["marked_indeterminate"], 1);
+    let response = std::env::temp_dir().join(format!("idemctl-{}.json", h.prefix));
+    std::fs::write(&response, b"{\"settled\":true}").expect("write the response file");
+    let path = response.to_string_lossy().into_owned();
+    assert_eq!(idemctl(&h, &["resolve", "acme", &op, "stuck", "--complete-with", &path]).1["resolved"], true);
+    let _ = std::fs::remove_file(&response);
+    let Ok(Begin::Completed(stored)) = h.store.begin(&h.scope("acme"), &key("stuck"), &fp).await else { panic!() };
+    assert_eq!(stored.as_bytes(), b"{\"settled\":true}");
+
+    eventually("both records expired", async || idemctl(&h, &["purge", "--dry-run"]).1["expired"] == 2).await;
+    assert_eq!(idemctl(&h, &["purge", "--batch", "1"]).1["purged"], 2);
+
+    complete(&h, "cached").await;
+    let (code, evicted) = idemctl(&h, &["evict", "acme", &op, "cached"]);
+    match mode {
+        Mode::TwoTier => assert_eq!((code, evicted), (0, json!({ "evicted": true }))),
+        _ => assert_eq!(code, 1, "Postgres-only has nothing to evict: {evicted}"),
+    }
+    let (code, refused) = idemctl(&h, &["inspect", "acme", &op, "bad key"]);
+    assert_eq!(code, 2);
+    assert!(refused["error"].as_str().is_some_and(|e| e.contains("visible ASCII")), "{refused}");
+}
