@@ -41,13 +41,16 @@ struct Args {
     /// Workloads to run (default: all).
     #[arg(long, value_delimiter = ',', value_enum)]
     workloads: Option<Vec<Workload>>,
+    /// Rewrites the table and plot from a saved `compare.json` instead of measuring.
+    #[arg(long)]
+    replot: Option<std::path::PathBuf>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
 }
 
 /// The plan of a run, with the defaults of full and quick runs applied.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Plan {
     quick: bool,
     concurrency: Vec<usize>,
@@ -72,7 +75,7 @@ impl From<Args> for Plan {
 }
 
 /// One timed cell.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Cell {
     workload: Option<Workload>,
     subject: Subject,
@@ -96,7 +99,14 @@ pub struct Cell {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let plan = Plan::from(Args::parse());
+    let args = Args::parse();
+    if let Some(saved) = &args.replot {
+        let saved: serde_json::Value = serde_json::from_slice(&std::fs::read(saved)?)?;
+        let plan: Plan = serde_json::from_value(saved["plan"].clone())?;
+        let cells: Vec<Cell> = serde_json::from_value(saved["cells"].clone())?;
+        return report::write(&plan, &cells);
+    }
+    let plan = Plan::from(args);
     let metrics = PrometheusBuilder::new().install_recorder()?;
 
     // Durable servers, unless the environment names some.

@@ -157,26 +157,40 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
     md
 }
 
+/// Replay and new keys in both modes, with both floors: the comparisons the README reads.
 fn plot(rows: &[Row], path: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let shown = |r: &&Row| matches!(r.workload, None | Some(Workload::Replay | Workload::New));
+    let rows: Vec<&Row> = rows.iter().filter(shown).collect();
     let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
     root.fill(&WHITE)?;
     let (left, right) = root.split_horizontally(600);
     let max_c = rows.iter().map(|r| r.concurrency).max().unwrap_or(1).max(2) as f64;
     let throughput: fn(&Row) -> f64 = |r| r.throughput.median;
     let p99: fn(&Row) -> f64 = |r| r.p99_ms;
-    for (area, title, value) in [(&left, "throughput (req/s)", throughput), (&right, "p99 latency (ms)", p99)] {
-        let values: Vec<f64> = rows.iter().map(value).filter(|v| *v > 0.0).collect();
-        let lo = values.iter().copied().fold(f64::INFINITY, f64::min).max(1e-3) / 1.5;
-        let hi = values.iter().copied().fold(0.0, f64::max) * 1.5;
+    let panels = [
+        (&left, "throughput (req/s, log)", throughput, SeriesLabelPosition::LowerRight),
+        (&right, "p99 latency (ms, log)", p99, SeriesLabelPosition::UpperLeft),
+    ];
+    for (area, title, value, legend) in panels {
+        let values: Vec<f64> = rows.iter().map(|r| value(r)).filter(|v| *v > 0.0).collect();
+        let lo = values.iter().copied().fold(f64::INFINITY, f64::min).max(1e-3) / 2.0;
+        let hi = values.iter().copied().fold(0.0, f64::max) * 2.0;
         let mut chart = ChartBuilder::on(area)
             .caption(title, ("sans-serif", 18))
             .margin(12)
             .x_label_area_size(36)
             .y_label_area_size(64)
-            .build_cartesian_2d((1.0..max_c * 1.2).log_scale(), (lo..hi.max(lo * 2.0)).log_scale())?;
-        chart.configure_mesh().x_desc("concurrency").draw()?;
+            .build_cartesian_2d((0.8..max_c * 1.25).log_scale(), (lo..hi.max(lo * 2.0)).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_desc("requests in flight")
+            .x_labels(4)
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .y_label_formatter(&|v| format!("{v}"))
+            .light_line_style(WHITE)
+            .draw()?;
         let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-        for r in rows {
+        for r in &rows {
             let name = match r.workload {
                 Some(w) => format!("{} {}", format!("{w:?}").to_lowercase(), r.subject.name()),
                 None => r.subject.name().to_owned(),
@@ -186,19 +200,19 @@ fn plot(rows: &[Row], path: &Path) -> Result<(), Box<dyn std::error::Error>> {
         for (i, (name, mut points)) in series.into_iter().enumerate() {
             points.sort_by(|a, b| a.0.total_cmp(&b.0));
             let color = Palette99::pick(i).to_rgba();
-            let dashed = name.contains("postgres-only") || name.contains("floor");
-            let style = color.stroke_width(if dashed { 1 } else { 2 });
+            let floor = name.contains("floor");
             chart
-                .draw_series(LineSeries::new(points.clone(), style))?
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(if floor { 1 } else { 2 })))?
                 .label(name)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
             chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
         }
         chart
             .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
+            .position(legend)
+            .background_style(WHITE.mix(0.9))
             .border_style(BLACK)
-            .label_font(("sans-serif", 10))
+            .label_font(("sans-serif", 12))
             .draw()?;
     }
     root.present()?;

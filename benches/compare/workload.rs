@@ -9,7 +9,7 @@ use redis::Script;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Workload {
     /// Every request a fresh key: claim, work, complete.
@@ -25,7 +25,7 @@ pub enum Workload {
 }
 
 /// What a cell measures: the library in one mode, or one of the floors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Subject {
     TwoTier,
