@@ -10,7 +10,7 @@ use std::error::Error;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use idemstore::testkit::LocalServers;
-use idemstore::{IdempotencyKey, RunOutcome, Scope, Store};
+use idemstore::{IdempotencyKey, RunOutcome, Scope};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use serde_json::{Value, json};
 
@@ -20,11 +20,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     idemstore::telemetry::describe();
 
     let servers = LocalServers::from_env()?;
-    let mut builder = Store::builder().database_url(&servers.database_url);
-    if let Some(url) = &servers.redis_url {
-        builder = builder.redis_url(url);
-    }
-    let store = builder.build()?;
+    let store = servers.store_builder().build()?;
     store.migrate().await?;
     println!("store ready in {:?} mode\n", store.mode());
 

@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use sha2::{Digest, Sha256};
+
 use crate::error::InputError;
 
 /// A client-supplied idempotency key: 1 to 255 bytes of visible ASCII (0x21..=0x7E).
@@ -37,6 +39,21 @@ impl IdempotencyKey {
     /// The key as sent by the client.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// A child key for one downstream call of this request (`"stripe.charge"`, `"email.receipt"`):
+    /// the same on every retry and after every takeover, different per label, per key and per scope (so two
+    /// tenants reusing a key never collide at a shared downstream account), and itself a valid
+    /// Idempotency-Key. Pass it to every downstream API that accepts one.
+    pub fn derive(&self, scope: &Scope, label: &str) -> IdempotencyKey {
+        let mut hasher = Sha256::new();
+        hasher.update(b"idemstore-derive\0");
+        for part in [scope.tenant(), scope.operation(), self.as_str(), label] {
+            // Length-prefixed, so no two different inputs hash the same bytes.
+            hasher.update((part.len() as u64).to_le_bytes());
+            hasher.update(part.as_bytes());
+        }
+        IdempotencyKey(format!("idem-{:x}", hasher.finalize()))
     }
 }
 
@@ -127,6 +144,23 @@ mod tests {
         for bad in ["a b", "a\tb", "aä", "a\u{7f}", "a\0"] {
             assert!(matches!(IdempotencyKey::new(bad), Err(InputError::KeyInvalidByte { offset: 1 })), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn derived_keys_are_stable_distinct_and_valid() {
+        let (acme, other) =
+            (Scope::new("acme", "charge").expect("scope"), Scope::new("other", "charge").expect("scope"));
+        let key = IdempotencyKey::new("order-1").expect("key");
+        let child = key.derive(&acme, "stripe.charge");
+        assert_eq!(child, key.derive(&acme, "stripe.charge"), "stable across retries");
+        assert!(IdempotencyKey::new(child.as_str()).is_ok(), "a valid key itself");
+        let others = [
+            key.derive(&acme, "email.receipt"),
+            key.derive(&other, "stripe.charge"),
+            IdempotencyKey::new("order-2").expect("key").derive(&acme, "stripe.charge"),
+            child.derive(&acme, "stripe.charge"),
+        ];
+        assert!(others.iter().all(|o| *o != child), "{others:?}");
     }
 
     #[test]

@@ -133,6 +133,12 @@ impl Lease {
         self.fence
     }
 
+    /// The derived key for one downstream call ([`IdempotencyKey::derive`]); the same for every owner of
+    /// this key, so a takeover repeats the downstream call under the same key.
+    pub fn derive_key(&self, label: &str) -> IdempotencyKey {
+        self.key.derive(&self.scope, label)
+    }
+
     /// The policy the key was claimed under.
     pub fn policy(&self) -> &Policy {
         &self.policy

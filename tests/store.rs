@@ -206,6 +206,7 @@ async fn stale_owner_is_fenced_after_takeover(mode: Mode) {
     let Begin::Acquired(stale) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
     let Begin::Acquired(fresh) = begin_after_lease(&h, &scope, &k, &fp).await else { panic!("takeover") };
     assert!(fresh.fence() > stale.fence());
+    assert_eq!(fresh.derive_key("psp.charge"), stale.derive_key("psp.charge"), "downstream keys survive takeovers");
     assert!(matches!(h.store.complete(&stale, b"\"stale\"").await, Err(StoreError::LeaseLost { .. })));
     assert!(matches!(h.store.release(&stale).await, Err(StoreError::LeaseLost { .. })));
     h.store.complete(&fresh, b"\"fresh\"").await.expect("the new owner completes");

@@ -10,7 +10,6 @@ mod app;
 
 use std::error::Error;
 
-use idemstore::Store;
 use idemstore::testkit::LocalServers;
 use metrics_exporter_prometheus::PrometheusBuilder;
 
@@ -22,11 +21,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     idemstore::telemetry::describe();
 
     let servers = LocalServers::from_env()?;
-    let mut store = Store::builder().database_url(&servers.database_url);
-    if let Some(url) = &servers.redis_url {
-        store = store.redis_url(url);
-    }
-    let store = store.build()?;
+    let store = servers.store_builder().build()?;
     app::migrate(&store).await?;
 
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:8080".into());

@@ -146,4 +146,13 @@ impl LocalServers {
         };
         Ok(Self { database_url, redis_url, _postgres: postgres, _redis: redis })
     }
+
+    /// A store builder connected to these servers (Postgres-only when there is no Redis).
+    pub fn store_builder(&self) -> crate::StoreBuilder {
+        let builder = crate::Store::builder().database_url(&self.database_url);
+        match &self.redis_url {
+            Some(url) => builder.redis_url(url),
+            None => builder,
+        }
+    }
 }
