@@ -91,7 +91,7 @@ pub use fingerprint::{Fingerprint, FingerprintOptions};
 pub use key::{IdempotencyKey, Scope};
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use record::{Begin, Lease, Record, State, StoredResponse};
-pub use run_once::{Heartbeat, RunError, RunOptions, RunOutcome};
+pub use run_once::{Heartbeat, RunError, RunOptions, RunOutcome, TxFuture};
 pub use store::{Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder};
 
 /// Compiles the README's examples as doc tests.

@@ -2,10 +2,12 @@
 //! For queue consumers, webhook handlers, jobs and anything else that must not apply twice.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sqlx::postgres::PgConnection;
 use tokio::time::Instant;
 
 use crate::error::StoreError;
@@ -51,6 +53,35 @@ pub enum RunError<E> {
     /// A stored result could not be deserialized as the requested type.
     #[error("the stored result could not be deserialized")]
     Decode(#[source] serde_json::Error),
+}
+
+/// The future a [`Store::run_once_in_tx`] work returns, borrowing the transaction.
+pub type TxFuture<'c, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>;
+
+/// What a claim answered: ownership, or the outcome to return.
+enum Claimed<T> {
+    Owner(Lease),
+    Answered(RunOutcome<T>),
+}
+
+fn claimed<T: DeserializeOwned, E>(answer: Begin) -> Result<Claimed<T>, RunError<E>> {
+    Ok(match answer {
+        Begin::Acquired(lease) => Claimed::Owner(lease),
+        Begin::Completed(stored) => Claimed::Answered(RunOutcome::Replayed(
+            serde_json::from_slice(stored.as_bytes()).map_err(RunError::Decode)?,
+        )),
+        Begin::InFlight { retry_after } => Claimed::Answered(RunOutcome::InFlight { retry_after }),
+        Begin::Mismatch => Claimed::Answered(RunOutcome::Mismatch),
+        Begin::Indeterminate => Claimed::Answered(RunOutcome::Indeterminate),
+    })
+}
+
+/// The work's value with its stored form, or the error to return after releasing the key.
+fn encode<T: Serialize, E>(result: Result<T, E>) -> Result<(T, Vec<u8>), RunError<E>> {
+    match result {
+        Ok(value) => serde_json::to_vec(&value).map(|bytes| (value, bytes)).map_err(RunError::Encode),
+        Err(error) => Err(RunError::Work(error)),
+    }
 }
 
 /// Keeps a live owner's lease from running out while its work takes longer than the lease.
@@ -134,32 +165,23 @@ impl Store {
         let deadline = options.wait.map(|wait| Instant::now() + wait);
         let mut backoff = Duration::from_millis(5);
         let lease = loop {
-            match self.begin(scope, key, &fingerprint).await? {
-                Begin::Acquired(lease) => break lease,
-                Begin::Completed(stored) => {
-                    let value = serde_json::from_slice(stored.as_bytes()).map_err(RunError::Decode)?;
-                    return Ok(RunOutcome::Replayed(value));
+            match claimed(self.begin(scope, key, &fingerprint).await?)? {
+                Claimed::Owner(lease) => break lease,
+                Claimed::Answered(RunOutcome::InFlight { retry_after })
+                    if deadline.is_some_and(|deadline| Instant::now() < deadline) =>
+                {
+                    // Poll with a growing interval, never past the deadline or the owner's lease.
+                    let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
+                    let deadline = deadline.unwrap_or_else(Instant::now);
+                    tokio::time::sleep_until((Instant::now() + pause).min(deadline)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(200));
                 }
-                Begin::InFlight { retry_after } => match deadline {
-                    Some(deadline) if Instant::now() < deadline => {
-                        // Poll with a growing interval, never past the deadline or the owner's lease.
-                        let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
-                        tokio::time::sleep_until((Instant::now() + pause).min(deadline)).await;
-                        backoff = (backoff * 2).min(Duration::from_millis(200));
-                    }
-                    _ => return Ok(RunOutcome::InFlight { retry_after }),
-                },
-                Begin::Mismatch => return Ok(RunOutcome::Mismatch),
-                Begin::Indeterminate => return Ok(RunOutcome::Indeterminate),
+                Claimed::Answered(outcome) => return Ok(outcome),
             }
         };
 
         let result = self.with_heartbeat(&lease, options.heartbeat, work()).await;
-        let encoded = match result {
-            Ok(value) => serde_json::to_vec(&value).map(|bytes| (value, bytes)).map_err(RunError::Encode),
-            Err(error) => Err(RunError::Work(error)),
-        };
-        match encoded {
+        match encode(result) {
             Ok((value, bytes)) => {
                 self.complete(&lease, &bytes).await?;
                 Ok(RunOutcome::Executed(value))
@@ -169,6 +191,75 @@ impl Store {
                     // The lease runs out instead, and the policy decides what the next request does.
                     tracing::warn!(error = %release, "could not release the key after a failure");
                 }
+                Err(error)
+            }
+        }
+    }
+
+    /// Runs `work` once, exactly once for its effects in this Postgres database: the claim, the work's
+    /// statements (on the transaction handed to `work`) and the completion commit together, or not at all.
+    ///
+    /// A concurrent duplicate is told "in flight" by Redis, or waits on the claim's row lock in Postgres
+    /// and then replays the result. If `work` fails, or the process dies before the commit, nothing was
+    /// written (the claim included) and a retry executes cleanly. One commit per new key instead of two.
+    /// Effects outside this database (an e-mail, another API) are not covered: pass them a
+    /// [derived key](IdempotencyKey::derive) or put them in an outbox row written by `work`.
+    /// `work` may borrow only the transaction: move (clone) into it what else it needs.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: idemstore::Store, scope: idemstore::Scope, key: idemstore::IdempotencyKey)
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// let outcome = store
+    ///     .run_once_in_tx(&scope, &key, &serde_json::json!({"amount": 1200}), |tx| {
+    ///         Box::pin(async move {
+    ///             let id: i64 = sqlx::query_scalar("INSERT INTO charges (amount) VALUES (1200) RETURNING id")
+    ///                 .fetch_one(&mut *tx)
+    ///                 .await?;
+    ///             Ok::<_, sqlx::Error>(id)
+    ///         })
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Store::run_once`]; a failed commit is [`StoreError::StoreUnavailable`].
+    pub async fn run_once_in_tx<P, T, E, F>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        payload: &P,
+        work: F,
+    ) -> Result<RunOutcome<T>, RunError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
+    {
+        let policy = self.policy(scope.operation());
+        let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
+        let unavailable = |step| move |source| StoreError::StoreUnavailable { step, source };
+        let mut tx = self.pg_pool().begin().await.map_err(unavailable("begin transaction"))?;
+        let lease = match claimed(self.begin_in(scope, key, &fingerprint, &mut tx).await?)? {
+            Claimed::Owner(lease) => lease,
+            Claimed::Answered(outcome) => return Ok(outcome),
+        };
+        let finished = match encode(work(&mut tx).await) {
+            Ok((value, bytes)) => match self.complete_in(&mut tx, &lease, &bytes).await {
+                Ok(()) => tx.commit().await.map(|()| (value, bytes)).map_err(|e| unavailable("commit")(e).into()),
+                Err(error) => Err(error.into()),
+            },
+            Err(error) => Err(error),
+        };
+        match finished {
+            Ok((value, bytes)) => {
+                self.completed_in(&lease, &bytes).await;
+                Ok(RunOutcome::Executed(value))
+            }
+            Err(error) => {
+                // Rolled back (the transaction is dropped): no claim was ever durable, so no retry may be
+                // told "in flight" for it.
+                self.release_marker(&lease).await;
                 Err(error)
             }
         }

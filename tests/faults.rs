@@ -35,7 +35,63 @@ suite!(
     postgres_connections_cut_mid_load,
     postgres_blackholed_mid_load,
     skewed_clocks_do_not_move_leases,
+    owner_process_killed_mid_transaction_leaves_nothing,
 );
+
+/// A process SIGKILLed inside `run_once_in_tx`, after its work's insert and before the commit, leaves
+/// nothing behind: no record, no effect; the retry executes exactly once.
+async fn owner_process_killed_mid_transaction_leaves_nothing(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
+    let mut child = child(&h, "child_tx_owner").stdout(Stdio::piped()).spawn().expect("spawn the owner process");
+    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    for line in lines {
+        if line.expect("child stdout").contains("OWNER IN TRANSACTION") {
+            break;
+        }
+    }
+    child.kill().expect("SIGKILL the owner");
+    child.wait().expect("reap the owner");
+    let (scope, k, payload) = (h.scope("acme"), key("in-tx"), json!({"amount": 1}));
+    assert_eq!(h.store.lookup(&scope, &k).await.expect("lookup"), None, "the claim never committed");
+    let executed = loop {
+        let outcome = h.store.run_once_in_tx(&scope, &k, &payload, |tx| effect_in_tx(tx, "in-tx"));
+        match outcome.await.expect("the store answers") {
+            RunOutcome::InFlight { .. } => tokio::time::sleep(Duration::from_millis(25)).await,
+            other => break other,
+        }
+    };
+    assert!(matches!(executed, RunOutcome::Executed(_)), "{executed:?}");
+    assert_eq!(h.effects("acme", &k).await, 1, "the killed owner's insert rolled back with its claim");
+}
+
+fn effect_in_tx<'c>(tx: &'c mut sqlx::PgConnection, key: &'static str) -> idemstore::TxFuture<'c, i64, sqlx::Error> {
+    Box::pin(async move {
+        sqlx::query_scalar("INSERT INTO effects (tenant, key) VALUES ('acme', $1) RETURNING id")
+            .bind(key)
+            .fetch_one(&mut *tx)
+            .await
+    })
+}
+
+/// Child process of `owner_process_killed_mid_transaction_leaves_nothing`: inserts its effect inside the
+/// claim's transaction, announces it, and hangs until killed.
+#[tokio::test]
+#[ignore = "run as a child process by the fault tests"]
+async fn child_tx_owner() {
+    let Some(h) = attach_to_parent().await else { return };
+    let scope = Scope::new("acme", h.operation.clone()).expect("scope");
+    let _ = h
+        .store
+        .run_once_in_tx(&scope, &key("in-tx"), &json!({"amount": 1}), |tx| {
+            Box::pin(async move {
+                let id = effect_in_tx(tx, "in-tx").await?;
+                println!("OWNER IN TRANSACTION");
+                std::future::pending::<()>().await;
+                Ok::<_, sqlx::Error>(id)
+            })
+        })
+        .await;
+}
 
 /// Short leases, so that markers orphaned by a fault expire within the test.
 fn short_lease(expiry: LeaseExpiry) -> Policy {

@@ -33,7 +33,77 @@ suite!(
     heartbeat_keeps_a_slow_owner,
     in_flight_duplicate_waits_for_the_result,
     postgres_down_fails_closed,
+    run_once_in_tx_executes_once_under_64_concurrent_calls,
+    run_once_in_tx_commits_nothing_when_the_work_fails,
+    run_once_in_tx_replays_from_both_tiers,
 );
+
+/// The work of `run_once_in_tx`: the effect row, written in the claim's transaction.
+fn charge_in_tx(
+    tx: &mut sqlx::PgConnection,
+    key: idemstore::IdempotencyKey,
+    fail: bool,
+) -> idemstore::TxFuture<'_, Value, sqlx::Error> {
+    Box::pin(async move {
+        let id: i64 = sqlx::query_scalar("INSERT INTO effects (tenant, key) VALUES ('acme', $1) RETURNING id")
+            .bind(key.as_str())
+            .fetch_one(&mut *tx)
+            .await?;
+        if fail {
+            return Err(sqlx::Error::RowNotFound);
+        }
+        Ok(json!({ "charge": id }))
+    })
+}
+
+/// 64 concurrent calls of the transactional run-once on one key: one effect row, one completed record,
+/// and every other call in flight or replayed.
+async fn run_once_in_tx_executes_once_under_64_concurrent_calls(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (scope, k, payload) = (h.scope("acme"), key("tx-64"), json!({"amount": 64}));
+    let calls = (0..64).map(|_| h.store.run_once_in_tx(&scope, &k, &payload, |tx| charge_in_tx(tx, k.clone(), false)));
+    let outcomes = join_all(calls).await;
+    let executed = outcomes.iter().filter(|o| matches!(o, Ok(RunOutcome::Executed(_)))).count();
+    assert_eq!(executed, 1, "{outcomes:?}");
+    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    assert_eq!(h.effects("acme", &k).await, 1);
+    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("record");
+    assert_eq!((record.state, record.fence), (State::Completed, 1));
+}
+
+/// When the work fails, the claim rolls back with it: no record, no effect, and the retry executes.
+async fn run_once_in_tx_commits_nothing_when_the_work_fails(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (scope, k, payload) = (h.scope("acme"), key("tx-fail"), json!({"amount": 1}));
+    let failed: Outcome = h.store.run_once_in_tx(&scope, &k, &payload, |tx| charge_in_tx(tx, k.clone(), true)).await;
+    assert!(matches!(failed, Err(RunError::Work(sqlx::Error::RowNotFound))), "{failed:?}");
+    assert_eq!(h.store.lookup(&scope, &k).await.expect("lookup"), None, "the claim rolled back too");
+    assert_eq!(h.effects("acme", &k).await, 0);
+    if mode == Mode::TwoTier {
+        assert!(h.redis_keys().await.is_empty(), "no marker left behind");
+    }
+    let retry = h.store.run_once_in_tx(&scope, &k, &payload, |tx| charge_in_tx(tx, k.clone(), false)).await;
+    assert!(matches!(retry, Ok(RunOutcome::Executed(_))), "{retry:?}");
+    assert_eq!(h.effects("acme", &k).await, 1);
+}
+
+/// The result of a transactional run is replayed from Redis, and from Postgres when Redis lost it.
+async fn run_once_in_tx_replays_from_both_tiers(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (scope, k, payload) = (h.scope("acme"), key("tx-replay"), json!({"amount": 2}));
+    let first = h.store.run_once_in_tx(&scope, &k, &payload, |tx| charge_in_tx(tx, k.clone(), false)).await;
+    let Ok(RunOutcome::Executed(value)) = first else { panic!("{first:?}") };
+    let replay = h.store.run_once_in_tx(&scope, &k, &payload, |tx| charge_in_tx(tx, k.clone(), false)).await;
+    assert_eq!(replay.expect("replay"), RunOutcome::Replayed(value.clone()));
+    if mode == Mode::TwoTier {
+        assert_eq!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]), 1.0, "from Redis");
+        let mut conn = h.redis_connection().await;
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.expect("FLUSHALL");
+    }
+    let replay: Outcome = h.store.run_once(&scope, &k, &payload, || h.charge("acme", &k)).await;
+    assert_eq!(replay.expect("replay"), RunOutcome::Replayed(value), "the plain API sees the same record");
+    assert_eq!(h.effects("acme", &k).await, 1);
+}
 
 fn policy(lease_ms: u64, redis_ttl_ms: u64) -> Policy {
     Policy::builder()

@@ -5,7 +5,7 @@ use std::io;
 use std::time::Duration;
 
 use sqlx::Row as _;
-use sqlx::postgres::{PgPool, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgRow};
 
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::{LeaseExpiry, millis};
@@ -127,7 +127,16 @@ impl PostgresTier {
         &self.pool
     }
 
-    pub(crate) async fn claim(&self, lease: &Lease) -> Result<Claim, sqlx::Error> {
+    /// The claim on a pooled connection, or on `conn` (inside the caller's transaction) when given.
+    pub(crate) async fn claim(&self, lease: &Lease, conn: Option<&mut PgConnection>) -> Result<Claim, sqlx::Error> {
+        let mut pooled;
+        let conn = match conn {
+            Some(conn) => conn,
+            None => {
+                pooled = self.bounded(self.pool.acquire()).await?;
+                &mut *pooled
+            }
+        };
         let policy = &lease.policy;
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
         // but is invisible to `prior`, so the statement returns no row; the next attempt sees it.
@@ -143,7 +152,7 @@ impl PostgresTier {
                 .bind(policy.retention.map(|r| millis(r) as f64))
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                 .bind(policy.name())
-                .fetch_optional(&self.pool);
+                .fetch_optional(&mut *conn);
             let row = self.bounded(claim).await?;
             if let Some(row) = row {
                 let acquired: bool = row.try_get("acquired")?;
@@ -173,6 +182,19 @@ impl PostgresTier {
     pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<bool, sqlx::Error> {
         let retention = lease.policy.retention.map(|r| millis(r) as f64);
         self.bounded(self.fenced("complete", COMPLETE, lease).bind(response).bind(retention).execute(&self.pool))
+            .await
+            .map(matched)
+    }
+
+    /// The completion inside the caller's transaction (the one that claimed).
+    pub(crate) async fn complete_on(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease,
+        response: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        let retention = lease.policy.retention.map(|r| millis(r) as f64);
+        self.bounded(self.fenced("complete", COMPLETE, lease).bind(response).bind(retention).execute(conn))
             .await
             .map(matched)
     }

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Store;
+use sqlx::postgres::PgConnection;
+
 use super::postgres_tier::Claim;
 use super::redis_tier::RedisTier;
 use super::scripts::RedisBegin;
@@ -54,25 +56,69 @@ impl Store {
         fingerprint: &Fingerprint,
         policy: Arc<Policy>,
     ) -> Result<Begin, StoreError> {
-        let candidate = Lease {
+        let answer = self.claim(self.candidate(scope, key, fingerprint, policy), None).await;
+        record_outcome(scope.operation(), &answer);
+        answer
+    }
+
+    /// [`Store::begin`] with the Postgres claim made inside `tx`, which the caller commits (with the
+    /// completion) or rolls back.
+    pub(crate) async fn begin_in(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        tx: &mut PgConnection,
+    ) -> Result<Begin, StoreError> {
+        let answer =
+            self.claim(self.candidate(scope, key, fingerprint, self.shared_policy(scope.operation())), Some(tx)).await;
+        record_outcome(scope.operation(), &answer);
+        answer
+    }
+
+    /// Takes the Redis marker of a lease whose claim never committed (its transaction rolled back).
+    pub(crate) async fn release_marker(&self, lease: &Lease) {
+        if let Some(redis) = &self.inner.redis {
+            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner).await;
+            self.degrade(lease.scope.operation(), deleted);
+        }
+    }
+
+    /// Mirrors a completion into Redis, after Postgres committed it.
+    async fn cache_completion(&self, lease: &Lease, response: &[u8]) {
+        if let Some(redis) = &self.inner.redis {
+            let ttl = millis(lease.policy.redis_ttl);
+            let record_key = self.record_key(redis, lease);
+            let put = redis.put(&record_key, State::Completed, lease.fingerprint.as_hex(), "", response, ttl);
+            self.degrade(lease.scope.operation(), put.await);
+        }
+    }
+
+    /// Completes a lease claimed in `tx`; the caller commits, then calls [`Store::completed_in`].
+    pub(crate) async fn complete_in(
+        &self,
+        tx: &mut PgConnection,
+        lease: &Lease,
+        response: &[u8],
+    ) -> Result<(), StoreError> {
+        let stored = self.inner.postgres.complete_on(tx, lease, response).await;
+        self.fenced_step(lease, "complete", stored)
+    }
+
+    /// After the transaction of [`Store::complete_in`] committed.
+    pub(crate) async fn completed_in(&self, lease: &Lease, response: &[u8]) {
+        self.cache_completion(lease, response).await;
+    }
+
+    fn candidate(&self, scope: &Scope, key: &IdempotencyKey, fingerprint: &Fingerprint, policy: Arc<Policy>) -> Lease {
+        Lease {
             scope: scope.clone(),
             key: key.clone(),
             fingerprint: fingerprint.clone(),
             fence: 0,
             owner: format!("{:032x}", rand::random::<u128>()),
             policy,
-        };
-        let answer = self.claim(candidate).await;
-        let outcome = match &answer {
-            Ok(Begin::Acquired(_)) => "executed",
-            Ok(Begin::Completed(_)) => "replayed",
-            Ok(Begin::InFlight { .. }) => "in_flight",
-            Ok(Begin::Mismatch) => "mismatch",
-            Ok(Begin::Indeterminate) => "indeterminate",
-            Err(_) => "error",
-        };
-        telemetry::outcome(scope.operation(), outcome);
-        answer
+        }
     }
 
     /// Stores `response` as the result of the leased key, for replay to every retry.
@@ -85,12 +131,7 @@ impl Store {
         self.fenced_step(lease, "complete", stored)?;
         // Fault tests: the process "dies" after the commit, before Redis hears of it.
         fail::fail_point!("complete-before-redis", |_| Ok(()));
-        if let Some(redis) = &self.inner.redis {
-            let ttl = millis(lease.policy.redis_ttl);
-            let record_key = self.record_key(redis, lease);
-            let put = redis.put(&record_key, State::Completed, lease.fingerprint.as_hex(), "", response, ttl);
-            self.degrade(lease.scope.operation(), put.await);
-        }
+        self.cache_completion(lease, response).await;
         Ok(())
     }
 
@@ -132,7 +173,7 @@ impl Store {
         found.map_err(|source| StoreError::StoreUnavailable { step: "lookup", source })
     }
 
-    async fn claim(&self, candidate: Lease) -> Result<Begin, StoreError> {
+    async fn claim(&self, candidate: Lease, tx: Option<&mut PgConnection>) -> Result<Begin, StoreError> {
         let operation = candidate.scope.operation();
         // Set when our marker is in Redis: Postgres then arbitrates, and Redis is repaired if it had lost
         // what Postgres holds.
@@ -169,7 +210,7 @@ impl Store {
         }
 
         let started = Instant::now();
-        let claim = match self.inner.postgres.claim(&candidate).await {
+        let claim = match self.inner.postgres.claim(&candidate, tx).await {
             Ok(claim) => claim,
             Err(source) => {
                 // Fail closed, and take the marker back so retries are not told "in flight" for work
@@ -278,4 +319,17 @@ impl Store {
     fn record_key(&self, redis: &RedisTier, lease: &Lease) -> String {
         redis.record_key(&lease.scope, &lease.key)
     }
+}
+
+/// Counts the answer of a claim by operation.
+fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>) {
+    let outcome = match answer {
+        Ok(Begin::Acquired(_)) => "executed",
+        Ok(Begin::Completed(_)) => "replayed",
+        Ok(Begin::InFlight { .. }) => "in_flight",
+        Ok(Begin::Mismatch) => "mismatch",
+        Ok(Begin::Indeterminate) => "indeterminate",
+        Err(_) => "error",
+    };
+    telemetry::outcome(operation, outcome);
 }
