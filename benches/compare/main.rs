@@ -135,13 +135,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let widest = plan.concurrency.iter().copied().max().unwrap_or(1);
     for (subject, store) in [(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)] {
         for workload in [Workload::New, Workload::Replay] {
-            let fixture = Fixture::library(
-                store.clone(),
-                pg.clone(),
-                workload,
-                format!("r{run_id}-warm-{}", subject.name().replace(' ', "_")),
-            )
-            .await;
+            let cell = format!("r{run_id}-warm-{}", subject.name().replace(' ', "_"));
+            let fixture = Fixture::library(store.clone(), pg.clone(), workload, false, cell).await;
             measure(&warm_up, &metrics, fixture, Some(workload), subject, widest, 0).await;
         }
     }
@@ -150,14 +145,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                // A B in even rounds, B A in odd ones.
-                let mut order = [(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
+                // A B (C) in even rounds, (C) B A in odd ones; new keys also run transactionally (C).
+                let mut order = vec![(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
+                if workload == Workload::New {
+                    order.push((Subject::TwoTierInTx, &two_tier));
+                }
                 if round % 2 == 1 {
                     order.reverse();
                 }
                 for (subject, store) in order {
                     let cell_id = format!("r{run_id}-{round}-{concurrency}-{}", subject.name().replace(' ', "_"));
-                    let fixture = Fixture::library(store.clone(), pg.clone(), workload, cell_id).await;
+                    let transactional = subject == Subject::TwoTierInTx;
+                    let fixture = Fixture::library(store.clone(), pg.clone(), workload, transactional, cell_id).await;
                     cells.push(measure(&plan, &metrics, fixture, Some(workload), subject, concurrency, round).await);
                 }
             }

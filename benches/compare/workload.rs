@@ -30,6 +30,8 @@ pub enum Workload {
 pub enum Subject {
     TwoTier,
     PostgresOnly,
+    /// Two-tier with `run_once_in_tx`: claim, work and completion in one commit (new keys only).
+    TwoTierInTx,
     /// A raw EVALSHA of a trivial script: the least a Redis-answered request can cost.
     EvalshaFloor,
     /// A raw `INSERT ... ON CONFLICT` + `UPDATE` pair: the least a durable claim and completion cost.
@@ -41,6 +43,7 @@ impl Subject {
         match self {
             Subject::TwoTier => "two-tier",
             Subject::PostgresOnly => "postgres-only",
+            Subject::TwoTierInTx => "two-tier in-tx",
             Subject::EvalshaFloor => "evalsha floor",
             Subject::SqlFloor => "sql floor",
         }
@@ -57,6 +60,8 @@ pub enum Fixture {
         store: Store,
         pool: PgPool,
         workload: Workload,
+        /// New keys go through `run_once_in_tx`.
+        transactional: bool,
         scope: Scope,
         cell: String,
         next: AtomicU64,
@@ -86,7 +91,13 @@ fn other_payload() -> Value {
 }
 
 impl Fixture {
-    pub async fn library(store: Store, pool: PgPool, workload: Workload, cell: String) -> Arc<Self> {
+    pub async fn library(
+        store: Store,
+        pool: PgPool,
+        workload: Workload,
+        transactional: bool,
+        cell: String,
+    ) -> Arc<Self> {
         let scope = Scope::new(cell.clone(), format!("{workload:?}")).expect("valid scope");
         let mut completed = Vec::new();
         let mut held = Vec::new();
@@ -109,7 +120,17 @@ impl Fixture {
                 held.push((key, lease));
             }
         }
-        Arc::new(Fixture::Library { store, pool, workload, scope, cell, next: AtomicU64::new(0), completed, held })
+        Arc::new(Fixture::Library {
+            store,
+            pool,
+            workload,
+            transactional,
+            scope,
+            cell,
+            next: AtomicU64::new(0),
+            completed,
+            held,
+        })
     }
 
     /// One multiplexed connection, as the store uses.
@@ -125,7 +146,7 @@ impl Fixture {
     /// Sends one request.
     pub async fn request(&self) -> Expected {
         match self {
-            Fixture::Library { store, pool, workload, scope, cell, next, completed, held } => {
+            Fixture::Library { store, pool, workload, transactional, scope, cell, next, completed, held } => {
                 let n = next.fetch_add(1, Ordering::Relaxed);
                 let kind = match workload {
                     Workload::Mixed => match n % 100 {
@@ -143,7 +164,12 @@ impl Fixture {
                     Workload::Mismatch => (pick(completed), other_payload()),
                     _ => (held[(n % HELD) as usize].0.clone(), payload()),
                 };
-                let outcome = store.run_once(scope, &key, &body, || work(pool, cell)).await;
+                let outcome = if *transactional && kind == Workload::New {
+                    let tenant = cell.clone();
+                    store.run_once_in_tx(scope, &key, &body, move |tx| work_in_tx(tx, tenant)).await
+                } else {
+                    store.run_once(scope, &key, &body, || work(pool, cell)).await
+                };
                 matches!(
                     (kind, outcome),
                     (Workload::New, Ok(RunOutcome::Executed(_)))
@@ -186,6 +212,17 @@ async fn work(pool: &PgPool, tenant: &str) -> Result<Value, sqlx::Error> {
         .fetch_one(pool)
         .await?;
     Ok(json!({ "charge": id }))
+}
+
+/// The same insert, inside the claim's transaction.
+fn work_in_tx(tx: &mut sqlx::PgConnection, tenant: String) -> idemstore::TxFuture<'_, Value, sqlx::Error> {
+    Box::pin(async move {
+        let id: i64 = sqlx::query_scalar("INSERT INTO bench_charges (tenant, amount) VALUES ($1, 1200) RETURNING id")
+            .bind(tenant)
+            .fetch_one(&mut *tx)
+            .await?;
+        Ok(json!({ "charge": id }))
+    })
 }
 
 pub const SCHEMA: &str = "
