@@ -60,9 +60,12 @@
 //!
 //! ## Layout
 //! - [`key`](IdempotencyKey), [`Scope`], [`Fingerprint`]: what identifies a request, validated.
-//! - [`Policy`]: lease, Redis TTL, Postgres retention and lease-expiry rule, per operation.
-//! - [`Store`]: the protocol (`begin` / `complete` / `release` / `extend` / `lookup`) on both tiers.
-//! - [`Store::run_once`]: the generic API on top.
+//! - [`Policy`]: lease, Redis TTL, Postgres retention and lease-expiry rule, per operation; [`config`]
+//!   loads tiers and operation patterns from TOML.
+//! - [`Store`]: the protocol (`begin` / `complete` / `release` / `extend` / `lookup`) on both tiers, and
+//!   the operator jobs (`purge_expired`, `recover_stale`, `resolve`, `stats`, `inspect`, `evict`).
+//! - [`Store::run_once`] and [`Store::run_once_in_tx`]: the generic APIs on top; derived downstream keys
+//!   with [`IdempotencyKey::derive`].
 //! - [`http`] (feature `http`): the tower/axum `Idempotency-Key` middleware.
 //! - [`telemetry`]: metric names; the library never installs a recorder.
 //! - `testkit` (feature): throwaway Redis and Postgres servers for tests, examples and benchmarks.
