@@ -253,7 +253,7 @@ impl Store {
         };
         match finished {
             Ok((value, bytes)) => {
-                self.completed_in(&lease, &bytes).await;
+                self.cache_completion(&lease, &bytes).await;
                 Ok(RunOutcome::Executed(value))
             }
             Err(error) => {

@@ -178,25 +178,21 @@ impl PostgresTier {
         row.as_ref().map(decode_record).transpose()
     }
 
-    /// Returns whether the fenced completion matched (false: the lease was lost).
-    pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<bool, sqlx::Error> {
-        let retention = lease.policy.retention.map(|r| millis(r) as f64);
-        self.bounded(self.fenced("complete", COMPLETE, lease).bind(response).bind(retention).execute(&self.pool))
-            .await
-            .map(matched)
-    }
-
-    /// The completion inside the caller's transaction (the one that claimed).
-    pub(crate) async fn complete_on(
+    /// Returns whether the fenced completion matched (false: the lease was lost). On `conn` (inside the
+    /// caller's transaction, the one that claimed) when given.
+    pub(crate) async fn complete(
         &self,
-        conn: &mut PgConnection,
         lease: &Lease,
         response: &[u8],
+        conn: Option<&mut PgConnection>,
     ) -> Result<bool, sqlx::Error> {
         let retention = lease.policy.retention.map(|r| millis(r) as f64);
-        self.bounded(self.fenced("complete", COMPLETE, lease).bind(response).bind(retention).execute(conn))
-            .await
-            .map(matched)
+        let query = self.fenced("complete", COMPLETE, lease).bind(response).bind(retention);
+        let done = match conn {
+            Some(conn) => self.bounded(query.execute(conn)).await,
+            None => self.bounded(query.execute(&self.pool)).await,
+        };
+        done.map(matched)
     }
 
     pub(crate) async fn release(&self, lease: &Lease) -> Result<bool, sqlx::Error> {

@@ -85,7 +85,7 @@ impl Store {
     }
 
     /// Mirrors a completion into Redis, after Postgres committed it.
-    async fn cache_completion(&self, lease: &Lease, response: &[u8]) {
+    pub(crate) async fn cache_completion(&self, lease: &Lease, response: &[u8]) {
         if let Some(redis) = &self.inner.redis {
             let ttl = millis(lease.policy.redis_ttl);
             let record_key = self.record_key(redis, lease);
@@ -94,20 +94,15 @@ impl Store {
         }
     }
 
-    /// Completes a lease claimed in `tx`; the caller commits, then calls [`Store::completed_in`].
+    /// Completes a lease claimed in `tx`; the caller commits, then calls [`Store::cache_completion`].
     pub(crate) async fn complete_in(
         &self,
         tx: &mut PgConnection,
         lease: &Lease,
         response: &[u8],
     ) -> Result<(), StoreError> {
-        let stored = self.inner.postgres.complete_on(tx, lease, response).await;
+        let stored = self.inner.postgres.complete(lease, response, Some(tx)).await;
         self.fenced_step(lease, "complete", stored)
-    }
-
-    /// After the transaction of [`Store::complete_in`] committed.
-    pub(crate) async fn completed_in(&self, lease: &Lease, response: &[u8]) {
-        self.cache_completion(lease, response).await;
     }
 
     fn candidate(&self, scope: &Scope, key: &IdempotencyKey, fingerprint: &Fingerprint, policy: Arc<Policy>) -> Lease {
@@ -127,7 +122,7 @@ impl Store {
     /// [`StoreError::LeaseLost`] if another owner took the key over (the response is not stored);
     /// [`StoreError::StoreUnavailable`] if Postgres failed (the lease runs out, then policy applies).
     pub async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
-        let stored = self.inner.postgres.complete(lease, response).await;
+        let stored = self.inner.postgres.complete(lease, response, None).await;
         self.fenced_step(lease, "complete", stored)?;
         // Fault tests: the process "dies" after the commit, before Redis hears of it.
         fail::fail_point!("complete-before-redis", |_| Ok(()));
