@@ -385,7 +385,8 @@ async fn bad_input_gets_typed_errors_and_loses_nothing(mode: Mode) {
 /// A live owner that works for several leases keeps its key through the heartbeat: duplicates meanwhile
 /// are told "in flight" and nothing executes twice.
 async fn heartbeat_keeps_a_slow_owner(mode: Mode) {
-    let h = Arc::new(Harness::with(mode, policy(300, 60_000), Servers::Any).await);
+    // A 1 s lease, extended every third of it: a busy CI machine can stall a heartbeat for a while.
+    let h = Arc::new(Harness::with(mode, policy(1000, 60_000), Servers::Any).await);
     let k = key("order-11");
     let payload = json!({"amount": 11});
     let (finish, finished) = tokio::sync::oneshot::channel::<()>();
@@ -401,10 +402,10 @@ async fn heartbeat_keeps_a_slow_owner(mode: Mode) {
                 .await
         })
     };
-    // Several leases long: without the heartbeat the second call below would take the key over.
+    // 3.6 s, several leases long: without the heartbeat a call below would take the key over.
     let mut in_flight = 0;
     for _ in 0..12 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         match charge_once(&h, "acme", &k, &payload).await.expect("answer") {
             RunOutcome::InFlight { .. } => in_flight += 1,
             other => panic!("the slow owner lost its key: {other:?}"),
