@@ -79,6 +79,7 @@ mod error;
 mod fingerprint;
 #[cfg(feature = "http")]
 pub mod http;
+mod inbox;
 mod key;
 mod policy;
 mod record;
@@ -91,6 +92,7 @@ pub mod testkit;
 pub use config::{PolicyConfig, parse_duration};
 pub use error::{InputError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
+pub use inbox::{Inbox, Received};
 pub use key::{IdempotencyKey, Scope};
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use record::{Begin, Lease, Record, State, StoredResponse};

@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -13,6 +14,7 @@ use tokio::time::Instant;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
+use crate::policy::Policy;
 use crate::record::{Begin, Lease};
 use crate::store::Store;
 
@@ -160,12 +162,30 @@ impl Store {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let policy = self.policy(scope.operation());
+        self.run_once_under(scope, key, payload, options, self.shared_policy(scope.operation()), work).await
+    }
+
+    /// [`Store::run_once_with`] under `policy` instead of the operation's configured one.
+    pub(crate) async fn run_once_under<P, T, E, F, Fut>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        payload: &P,
+        options: &RunOptions,
+        policy: Arc<Policy>,
+        work: F,
+    ) -> Result<RunOutcome<T>, RunError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
         let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
         let deadline = options.wait.map(|wait| Instant::now() + wait);
         let mut backoff = Duration::from_millis(5);
         let lease = loop {
-            match claimed(self.begin(scope, key, &fingerprint).await?)? {
+            match claimed(self.begin_under(scope, key, &fingerprint, Arc::clone(&policy)).await?)? {
                 Claimed::Owner(lease) => break lease,
                 Claimed::Answered(RunOutcome::InFlight { retry_after })
                     if deadline.is_some_and(|deadline| Instant::now() < deadline) =>

@@ -39,7 +39,37 @@ suite!(
     fifty_concurrent_posts_charge_once_end_to_end,
     tenants_get_their_own_charges_end_to_end,
     metrics_match_a_known_sequence_end_to_end,
+    webhook_redelivered_five_times_is_handled_once_end_to_end,
 );
+
+/// A provider re-delivers one event five times at once to the demo's inbox: one row in
+/// `webhook_events`, every delivery acknowledged (or asked to retry), later ones marked duplicate.
+async fn webhook_redelivered_five_times_is_handled_once_end_to_end(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let provider = format!("stripe-{}", h.id());
+    let deliver = || {
+        client
+            .post(format!("{base}/webhooks/{provider}"))
+            .header("x-event-id", "evt_42")
+            .header("x-event-sequence", "3")
+            .json(&json!({"id": "evt_42", "type": "charge.succeeded"}))
+            .send()
+    };
+    let statuses: Vec<u16> =
+        join_all((0..5).map(|_| deliver())).await.iter().map(|r| r.as_ref().expect("HTTP").status().as_u16()).collect();
+    assert!(statuses.iter().all(|s| [200, 409].contains(s)), "{statuses:?}");
+    let count: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE provider = $1 AND event_id = 'evt_42'")
+            .bind(&provider)
+            .fetch_one(&h.pool)
+            .await
+            .expect("count");
+    assert_eq!(count, 1);
+    let late: Value = deliver().await.expect("HTTP").json().await.expect("json");
+    assert_eq!(late["status"], "duplicate");
+}
 
 const PAYMENTS: &str = "POST /payments";
 

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use idemstore::{
-    Begin, Fingerprint, FingerprintOptions, InputError, LeaseExpiry, Mode, Policy, RunError, RunOptions, RunOutcome,
-    Scope, State, StoreError,
+    Begin, Fingerprint, FingerprintOptions, InputError, LeaseExpiry, Mode, Policy, Received, RunError, RunOptions,
+    RunOutcome, Scope, State, StoreError,
 };
 use serde_json::{Value, json};
 use support::{Harness, Servers, key};
@@ -36,7 +36,40 @@ suite!(
     run_once_in_tx_executes_once_under_64_concurrent_calls,
     run_once_in_tx_commits_nothing_when_the_work_fails,
     run_once_in_tx_replays_from_both_tiers,
+    inbox_handles_a_redelivered_event_once,
 );
+
+/// A provider delivering one event five times at once: the handler runs once, every other delivery is
+/// acknowledged (or asked to come back); the record keeps the provider's sequence number.
+async fn inbox_handles_a_redelivered_event_once(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let consumer = format!("stripe-{}", h.id());
+    let inbox = h.store.inbox(consumer.clone()).expect("inbox");
+    let (event, payload) = (key("evt_1"), json!({"type": "payment_intent.succeeded", "id": "evt_1"}));
+    let deliveries = (0..5).map(|_| inbox.receive("evt_1", Some(7), &payload, || h.charge(&consumer, &event)));
+    let received = join_all(deliveries).await;
+    let handled = received.iter().filter(|r| matches!(r, Ok(Received::Handled(_)))).count();
+    assert_eq!(handled, 1, "{received:?}");
+    assert!(
+        received
+            .iter()
+            .all(|r| matches!(r, Ok(Received::Handled(_) | Received::Duplicate { .. } | Received::InProgress { .. })))
+    );
+    assert_eq!(h.effects(&consumer, &event).await, 1);
+    let again: Result<Received<Value>, _> =
+        inbox.receive("evt_1", Some(9), &payload, || h.charge(&consumer, &event)).await;
+    assert!(matches!(again, Ok(Received::Duplicate { sequence: Some(7), .. })), "{again:?}");
+    let forged = inbox.receive("evt_1", None, &json!({"type": "other"}), || h.charge(&consumer, &event)).await;
+    assert!(matches!(forged, Ok(Received::Conflict)), "{forged:?}");
+    // A failed handler records nothing: the next delivery runs it.
+    let failing: Result<Received<Value>, _> =
+        inbox.receive("evt_2", None, &payload, || async { Err(sqlx::Error::RowNotFound) }).await;
+    assert!(matches!(failing, Err(RunError::Work(_))));
+    let second = key("evt_2");
+    let retried = inbox.receive("evt_2", None, &payload, || h.charge(&consumer, &second)).await;
+    assert!(matches!(retried, Ok(Received::Handled(_))), "{retried:?}");
+    assert!(matches!(h.store.inbox("").map(drop), Err(InputError::InvalidScope { .. })));
+}
 
 /// The work of `run_once_in_tx`: the effect row, written in the claim's transaction.
 fn charge_in_tx(

@@ -1,6 +1,8 @@
 //! The payments demo's HTTP application, shared by `main.rs` and the end-to-end tests.
 //!
 //! Demo-grade authentication: the tenant is the bearer token itself (`Authorization: Bearer acme`).
+//! `POST /webhooks/{provider}` is an inbox: the event id comes from `X-Event-Id` (or the body's `id`), an
+//! optional `X-Event-Sequence` is recorded, and a re-delivered event is acknowledged without re-running.
 //! Demo-only knobs: `X-Demo-Delay-Ms` slows the handler (to see a 409 for a concurrent retry) and
 //! `X-Demo-Fail: 500|400` makes it fail (to see what is stored and what is released).
 
@@ -11,8 +13,8 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idemstore::Store;
 use idemstore::http::IdempotencyLayer;
+use idemstore::{Received, RunError, Store};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -41,6 +43,7 @@ pub fn router(app: App) -> Router {
     Router::new()
         .route("/payments", post(create_payment).route_layer(idempotency))
         .route("/payments/{id}", get(show_payment))
+        .route("/webhooks/{provider}", post(receive_webhook))
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(|State(app): State<App>| async move { app.metrics.render() }))
         .with_state(app)
@@ -114,6 +117,40 @@ async fn show_payment(State(app): State<App>, headers: HeaderMap, Path(id): Path
         Ok(Some(charge)) => Json(charge).into_response(),
         Ok(None) => error(StatusCode::NOT_FOUND, "no such payment"),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+async fn receive_webhook(
+    State(app): State<App>,
+    Path(provider): Path<String>,
+    headers: HeaderMap,
+    Json(event): Json<serde_json::Value>,
+) -> Response {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let Some(event_id) = header("x-event-id").or_else(|| event["id"].as_str().map(str::to_owned)) else {
+        return error(StatusCode::BAD_REQUEST, "the event has no id (X-Event-Id or a JSON id)");
+    };
+    let sequence = header("x-event-sequence").and_then(|s| s.parse().ok());
+    let inbox = match app.store.inbox(provider.clone()) {
+        Ok(inbox) => inbox,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
+    };
+    let handle = || async {
+        sqlx::query("INSERT INTO webhook_events (provider, event_id) VALUES ($1, $2)")
+            .bind(&provider)
+            .bind(&event_id)
+            .execute(app.store.pg_pool())
+            .await
+            .map(|_| String::from("processed"))
+    };
+    match inbox.receive(&event_id, sequence, &event, handle).await {
+        Ok(Received::Handled(_)) => Json(json!({ "status": "processed" })).into_response(),
+        Ok(Received::Duplicate { .. }) => Json(json!({ "status": "duplicate" })).into_response(),
+        Ok(Received::InProgress { .. }) => error(StatusCode::CONFLICT, "this event is being handled; retry later"),
+        Ok(Received::Conflict) => error(StatusCode::UNPROCESSABLE_ENTITY, "this event id arrived with another payload"),
+        Ok(_) => error(StatusCode::CONFLICT, "this event awaits an operator"),
+        Err(RunError::Store(idemstore::StoreError::Input(e))) => error(StatusCode::BAD_REQUEST, &e.to_string()),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     }
 }
 
