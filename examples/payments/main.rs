@@ -42,7 +42,22 @@ async fn main() -> Result<(), Box<dyn Error>> {
     println!("  curl -s http://{addr}/metrics | grep idemstore_\n");
 
     let app = app::router(app::App { store, metrics });
-    axum::serve(listener, app).with_graceful_shutdown(async { tokio::signal::ctrl_c().await.unwrap_or(()) }).await?;
+    axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
     drop(servers);
     Ok(())
+}
+
+/// Ctrl-C or SIGTERM: stop serving, then stop the throwaway servers (dropped at the end of `main`).
+async fn shutdown() {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let terminated = async {
+        match terminate.as_mut() {
+            Some(signal) => drop(signal.recv().await),
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminated => {}
+    }
 }
