@@ -375,6 +375,15 @@ mod tests {
         assert_ne!(fp(r#""1""#), fp("1"));
     }
 
+    /// Found by `fuzz/`: without correctly rounded float parsing, an integer beyond 64 bits and its
+    /// shortest float spelling could parse to neighbouring doubles and fingerprint differently.
+    #[test]
+    fn big_integers_and_their_float_spelling_agree() {
+        let big = "1111111111555555555555555";
+        let respelled = serde_json::to_string(&serde_json::from_str::<serde_json::Value>(big).expect("valid"));
+        assert_eq!(fp(big), fp(&respelled.expect("serializable")));
+    }
+
     #[test]
     fn json_and_raw_bytes_never_collide() {
         let raw = Fingerprint::of_bytes(b"{}", &FingerprintOptions::default()).expect("small");

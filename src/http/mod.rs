@@ -44,6 +44,9 @@ mod service;
 pub use layer::{IdempotencyLayer, KeyRequirement, MismatchStatus, StoredStatuses};
 pub use problem::problem_types;
 pub use service::IdempotencyService;
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub use service::fuzz_read_key;
 
 /// Finds the tenant of a request, typically from the authenticated principal that an earlier layer put
 /// in the request's extensions. `None` answers 401 and runs nothing.

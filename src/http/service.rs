@@ -238,6 +238,16 @@ fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, String> {
     IdempotencyKey::new(key).map(Some).map_err(|e| e.to_string())
 }
 
+/// Fuzzing entry (`cargo fuzz` builds with `--cfg fuzzing`): one `Idempotency-Key` value, parsed.
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub fn fuzz_read_key(value: &[u8]) -> Option<String> {
+    let value = http::HeaderValue::from_bytes(value).ok()?;
+    let mut headers = HeaderMap::new();
+    headers.insert("idempotency-key", value);
+    read_key(&headers).ok().flatten().map(|key| key.as_str().to_owned())
+}
+
 /// Undoes sf-string escaping (RFC 8941 §3.3.3): `\"` and `\\` only.
 fn unquote(quoted: &[u8]) -> Result<Vec<u8>, String> {
     let mut out = Vec::with_capacity(quoted.len());
