@@ -23,10 +23,11 @@ pub enum InputError {
         /// Byte offset of the first refused byte.
         offset: usize,
     },
-    /// The tenant or operation name of a [`crate::Scope`] is empty, too long or holds a control character.
+    /// The tenant or operation name of a [`crate::Scope`], or an outbox topic, is empty, too long or holds
+    /// a control character.
     #[error("the {field} is invalid: {reason}")]
     InvalidScope {
-        /// `"tenant"` or `"operation"`.
+        /// `"tenant"`, `"operation"` or `"topic"`.
         field: &'static str,
         /// Why it was refused.
         reason: &'static str,

@@ -55,6 +55,11 @@ impl IdempotencyKey {
         }
         IdempotencyKey(format!("idem-{:x}", hasher.finalize()))
     }
+
+    /// The key of outbox row `id` (`outbox-<id>`), valid by construction.
+    pub(crate) fn outbox(id: i64) -> Self {
+        IdempotencyKey(format!("outbox-{id}"))
+    }
 }
 
 impl fmt::Debug for IdempotencyKey {
@@ -107,7 +112,8 @@ impl Scope {
     }
 }
 
-fn validate_name(field: &'static str, name: &str) -> Result<(), InputError> {
+/// A name of 1 to 255 bytes of UTF-8 without control characters (tenants, operations, outbox topics).
+pub(crate) fn validate_name(field: &'static str, name: &str) -> Result<(), InputError> {
     let reason = if name.is_empty() {
         "it is empty"
     } else if name.len() > Scope::MAX_LEN {

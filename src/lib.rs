@@ -66,6 +66,9 @@
 //!   the operator jobs (`purge_expired`, `recover_stale`, `resolve`, `stats`, `inspect`, `evict`).
 //! - [`Store::run_once`] and [`Store::run_once_in_tx`]: the generic APIs on top; derived downstream keys
 //!   with [`IdempotencyKey::derive`].
+//! - [`Inbox`] (`Store::inbox`): webhook and message consumers handle each event once.
+//! - [`Outbox`] (`Store::outbox`): rows written in the application's transaction, delivered after the
+//!   commit by a relay the application schedules.
 //! - [`http`] (feature `http`): the tower/axum `Idempotency-Key` middleware.
 //! - [`telemetry`]: metric names; the library never installs a recorder.
 //! - `testkit` (feature): throwaway Redis and Postgres servers for tests, examples and benchmarks.
@@ -81,6 +84,7 @@ mod fingerprint;
 pub mod http;
 mod inbox;
 mod key;
+mod outbox;
 mod policy;
 mod record;
 mod run_once;
@@ -94,6 +98,7 @@ pub use error::{InputError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
 pub use inbox::{Inbox, Received};
 pub use key::{IdempotencyKey, Scope};
+pub use outbox::{Drained, Message, Outbox, TopicBacklog};
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use record::{Begin, Lease, Record, State, StoredResponse};
 pub use run_once::{Heartbeat, RunError, RunOptions, RunOutcome, TxFuture};

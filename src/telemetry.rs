@@ -22,7 +22,7 @@ pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
 pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
 /// Statements sent to Postgres; label `statement`: claim, complete, release, extend, mark_indeterminate,
-/// lookup. With `idemstore_redis_calls_total`, the cost of each answer in round trips.
+/// lookup, the operator jobs' statements, and outbox_enqueue, outbox_lock, outbox_settle, outbox_backlog. With `idemstore_redis_calls_total`, the cost of each answer in round trips.
 pub const POSTGRES_STATEMENTS: &str = "idemstore_postgres_statements_total";
 /// Scripts run on Redis, answered or not; label `script`: begin, put, release, extend.
 pub const REDIS_CALLS: &str = "idemstore_redis_calls_total";
@@ -32,6 +32,14 @@ pub const PURGED: &str = "idemstore_purged_records_total";
 pub const RECOVERED: &str = "idemstore_recovered_records_total";
 /// Records awaiting an operator, as last counted by `recover_stale` or `resolve`.
 pub const INDETERMINATE: &str = "idemstore_indeterminate_records";
+/// Rows the outbox sink accepted; label `topic`. A row redelivered after a relay crash counts again.
+pub const OUTBOX_DELIVERIES: &str = "idemstore_outbox_deliveries_total";
+/// Outbox deliveries the sink refused or did not answer in time; label `topic`.
+pub const OUTBOX_FAILURES: &str = "idemstore_outbox_failures_total";
+/// Undelivered outbox rows, as last counted by `Outbox::drain` or `Outbox::backlog`.
+pub const OUTBOX_PENDING: &str = "idemstore_outbox_pending_rows";
+/// Age of the oldest undelivered outbox row, as last counted; it grows while a topic is stuck.
+pub const OUTBOX_OLDEST_AGE: &str = "idemstore_outbox_oldest_pending_age_seconds";
 /// Time of one claim call; label `tier`: redis or postgres.
 pub const CLAIM_DURATION: &str = "idemstore_claim_duration_seconds";
 
@@ -51,6 +59,10 @@ pub fn describe() {
     describe_counter!(PURGED, "Expired records deleted by purge_expired.");
     describe_counter!(RECOVERED, "Stale in-progress records recovered, by action.");
     metrics::describe_gauge!(INDETERMINATE, "Records awaiting an operator (indeterminate), as last counted.");
+    describe_counter!(OUTBOX_DELIVERIES, "Outbox rows the sink accepted, by topic.");
+    describe_counter!(OUTBOX_FAILURES, "Outbox deliveries refused or timed out, by topic.");
+    metrics::describe_gauge!(OUTBOX_PENDING, "Undelivered outbox rows, as last counted.");
+    metrics::describe_gauge!(OUTBOX_OLDEST_AGE, Unit::Seconds, "Age of the oldest undelivered outbox row.");
     describe_histogram!(CLAIM_DURATION, Unit::Seconds, "Duration of one claim call, by tier.");
 }
 
@@ -92,6 +104,19 @@ pub(crate) fn recovered(action: &'static str) {
 
 pub(crate) fn indeterminate(records: u64) {
     metrics::gauge!(INDETERMINATE).set(records as f64);
+}
+
+pub(crate) fn outbox_delivery(topic: &str) {
+    metrics::counter!(OUTBOX_DELIVERIES, "topic" => topic.to_owned()).increment(1);
+}
+
+pub(crate) fn outbox_failure(topic: &str) {
+    metrics::counter!(OUTBOX_FAILURES, "topic" => topic.to_owned()).increment(1);
+}
+
+pub(crate) fn outbox_backlog(pending: u64, oldest: Duration) {
+    metrics::gauge!(OUTBOX_PENDING).set(pending as f64);
+    metrics::gauge!(OUTBOX_OLDEST_AGE).set(oldest.as_secs_f64());
 }
 
 pub(crate) fn claim_duration(tier: &'static str, elapsed: Duration) {

@@ -101,6 +101,15 @@ impl Store {
         self.inner.postgres.pool()
     }
 
+    /// One Postgres call of `step` under the store's statement timeout; an error fails closed.
+    pub(crate) async fn bounded<T>(
+        &self,
+        step: &'static str,
+        call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, StoreError> {
+        self.inner.postgres.bounded(call).await.map_err(|source| StoreError::StoreUnavailable { step, source })
+    }
+
     /// Applies the embedded migrations (idempotent; safe from several processes at once).
     ///
     /// # Errors

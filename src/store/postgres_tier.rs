@@ -116,7 +116,11 @@ impl PostgresTier {
         Self { pool, timeout }
     }
 
-    async fn bounded<T>(&self, call: impl Future<Output = Result<T, sqlx::Error>>) -> Result<T, sqlx::Error> {
+    /// `call`, failing with a timeout error once the statement timeout has passed.
+    pub(crate) async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, sqlx::Error> {
         match tokio::time::timeout(self.timeout, call).await {
             Ok(result) => result,
             Err(_) => Err(sqlx::Error::Io(io::Error::new(io::ErrorKind::TimedOut, "Postgres did not answer in time"))),

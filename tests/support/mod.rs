@@ -229,8 +229,14 @@ pub fn total(name: &str) -> f64 {
 
 /// The sum of a counter's series for `operation` whose labels include `labels`.
 pub fn counter(operation: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let operation = ("operation", operation);
-    let wanted: Vec<String> = labels.iter().chain([&operation]).map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    let mut labels = labels.to_vec();
+    labels.push(("operation", operation));
+    labelled(name, &labels)
+}
+
+/// The sum of a metric's series whose labels include `labels`.
+pub fn labelled(name: &str, labels: &[(&str, &str)]) -> f64 {
+    let wanted: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
     recorder()
         .render()
         .lines()

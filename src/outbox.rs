@@ -1,0 +1,361 @@
+//! The transactional outbox: effects that cannot join the database transaction (e-mails, calls to other
+//! services, messages to a broker) are written as rows inside it, and a relay delivers them after the
+//! commit. A transaction that rolls back leaves no row, so nothing is sent for work that did not happen;
+//! a committed row is delivered at least once, with its id as the downstream's idempotency key, so a
+//! downstream that honours the key applies it once.
+//!
+//! Delivery order is the row id within a topic. Ids are taken when a row is written, not when its
+//! transaction commits: rows of one producer (or of one transaction) go out in the order they were
+//! enqueued, while the order between transactions that commit concurrently is not defined.
+
+use std::collections::HashSet;
+use std::fmt::Display;
+use std::future::Future;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::Row as _;
+use sqlx::postgres::{PgConnection, PgRow};
+
+use crate::error::{InputError, StoreError};
+use crate::key::{IdempotencyKey, validate_name};
+use crate::policy::millis;
+use crate::store::Store;
+use crate::telemetry;
+
+const ENQUEUE: &str = "INSERT INTO idempotency_outbox (topic, payload) VALUES ($1, $2::json) RETURNING id";
+
+/// One batch, locked for this relay's transaction. A topic's head (its oldest row) is the topic's lock:
+/// relays skip heads that another relay holds, and take the rows behind a head only with it, so no two
+/// relays deliver one topic at once and its rows go out in id order. Topics are found by a loose index
+/// scan (one probe per topic), so a long backlog in one topic costs no scan. A head that is backing off
+/// holds its whole topic back: order before progress.
+const LOCK_BATCH: &str = "
+    WITH RECURSIVE topics(topic) AS (
+        (SELECT topic FROM idempotency_outbox
+         WHERE $2::text[] IS NULL OR topic = ANY($2) ORDER BY topic LIMIT 1)
+        UNION ALL
+        SELECT (SELECT o.topic FROM idempotency_outbox o
+                WHERE o.topic > t.topic AND ($2::text[] IS NULL OR o.topic = ANY($2))
+                ORDER BY o.topic LIMIT 1)
+        FROM topics t WHERE t.topic IS NOT NULL
+    ), heads AS (
+        SELECT o.topic FROM idempotency_outbox o
+        WHERE o.id IN (SELECT (SELECT h.id FROM idempotency_outbox h WHERE h.topic = t.topic ORDER BY h.id LIMIT 1)
+                       FROM topics t WHERE t.topic IS NOT NULL)
+          AND o.next_attempt_at <= now()
+        ORDER BY o.id
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED
+    )
+    SELECT o.id, o.topic, o.payload::text AS payload, o.attempts
+    FROM idempotency_outbox o JOIN heads USING (topic)
+    ORDER BY o.id
+    LIMIT $1
+    FOR UPDATE OF o";
+
+/// The batch's outcome in one round trip: delivered rows are deleted, failed ones back off. The backoff
+/// counts from now (`clock_timestamp`), not from the batch's start (`now()`), which may be long past.
+const SETTLE: &str = "
+    WITH delivered AS (DELETE FROM idempotency_outbox WHERE id = ANY($1))
+    UPDATE idempotency_outbox o
+    SET attempts = o.attempts + 1, last_error = f.error,
+        next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond'
+    FROM unnest($2::bigint[], $3::text[], $4::float8[]) AS f(id, error, delay_ms)
+    WHERE o.id = f.id";
+
+/// Window functions run before `DISTINCT ON`, so each topic's row is its head with the topic's totals.
+const BACKLOG: &str = "
+    SELECT DISTINCT ON (topic) topic,
+           count(*) OVER (PARTITION BY topic) AS pending,
+           EXTRACT(EPOCH FROM now() - min(enqueued_at) OVER (PARTITION BY topic))::float8 AS oldest_seconds,
+           attempts, last_error,
+           GREATEST(0, EXTRACT(EPOCH FROM next_attempt_at - now()))::float8 AS retry_in_seconds
+    FROM idempotency_outbox
+    ORDER BY topic, id";
+
+/// The outbox of a store's database. Cheap to clone; configure a relay with the `with_*` setters.
+#[derive(Clone, Debug)]
+pub struct Outbox {
+    store: Store,
+    topics: Option<Vec<String>>,
+    batch_size: u32,
+    backoff: (Duration, Duration),
+    delivery_timeout: Duration,
+    max_payload: usize,
+}
+
+/// One row handed to the sink.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Message {
+    /// The row id: increasing within a topic.
+    pub id: i64,
+    /// The topic it was enqueued to.
+    pub topic: String,
+    /// 1 for the first delivery, then 2, 3, ... after failures. A row redelivered after a relay crashed
+    /// mid-batch keeps its number, since the crash recorded nothing.
+    pub attempt: u32,
+    payload: String,
+}
+
+impl Message {
+    /// `outbox-<id>`: the same on every delivery of this row. Pass it as the downstream's idempotency
+    /// key. Row ids are unique within one database; prefix the key when several databases feed one
+    /// downstream account.
+    pub fn idempotency_key(&self) -> IdempotencyKey {
+        IdempotencyKey::outbox(self.id)
+    }
+
+    /// The payload, as the JSON text that was enqueued.
+    pub fn payload(&self) -> &str {
+        &self.payload
+    }
+
+    /// The payload as a `T`.
+    ///
+    /// # Errors
+    /// The payload does not deserialize as a `T`.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_str(&self.payload)
+    }
+
+    fn from_row(row: &PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Message {
+            id: row.try_get("id")?,
+            topic: row.try_get("topic")?,
+            attempt: u32::try_from(row.try_get::<i32, _>("attempts")?).unwrap_or(0) + 1,
+            payload: row.try_get("payload")?,
+        })
+    }
+}
+
+/// What one [`Outbox::drain`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Drained {
+    /// Rows the sink accepted (and that were then deleted).
+    pub delivered: u64,
+    /// Deliveries the sink refused or that timed out; those rows back off.
+    pub failed: u64,
+}
+
+/// The undelivered rows of one topic ([`Outbox::backlog`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct TopicBacklog {
+    /// The topic.
+    pub topic: String,
+    /// Rows not delivered yet.
+    pub pending: u64,
+    /// Age of the oldest of them.
+    pub oldest: Duration,
+    /// Failed deliveries of the topic's head (its next row to go out).
+    pub head_attempts: u32,
+    /// Why the head's last delivery failed.
+    pub head_error: Option<String>,
+    /// Time until the head may be tried again.
+    pub retry_in: Duration,
+}
+
+impl Store {
+    /// The outbox in this store's database (migrated with the store).
+    pub fn outbox(&self) -> Outbox {
+        Outbox {
+            store: self.clone(),
+            topics: None,
+            batch_size: 100,
+            backoff: (Duration::from_secs(1), Duration::from_secs(300)),
+            delivery_timeout: Duration::from_secs(30),
+            max_payload: 1 << 20,
+        }
+    }
+}
+
+impl Outbox {
+    /// Drains only these topics (default: all), so that each relay can have its own sink.
+    pub fn with_topics<I: IntoIterator<Item = S>, S: Into<String>>(mut self, topics: I) -> Self {
+        self.topics = Some(topics.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Most rows locked and delivered in one transaction (default 100, at least 1). A relay that dies
+    /// mid-batch has the whole batch delivered again.
+    pub fn with_batch_size(mut self, rows: u32) -> Self {
+        self.batch_size = rows.max(1);
+        self
+    }
+
+    /// Wait after the first failed delivery of a row, doubled on each further failure up to `max`
+    /// (default 1 s, 5 min).
+    pub fn with_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.backoff = (first, max.max(first));
+        self
+    }
+
+    /// Longest a sink call may take before it counts as failed (default 30 s). The batch's rows stay
+    /// locked meanwhile.
+    pub fn with_delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.delivery_timeout = timeout;
+        self
+    }
+
+    /// Largest payload [`Outbox::enqueue`] accepts, as JSON bytes (default 1 MiB).
+    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+        self.max_payload = bytes;
+        self
+    }
+
+    /// Writes `payload` to `topic` on `conn`, inside the caller's transaction: the row exists if and
+    /// only if that transaction commits. Returns the row id.
+    ///
+    /// # Errors
+    /// [`InputError::InvalidScope`] for a bad topic, [`InputError::InvalidJson`] when the payload does
+    /// not serialize, [`InputError::PayloadTooLarge`]; [`StoreError::StoreUnavailable`] if Postgres
+    /// failed (the caller's transaction is then unusable).
+    pub async fn enqueue<P: Serialize + ?Sized>(
+        &self,
+        conn: &mut PgConnection,
+        topic: &str,
+        payload: &P,
+    ) -> Result<i64, StoreError> {
+        validate_name("topic", topic)?;
+        let json = serde_json::to_string(payload).map_err(InputError::InvalidJson)?;
+        if json.len() > self.max_payload {
+            return Err(InputError::PayloadTooLarge { len: json.len(), limit: self.max_payload }.into());
+        }
+        telemetry::postgres_statement("outbox_enqueue");
+        let insert = sqlx::query_scalar(ENQUEUE).bind(topic).bind(json).fetch_one(conn);
+        self.store.bounded("outbox enqueue", insert).await
+    }
+
+    /// Delivers every row that is due to `sink`, topic by topic in id order, one batch per transaction,
+    /// until nothing more is delivered; returns the counts. Rows the sink refuses (an `Err`, or no answer
+    /// within the delivery timeout) back off and hold their topic back. Several relays may drain at
+    /// once, in one process or many. The application schedules it (a loop with a pause, a cron job, or
+    /// `idemctl outbox drain`).
+    ///
+    /// Delivery is at least once: a relay that dies, or whose commit fails, after the sink accepted a
+    /// row delivers that row again, with the same [`Message::idempotency_key`].
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed; the current batch is delivered again later.
+    pub async fn drain<F, Fut, E>(&self, mut sink: F) -> Result<Drained, StoreError>
+    where
+        F: FnMut(Message) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: Display,
+    {
+        let mut drained = Drained::default();
+        loop {
+            let batch = self.drain_batch(&mut sink).await?;
+            drained.delivered += batch.delivered;
+            drained.failed += batch.failed;
+            if batch.delivered == 0 {
+                break;
+            }
+        }
+        self.backlog().await?;
+        Ok(drained)
+    }
+
+    async fn drain_batch<F, Fut, E>(&self, sink: &mut F) -> Result<Drained, StoreError>
+    where
+        F: FnMut(Message) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: Display,
+    {
+        let store = &self.store;
+        let mut tx = store.bounded("outbox lock", store.pg_pool().begin()).await?;
+        telemetry::postgres_statement("outbox_lock");
+        let lock = sqlx::query(LOCK_BATCH).bind(i64::from(self.batch_size)).bind(self.topics.as_deref());
+        let rows = store.bounded("outbox lock", lock.fetch_all(&mut *tx)).await?;
+        if rows.is_empty() {
+            return Ok(Drained::default());
+        }
+        let mut delivered = Vec::new();
+        let (mut failed_ids, mut errors, mut delays) = (Vec::new(), Vec::new(), Vec::new());
+        let mut held_back = HashSet::new();
+        for row in &rows {
+            let message = Message::from_row(row)
+                .map_err(|source| StoreError::StoreUnavailable { step: "outbox lock", source })?;
+            if held_back.contains(&message.topic) {
+                continue;
+            }
+            let (id, attempt, topic) = (message.id, message.attempt, message.topic.clone());
+            let error = match tokio::time::timeout(self.delivery_timeout, sink(message)).await {
+                Ok(Ok(())) => {
+                    telemetry::outbox_delivery(&topic);
+                    delivered.push(id);
+                    continue;
+                }
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => format!("no answer within {:?}", self.delivery_timeout),
+            };
+            tracing::warn!(id, topic, attempt, error, "outbox delivery failed");
+            telemetry::outbox_failure(&topic);
+            failed_ids.push(id);
+            errors.push(error);
+            delays.push(millis(self.backoff_after(attempt)) as f64);
+            held_back.insert(topic);
+        }
+        telemetry::postgres_statement("outbox_settle");
+        let drained = Drained { delivered: delivered.len() as u64, failed: failed_ids.len() as u64 };
+        let settle = sqlx::query(SETTLE).bind(delivered).bind(failed_ids).bind(errors).bind(delays);
+        store.bounded("outbox settle", settle.execute(&mut *tx)).await?;
+        store.bounded("outbox settle", tx.commit()).await?;
+        Ok(drained)
+    }
+
+    /// The wait before the next delivery of a row whose `attempt`-th delivery failed.
+    fn backoff_after(&self, attempt: u32) -> Duration {
+        let (first, max) = self.backoff;
+        first.saturating_mul(1 << attempt.saturating_sub(1).min(20)).min(max)
+    }
+
+    /// The undelivered rows, per topic, and updates the pending-rows and oldest-age gauges.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn backlog(&self) -> Result<Vec<TopicBacklog>, StoreError> {
+        telemetry::postgres_statement("outbox_backlog");
+        let rows = self.store.bounded("outbox backlog", sqlx::query(BACKLOG).fetch_all(self.store.pg_pool())).await?;
+        let backlog = rows
+            .iter()
+            .map(topic_backlog)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|source| StoreError::StoreUnavailable { step: "outbox backlog", source })?;
+        let oldest = backlog.iter().map(|t| t.oldest).max().unwrap_or_default();
+        telemetry::outbox_backlog(backlog.iter().map(|t| t.pending).sum(), oldest);
+        Ok(backlog)
+    }
+}
+
+fn topic_backlog(row: &PgRow) -> Result<TopicBacklog, sqlx::Error> {
+    let seconds = |column: &str| -> Result<Duration, sqlx::Error> {
+        Ok(Duration::try_from_secs_f64(row.try_get::<f64, _>(column)?).unwrap_or_default())
+    };
+    Ok(TopicBacklog {
+        topic: row.try_get("topic")?,
+        pending: u64::try_from(row.try_get::<i64, _>("pending")?).unwrap_or(0),
+        oldest: seconds("oldest_seconds")?,
+        head_attempts: u32::try_from(row.try_get::<i32, _>("attempts")?).unwrap_or(0),
+        head_error: row.try_get("last_error")?,
+        retry_in: seconds("retry_in_seconds")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn backoff_doubles_up_to_the_cap() {
+        let store = Store::builder().database_url("postgres://localhost/unused").build().expect("lazy store");
+        let outbox = store.outbox().with_backoff(Duration::from_millis(100), Duration::from_secs(1));
+        let waits: Vec<_> = (1..=6).map(|attempt| outbox.backoff_after(attempt).as_millis()).collect();
+        assert_eq!(waits, [100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(outbox.backoff_after(u32::MAX), Duration::from_secs(1), "no overflow");
+    }
+}

@@ -1,0 +1,227 @@
+//! The transactional outbox against real Postgres (and Redis in front of `run_once_in_tx`), in both modes.
+//! The relay killed mid-batch is a fault test: `tests/faults.rs`.
+
+#[macro_use]
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idemstore::{InputError, Message, Mode, Outbox, StoreError};
+use serde_json::{Value, json};
+use support::{Harness, key};
+use tokio::sync::Semaphore;
+
+suite!(
+    rolled_back_enqueue_delivers_nothing,
+    two_relays_deliver_each_row_once_in_topic_order,
+    failing_sink_backs_off_then_delivers_in_order,
+    bad_enqueue_input_gets_typed_errors,
+);
+
+/// What a sink saw: (relay, row id, topic, attempt, idempotency key), in delivery order.
+type Log = Arc<Mutex<Vec<(usize, i64, String, u32, String)>>>;
+
+/// A sink that accepts everything and logs it as `relay`.
+fn logging_sink(log: &Log, relay: usize) -> impl FnMut(Message) -> std::future::Ready<Result<(), String>> {
+    let log = Arc::clone(log);
+    move |m: Message| {
+        let entry = (relay, m.id, m.topic.clone(), m.attempt, m.idempotency_key().to_string());
+        log.lock().expect("log").push(entry);
+        std::future::ready(Ok(()))
+    }
+}
+
+async fn enqueue_committed(outbox: &Outbox, h: &Harness, topic: &str, payload: Value) -> i64 {
+    let mut tx = h.pool.begin().await.expect("begin");
+    let id = outbox.enqueue(&mut tx, topic, &payload).await.expect("enqueue");
+    tx.commit().await.expect("commit");
+    id
+}
+
+/// Rows enqueued in a transaction that rolls back (by hand, or because `run_once_in_tx`'s work failed)
+/// are never delivered; the row of the transaction that committed is, with its payload and key.
+async fn rolled_back_enqueue_delivers_nothing(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let outbox = h.store.outbox();
+    let topic = format!("receipts-{}", h.id());
+
+    let mut tx = h.pool.begin().await.expect("begin");
+    outbox.enqueue(&mut tx, &topic, &json!({"rolled": "back"})).await.expect("enqueue");
+    tx.rollback().await.expect("rollback");
+
+    let (scope, k, order) = (h.scope("acme"), key("order-1"), json!({"order": 1}));
+    for fail in [true, false] {
+        let (outbox, topic) = (outbox.clone(), topic.clone());
+        let outcome = h.store.run_once_in_tx(&scope, &k, &order, move |tx| {
+            Box::pin(async move {
+                outbox.enqueue(tx, &topic, &json!({"receipt": "order-1", "failed": fail})).await?;
+                if fail { Err(StoreError::Config("the work failed".into())) } else { Ok(json!({"order": 1})) }
+            })
+        });
+        let outcome = outcome.await;
+        assert_eq!(outcome.is_ok(), !fail, "{outcome:?}");
+    }
+
+    let log = Log::default();
+    let drained = outbox.drain(logging_sink(&log, 0)).await.expect("drain");
+    assert_eq!((drained.delivered, drained.failed), (1, 0));
+    let log = log.lock().expect("log").clone();
+    assert_eq!(log.len(), 1, "{log:?}");
+    let (_, id, delivered_topic, attempt, idempotency_key) = &log[0];
+    assert_eq!((delivered_topic, *attempt), (&topic, 1));
+    assert_eq!(idempotency_key, &format!("outbox-{id}"));
+    assert!(outbox.backlog().await.expect("backlog").is_empty());
+    assert_eq!(support::labelled("idemstore_outbox_deliveries_total", &[("topic", &topic)]), 1.0);
+}
+
+/// Two relays draining 8 topics × 25 rows at once (made to overlap): every row is delivered exactly
+/// once, each topic in id order, and both relays took part.
+async fn two_relays_deliver_each_row_once_in_topic_order(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let outbox = h.store.outbox().with_batch_size(4);
+    let topics: Vec<String> = (0..8).map(|t| format!("topic{t}-{}", h.id())).collect();
+    let mut tx = h.pool.begin().await.expect("begin");
+    for n in 0..25 {
+        for topic in &topics {
+            outbox.enqueue(&mut tx, topic, &json!({"n": n})).await.expect("enqueue");
+        }
+    }
+    tx.commit().await.expect("commit");
+
+    // Relay 0 holds its first batch until relay 1 has delivered 8 rows: they overlap, and relay 1 runs
+    // ahead on every topic it can take, so a topic shared between them would come out of order.
+    let (log, delivered_by_1) = (Log::default(), Arc::new(Semaphore::new(0)));
+    let relay = |relay: usize| {
+        let (outbox, delivered_by_1) = (outbox.clone(), Arc::clone(&delivered_by_1));
+        let mut record = logging_sink(&log, relay);
+        let mut first = true;
+        async move {
+            let sink = move |m: Message| {
+                let (delivered_by_1, first) = (Arc::clone(&delivered_by_1), std::mem::take(&mut first));
+                let logged = record(m);
+                async move {
+                    if relay == 0 && first {
+                        delivered_by_1.acquire_many(8).await.expect("open").forget();
+                    }
+                    if relay == 1 {
+                        delivered_by_1.add_permits(1);
+                    }
+                    logged.await
+                }
+            };
+            outbox.drain(sink).await.expect("drain")
+        }
+    };
+    let both = tokio::time::timeout(Duration::from_secs(60), futures::future::join(relay(0), relay(1)));
+    let (a, b) = both.await.expect("the relays finish");
+    assert_eq!(a.delivered + b.delivered, 200, "{a:?} {b:?}");
+    assert!(a.delivered > 0 && b.delivered > 0, "both relays delivered: {a:?} {b:?}");
+
+    let log = log.lock().expect("log").clone();
+    let mut ids: Vec<i64> = log.iter().map(|entry| entry.1).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 200, "every row exactly once");
+    for topic in &topics {
+        let order: Vec<i64> = log.iter().filter(|entry| &entry.2 == topic).map(|entry| entry.1).collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{topic} delivered in id order: {order:?}");
+    }
+    assert!(outbox.backlog().await.expect("backlog").is_empty());
+}
+
+/// A sink that refuses a row twice: the row backs off (and is not retried before its time), holds its
+/// topic back, records why, and is then delivered, before the row behind it; other topics are not held
+/// back. A sink that never answers counts as a failure after the delivery timeout.
+async fn failing_sink_backs_off_then_delivers_in_order(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let outbox = h
+        .store
+        .outbox()
+        .with_backoff(Duration::from_millis(500), Duration::from_secs(5))
+        .with_delivery_timeout(Duration::from_millis(100));
+    let (flaky, steady, silent) =
+        (format!("flaky-{}", h.id()), format!("steady-{}", h.id()), format!("silent-{}", h.id()));
+    let first = enqueue_committed(&outbox, &h, &flaky, json!({"n": 1})).await;
+    let second = enqueue_committed(&outbox, &h, &flaky, json!({"n": 2})).await;
+    enqueue_committed(&outbox, &h, &steady, json!({"n": 1})).await;
+    enqueue_committed(&outbox, &h, &silent, json!({"n": 1})).await;
+
+    let log = Log::default();
+    // Refuses the first flaky row twice; lets the first silent delivery hang.
+    let sink = || {
+        let mut record = logging_sink(&log, 0);
+        let silent = silent.clone();
+        move |m: Message| {
+            let (refuse, hang) = (m.id == first && m.attempt <= 2, m.topic == silent && m.attempt == 1);
+            let logged = record(m);
+            async move {
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                logged.await?;
+                if refuse { Err("downstream unavailable".to_owned()) } else { Ok(()) }
+            }
+        }
+    };
+
+    let drained = outbox.drain(sink()).await.expect("drain");
+    assert_eq!((drained.delivered, drained.failed), (1, 2), "steady delivered; flaky and silent failed");
+    let backlog = outbox.backlog().await.expect("backlog");
+    let flaky_backlog = backlog.iter().find(|t| t.topic == flaky).expect("flaky pending");
+    assert_eq!((flaky_backlog.pending, flaky_backlog.head_attempts), (2, 1));
+    assert_eq!(flaky_backlog.head_error.as_deref(), Some("downstream unavailable"));
+    assert!(flaky_backlog.retry_in <= Duration::from_millis(500), "{flaky_backlog:?}");
+    let silent_backlog = backlog.iter().find(|t| t.topic == silent).expect("silent pending");
+    assert!(silent_backlog.head_error.as_deref().is_some_and(|e| e.contains("no answer")), "{silent_backlog:?}");
+
+    let early = outbox.drain(sink()).await.expect("drain");
+    assert_eq!((early.delivered, early.failed), (0, 0), "nothing is retried before its backoff");
+
+    // The backoff itself is under test: wait it out, then drain again until the topic is through.
+    let mut rounds = 0;
+    while outbox.backlog().await.expect("backlog").iter().any(|t| t.topic == flaky) {
+        rounds += 1;
+        assert!(rounds < 20, "the flaky row is delivered within its backoff schedule");
+        let retry_in = outbox.backlog().await.expect("backlog").iter().map(|t| t.retry_in).max().unwrap_or_default();
+        tokio::time::sleep(retry_in + Duration::from_millis(20)).await;
+        outbox.drain(sink()).await.expect("drain");
+    }
+    let log = log.lock().expect("log").clone();
+    let flaky_log: Vec<(i64, u32)> = log.iter().filter(|e| e.2 == flaky).map(|e| (e.1, e.3)).collect();
+    assert_eq!(flaky_log, [(first, 1), (first, 2), (first, 3), (second, 1)], "refused twice, then in order");
+    assert_eq!(support::labelled("idemstore_outbox_failures_total", &[("topic", &flaky)]), 2.0);
+    assert_eq!(support::labelled("idemstore_outbox_deliveries_total", &[("topic", &flaky)]), 2.0);
+    assert_eq!(support::labelled("idemstore_outbox_failures_total", &[("topic", &silent)]), 1.0);
+    assert!(outbox.backlog().await.expect("backlog").is_empty(), "silent delivered on its second attempt");
+}
+
+/// Bad topics and payloads are refused with typed errors, and the transaction stays usable.
+async fn bad_enqueue_input_gets_typed_errors(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let outbox = h.store.outbox().with_max_payload(64);
+    let mut tx = h.pool.begin().await.expect("begin");
+    for topic in ["", "a\nb", &"t".repeat(256)] {
+        let refused = outbox.enqueue(&mut tx, topic, &json!({})).await;
+        assert!(matches!(refused, Err(StoreError::Input(InputError::InvalidScope { field: "topic", .. }))));
+    }
+    let big = outbox.enqueue(&mut tx, "t", &json!({"blob": "x".repeat(100)})).await;
+    assert!(matches!(big, Err(StoreError::Input(InputError::PayloadTooLarge { limit: 64, .. }))), "{big:?}");
+    let map_key = std::collections::HashMap::from([((1, 2), 3)]);
+    let unserializable = outbox.enqueue(&mut tx, "t", &map_key).await;
+    assert!(matches!(unserializable, Err(StoreError::Input(InputError::InvalidJson(_)))), "{unserializable:?}");
+    let nul = outbox.enqueue(&mut tx, "t", &json!({"text": "a\u{0}b"})).await.expect("NUL escapes are kept");
+    tx.commit().await.expect("the transaction is still usable");
+
+    let log = Log::default();
+    let mut payloads = Vec::new();
+    let drained = outbox
+        .drain(|m: Message| {
+            payloads.push((m.id, m.decode::<Value>().expect("JSON")));
+            logging_sink(&log, 0)(m)
+        })
+        .await
+        .expect("drain");
+    assert_eq!(drained.delivered, 1);
+    assert_eq!(payloads, [(nul, json!({"text": "a\u{0}b"}))]);
+}
