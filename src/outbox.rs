@@ -142,7 +142,7 @@ pub struct Drained {
 }
 
 /// The undelivered rows of one topic ([`Outbox::backlog`]).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TopicBacklog {
     /// The topic.

@@ -36,6 +36,7 @@ suite!(
     postgres_blackholed_mid_load,
     skewed_clocks_do_not_move_leases,
     owner_process_killed_mid_transaction_leaves_nothing,
+    outbox_relay_killed_mid_batch_redelivers_with_the_same_key,
 );
 
 /// A process SIGKILLed inside `run_once_in_tx`, after its work's insert and before the commit, leaves
@@ -91,6 +92,74 @@ async fn child_tx_owner() {
             })
         })
         .await;
+}
+
+/// An outbox relay process SIGKILLed mid-batch, after its sink accepted 3 of 10 rows: nothing was
+/// recorded, so the next relay delivers all 10, the first 3 again with the same idempotency key, and a
+/// downstream that deduplicates on that key (here `run_once`) applies each row once.
+async fn outbox_relay_killed_mid_batch_redelivers_with_the_same_key(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
+    sqlx::query("CREATE TABLE deliveries (row_id BIGINT NOT NULL, key TEXT NOT NULL, attempt INT NOT NULL)")
+        .execute(&h.pool)
+        .await
+        .expect("create the deliveries table");
+    let outbox = h.store.outbox();
+    let mut tx = h.pool.begin().await.expect("begin");
+    for n in 0..10 {
+        outbox.enqueue(&mut tx, "receipts", &json!({"n": n})).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+
+    let mut child = child(&h, "child_relay").stdout(Stdio::piped()).spawn().expect("spawn the relay process");
+    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    for line in lines {
+        if line.expect("child stdout").contains("RELAY MID BATCH") {
+            break;
+        }
+    }
+    child.kill().expect("SIGKILL the relay");
+    child.wait().expect("reap the relay");
+    // The killed relay's batch stays locked until Postgres notices the closed connection: wait on its
+    // locks (a signal) rather than for a while.
+    let mut wait = h.pool.begin().await.expect("begin");
+    let still_there: Vec<i64> = sqlx::query_scalar("SELECT id FROM idempotency_outbox ORDER BY id FOR UPDATE")
+        .fetch_all(&mut *wait)
+        .await
+        .expect("wait for the killed relay's locks");
+    wait.rollback().await.expect("rollback");
+    assert_eq!(still_there.len(), 10, "the killed batch recorded nothing");
+
+    let drained = outbox.drain(|m| downstream(&h, m)).await.expect("drain");
+    assert_eq!((drained.delivered, drained.failed), (10, 0));
+    let deliveries: Vec<(i64, String, i32)> =
+        sqlx::query_as("SELECT row_id, key, attempt FROM deliveries ORDER BY row_id, attempt")
+            .fetch_all(&h.pool)
+            .await
+            .expect("deliveries");
+    let per_row = |id: i64| deliveries.iter().filter(|d| d.0 == id).collect::<Vec<_>>();
+    for (n, id) in still_there.iter().enumerate() {
+        let seen = per_row(*id);
+        assert_eq!(seen.len(), if n < 3 { 2 } else { 1 }, "row {id}: {deliveries:?}");
+        assert!(seen.iter().all(|d| d.1 == format!("outbox-{id}") && d.2 == 1), "same key, same attempt: {seen:?}");
+        assert_eq!(h.effects("acme", &key(&format!("outbox-{id}"))).await, 1, "applied once downstream");
+    }
+    assert!(outbox.backlog().await.expect("backlog").is_empty());
+}
+
+/// The downstream of the outbox tests: logs the delivery, then applies it once per idempotency key.
+async fn downstream(h: &Harness, message: idemstore::Message) -> Result<(), String> {
+    let k = message.idempotency_key();
+    sqlx::query("INSERT INTO deliveries (row_id, key, attempt) VALUES ($1, $2, $3)")
+        .bind(message.id)
+        .bind(k.as_str())
+        .bind(i32::try_from(message.attempt).unwrap_or(i32::MAX))
+        .execute(&h.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+    let scope = Scope::new("acme", h.operation.clone()).expect("scope");
+    let payload: serde_json::Value = message.decode().map_err(|e| e.to_string())?;
+    let applied = h.store.run_once(&scope, &k, &payload, || h.charge("acme", &k)).await;
+    applied.map(drop).map_err(|e| e.to_string())
 }
 
 /// Short leases, so that markers orphaned by a fault expire within the test.
@@ -626,6 +695,31 @@ async fn child_owner() {
             println!("OWNER WORKING");
             std::future::pending::<()>().await;
             effect
+        })
+        .await;
+}
+
+/// Child process of `outbox_relay_killed_mid_batch_redelivers_with_the_same_key`: delivers 3 rows of its
+/// batch downstream, announces it, and hangs (inside the 4th delivery) until killed.
+#[tokio::test]
+#[ignore = "run as a child process by the fault tests"]
+async fn child_relay() {
+    let Some(h) = attach_to_parent().await else { return };
+    let mut delivered = 0;
+    let _ = h
+        .store
+        .outbox()
+        .drain(|m| {
+            delivered += 1;
+            let hang = delivered > 3;
+            let h = &h;
+            async move {
+                if hang {
+                    println!("RELAY MID BATCH");
+                    std::future::pending::<()>().await;
+                }
+                downstream(h, m).await
+            }
         })
         .await;
 }

@@ -244,6 +244,28 @@ async fn idemctl_commands(mode: Mode) {
         Mode::TwoTier => assert_eq!((code, evicted), (0, json!({ "evicted": true }))),
         _ => assert_eq!(code, 1, "Postgres-only has nothing to evict: {evicted}"),
     }
+    let outbox = h.store.outbox();
+    let mut tx = h.pool.begin().await.expect("begin");
+    for (topic, n) in [("mail", 1), ("mail", 2), ("hooks", 3)] {
+        outbox.enqueue(&mut tx, topic, &json!({ "n": n })).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+    let (code, status) = idemctl(&h, &["outbox", "status"]);
+    assert_eq!((code, &status["topics"][1]["topic"], &status["topics"][1]["pending"]), (0, &json!("mail"), &json!(2)));
+    let sent = std::env::temp_dir().join(format!("idemctl-outbox-{}.log", h.prefix));
+    let exec = format!("(cat; printf ' %s %s\\n' \"$IDEMPOTENCY_KEY\" \"$OUTBOX_TOPIC\") >> '{}'", sent.display());
+    let (code, drained) = idemctl(&h, &["outbox", "drain", "--topic", "mail", "--exec", &exec]);
+    assert_eq!((code, drained), (0, json!({ "delivered": 2, "failed": 0 })));
+    let log = std::fs::read_to_string(&sent).expect("the delivery command ran");
+    let _ = std::fs::remove_file(&sent);
+    assert_eq!(log, "{\"n\":1} outbox-1 mail\n{\"n\":2} outbox-2 mail\n");
+    let (code, drained) = idemctl(&h, &["outbox", "drain", "--exec", "exit 3"]);
+    assert_eq!((code, drained), (0, json!({ "delivered": 0, "failed": 1 })));
+    let status = idemctl(&h, &["outbox", "status"]).1;
+    let hooks = &status["topics"][0];
+    assert_eq!((&hooks["topic"], &hooks["pending"], &hooks["head_attempts"]), (&json!("hooks"), &json!(1), &json!(1)));
+    assert!(hooks["head_error"].as_str().is_some_and(|e| e.contains("exit status: 3")), "{status}");
+
     let (code, refused) = idemctl(&h, &["inspect", "acme", &op, "bad key"]);
     assert_eq!(code, 2);
     assert!(refused["error"].as_str().is_some_and(|e| e.contains("visible ASCII")), "{refused}");

@@ -8,16 +8,18 @@
 //! idemctl resolve <tenant> <operation> <key> (--complete-with FILE | --release)
 //! idemctl stats [--window 1h]
 //! idemctl evict <tenant> <operation> <key>
+//! idemctl outbox status
+//! idemctl outbox drain --exec '<shell command>' [--topic T]... [--batch N] [--timeout 30s]
 //! ```
 //! Reads `DATABASE_URL` and `REDIS_URL` (or `--database-url`, `--redis-url`); `--json` prints one JSON
 //! document for scripts. Exit status 0 on success, 1 when the store failed, 2 on bad usage.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
+use std::process::{ExitCode, Stdio};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use idemstore::{IdempotencyKey, Inspection, Resolution, Scope, Store, StoreError};
+use idemstore::{IdempotencyKey, Inspection, Message, Resolution, Scope, Store, StoreError, TopicBacklog};
 use serde_json::{Value, json};
 
 #[derive(Parser, Debug)]
@@ -89,6 +91,33 @@ enum Command {
     },
     /// Delete a key's Redis copy; Postgres keeps the record.
     Evict(RecordId),
+    /// The transactional outbox.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum OutboxCommand {
+    /// Undelivered rows per topic, and why each topic's head last failed.
+    Status,
+    /// Deliver the due rows once, each through a shell command (exit status 0 = delivered).
+    ///
+    /// The command reads the payload (JSON) on stdin and gets IDEMPOTENCY_KEY, OUTBOX_ID, OUTBOX_TOPIC
+    /// and OUTBOX_ATTEMPT in its environment; its output goes to stderr.
+    Drain {
+        /// The delivery command, run with `sh -c`.
+        #[arg(long)]
+        exec: String,
+        /// Only these topics (repeat the option); default all.
+        #[arg(long)]
+        topic: Vec<String>,
+        /// Rows per transaction.
+        #[arg(long, default_value_t = 100)]
+        batch: u32,
+        /// Longest a delivery may take before it counts as failed (e.g. 30s, 2m).
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        timeout: Duration,
+    },
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -241,7 +270,71 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
             let text = if evicted { "evicted from Redis" } else { "Redis held no copy" };
             Output { json: json!({ "evicted": evicted }), text: text.into() }
         }
+        Command::Outbox(OutboxCommand::Status) => outbox_status(&store.outbox().backlog().await?),
+        Command::Outbox(OutboxCommand::Drain { exec, topic, batch, timeout }) => {
+            let mut outbox = store.outbox().with_batch_size(*batch).with_delivery_timeout(*timeout);
+            if !topic.is_empty() {
+                outbox = outbox.with_topics(topic.clone());
+            }
+            let drained = outbox.drain(|message| deliver(exec, message)).await?;
+            Output {
+                json: serde_json::to_value(drained).unwrap_or_default(),
+                text: format!("{} delivered, {} failed", drained.delivered, drained.failed),
+            }
+        }
     })
+}
+
+/// Runs the delivery command for one outbox row.
+async fn deliver(command: &str, message: Message) -> Result<(), String> {
+    use tokio::io::AsyncWriteExt as _;
+    let mut child = tokio::process::Command::new("sh")
+        .args(["-c", command])
+        .env("IDEMPOTENCY_KEY", message.idempotency_key().as_str())
+        .env("OUTBOX_ID", message.id.to_string())
+        .env("OUTBOX_TOPIC", &message.topic)
+        .env("OUTBOX_ATTEMPT", message.attempt.to_string())
+        .stdin(Stdio::piped())
+        .stdout(std::io::stderr())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot run the delivery command: {e}"))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        // A command that does not read its input is fine: ignore a closed pipe.
+        let _ = stdin.write_all(message.payload().as_bytes()).await;
+    }
+    let status = child.wait().await.map_err(|e| format!("waiting for the delivery command: {e}"))?;
+    if status.success() { Ok(()) } else { Err(format!("the delivery command failed ({status})")) }
+}
+
+fn outbox_status(backlog: &[TopicBacklog]) -> Output {
+    let mut text =
+        format!("{:<32} {:>8} {:>10} {:>8} {:>10}  last error\n", "topic", "pending", "oldest", "attempts", "retry in");
+    for topic in backlog {
+        text.push_str(&format!(
+            "{:<32} {:>8} {:>9}s {:>8} {:>9}s  {}\n",
+            topic.topic,
+            topic.pending,
+            topic.oldest.as_secs(),
+            topic.head_attempts,
+            topic.retry_in.as_secs(),
+            topic.head_error.as_deref().unwrap_or("")
+        ));
+    }
+    let topics: Vec<Value> = backlog
+        .iter()
+        .map(|t| {
+            json!({
+                "topic": t.topic,
+                "pending": t.pending,
+                "oldest_seconds": t.oldest.as_secs_f64(),
+                "head_attempts": t.head_attempts,
+                "head_error": t.head_error,
+                "retry_in_seconds": t.retry_in.as_secs_f64(),
+            })
+        })
+        .collect();
+    Output { json: json!({ "topics": topics }), text: text.trim_end().into() }
 }
 
 fn inspection(inspection: &Inspection) -> Output {
