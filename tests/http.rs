@@ -409,8 +409,8 @@ async fn post_payment(
         .expect("HTTP request")
 }
 
-/// 50 concurrent POSTs with one key over real HTTP: one charge row; every answer is the first response,
-/// byte for byte, or a 409.
+/// 50 concurrent POSTs with one key over real HTTP: one charge row and one receipt sent through the
+/// outbox; every answer is the first response, byte for byte, or a 409.
 async fn fifty_concurrent_posts_charge_once_end_to_end(mode: Mode) {
     let h = Harness::start(mode).await;
     let base = serve(&h).await;
@@ -432,6 +432,11 @@ async fn fifty_concurrent_posts_charge_once_end_to_end(mode: Mode) {
             assert_eq!(problem_type(body), problem_types::IN_FLIGHT);
         }
     }
+    // The charge's receipt was committed with it, once: the relay sends exactly one.
+    let drained = app::send_receipts(&h.store).await.expect("the receipt relay");
+    assert_eq!((drained.delivered, drained.failed), (1, 0));
+    let receipts: i64 = sqlx::query_scalar("SELECT count(*) FROM receipts").fetch_one(&h.pool).await.expect("count");
+    assert_eq!(receipts, 1);
     // Once the owner finished, every retry is the replay.
     let late = post_payment(&client, &base, "race-1", "acme", &charge(42), 0).await;
     assert_eq!(late.headers()["idempotent-replayed"], "true");

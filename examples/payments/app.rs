@@ -1,11 +1,14 @@
 //! The payments demo's HTTP application, shared by `main.rs` and the end-to-end tests.
 //!
 //! Demo-grade authentication: the tenant is the bearer token itself (`Authorization: Bearer acme`).
+//! `POST /payments` records the charge and its receipt e-mail (an outbox row) in one transaction;
+//! [`send_receipts`] relays the receipts to the "mail provider" (the `receipts` table).
 //! `POST /webhooks/{provider}` is an inbox: the event id comes from `X-Event-Id` (or the body's `id`), an
 //! optional `X-Event-Sequence` is recorded, and a re-delivered event is acknowledged without re-running.
 //! Demo-only knobs: `X-Demo-Delay-Ms` slows the handler (to see a 409 for a concurrent retry) and
 //! `X-Demo-Fail: 500|400` makes it fail (to see what is stored and what is released).
 
+use std::error::Error;
 use std::time::Duration;
 
 use axum::extract::{Path, State};
@@ -14,13 +17,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idemstore::http::IdempotencyLayer;
-use idemstore::{Received, RunError, Store};
+use idemstore::{Drained, Message, Received, RunError, Store, StoreError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
-/// The `charges` table, separate from the idempotency store's own schema.
+/// The demo's tables (`charges`, `webhook_events`, `receipts`), separate from the store's own schema.
 pub static CHARGES: Migrator = sqlx::migrate!("examples/payments/migrations");
 
 #[derive(Clone)]
@@ -86,23 +90,65 @@ async fn create_payment(State(app): State<App>, headers: HeaderMap, Json(payment
     if payment.amount <= 0 || !valid_currency || payment.customer.is_empty() {
         return error(StatusCode::BAD_REQUEST, "amount must be positive, currency an ISO code, customer set");
     }
-    let insert = format!(
-        "INSERT INTO charges (tenant, amount, currency, customer) VALUES ($1, $2, $3, $4) RETURNING {CHARGE_COLUMNS}"
-    );
-    let charge = sqlx::query_as::<_, Charge>(sqlx::AssertSqlSafe(insert))
-        .bind(&tenant)
-        .bind(payment.amount)
-        .bind(&payment.currency)
-        .bind(&payment.customer)
-        .fetch_one(app.store.pg_pool())
-        .await;
-    match charge {
+    match record_charge(&app.store, &tenant, &payment).await {
         Ok(charge) => {
             let location = format!("/payments/{}", charge.id);
             (StatusCode::CREATED, [(header::LOCATION, location)], Json(charge)).into_response()
         }
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &format!("could not record the charge: {e}")),
     }
+}
+
+/// The charge and its receipt, committed together: no charge without a receipt, no receipt for a
+/// charge that rolled back.
+async fn record_charge(store: &Store, tenant: &str, payment: &NewPayment) -> Result<Charge, Box<dyn Error>> {
+    let mut tx = store.pg_pool().begin().await?;
+    let insert = format!(
+        "INSERT INTO charges (tenant, amount, currency, customer) VALUES ($1, $2, $3, $4) RETURNING {CHARGE_COLUMNS}"
+    );
+    let charge = sqlx::query_as::<_, Charge>(sqlx::AssertSqlSafe(insert))
+        .bind(tenant)
+        .bind(payment.amount)
+        .bind(&payment.currency)
+        .bind(&payment.customer)
+        .fetch_one(&mut *tx)
+        .await?;
+    let receipt = Receipt { charge: charge.id, customer: charge.customer.clone(), amount: charge.amount };
+    store.outbox().enqueue(&mut tx, RECEIPTS, &receipt).await?;
+    tx.commit().await?;
+    Ok(charge)
+}
+
+const RECEIPTS: &str = "receipts";
+
+#[derive(Serialize, Deserialize)]
+struct Receipt {
+    charge: i64,
+    customer: String,
+    amount: i64,
+}
+
+/// One pass of the receipt relay (`main` runs it every half second): each due receipt goes to the mail
+/// provider with the outbox row's idempotency key, so a receipt relayed twice (after a crash) is sent once.
+pub async fn send_receipts(store: &Store) -> Result<Drained, StoreError> {
+    let pool = store.pg_pool().clone();
+    store.outbox().with_topics([RECEIPTS]).drain(|message| send_receipt(pool.clone(), message)).await
+}
+
+async fn send_receipt(pool: PgPool, message: Message) -> Result<(), Box<dyn Error>> {
+    let receipt: Receipt = message.decode()?;
+    let sent = sqlx::query(
+        "INSERT INTO receipts (idempotency_key, charge_id, customer) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+    )
+    .bind(message.idempotency_key().as_str())
+    .bind(receipt.charge)
+    .bind(&receipt.customer)
+    .execute(&pool)
+    .await?;
+    if sent.rows_affected() == 1 {
+        println!("receipt for charge {} sent to {} ({})", receipt.charge, receipt.customer, message.idempotency_key());
+    }
+    Ok(())
 }
 
 async fn show_payment(State(app): State<App>, headers: HeaderMap, Path(id): Path<i64>) -> Response {

@@ -1,4 +1,5 @@
-//! The payments demo: `POST /payments` behind the Idempotency-Key middleware.
+//! The payments demo: `POST /payments` behind the Idempotency-Key middleware, its receipts sent through
+//! the transactional outbox by a relay running in the background.
 //!
 //! ```text
 //! cargo run --example payments
@@ -9,6 +10,7 @@
 mod app;
 
 use std::error::Error;
+use std::time::Duration;
 
 use idemstore::testkit::LocalServers;
 use metrics_exporter_prometheus::PrometheusBuilder;
@@ -40,6 +42,16 @@ async fn main() -> Result<(), Box<dyn Error>> {
         "  {post} -d '{{\"amount\": 9900, \"currency\": \"EUR\", \"customer\": \"cus_1\"}}'   # same key, new payload: 422"
     );
     println!("  curl -s http://{addr}/metrics | grep idemstore_\n");
+
+    let relay = store.clone();
+    tokio::spawn(async move {
+        loop {
+            if let Err(e) = app::send_receipts(&relay).await {
+                eprintln!("receipt relay: {e}");
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
 
     let app = app::router(app::App { store, metrics });
     axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
