@@ -26,7 +26,10 @@ use crate::telemetry;
 
 const ENQUEUE: &str = "INSERT INTO idempotency_outbox (topic, payload) VALUES ($1, $2::json) RETURNING id";
 
-/// One batch, locked for this relay's transaction. A topic's head (its oldest row) is the topic's lock:
+/// The newest row when a drain starts: it delivers nothing newer, so it ends even while producers write.
+const HORIZON: &str = "SELECT COALESCE(max(id), 0) FROM idempotency_outbox";
+
+/// One batch, locked for this relay's transaction, of rows up to the drain's horizon (`$3`). A topic's head (its oldest row) is the topic's lock:
 /// relays skip heads that another relay holds, and take the rows behind a head only with it, so no two
 /// relays deliver one topic at once and its rows go out in id order. Topics are found by a loose index
 /// scan (one probe per topic), so a long backlog in one topic costs no scan. A head that is backing off
@@ -51,6 +54,7 @@ const LOCK_BATCH: &str = "
     )
     SELECT o.id, o.topic, o.payload::text AS payload, o.attempts
     FROM idempotency_outbox o JOIN heads USING (topic)
+    WHERE o.id <= $3
     ORDER BY o.id
     LIMIT $1
     FOR UPDATE OF o";
@@ -230,8 +234,8 @@ impl Outbox {
         self.store.bounded("outbox enqueue", insert).await
     }
 
-    /// Delivers every row that is due to `sink`, topic by topic in id order, one batch per transaction,
-    /// until nothing more is delivered; returns the counts. Rows the sink refuses (an `Err`, or no answer
+    /// Delivers the rows that are due to `sink`, topic by topic in id order, one batch per transaction,
+    /// until it has caught up with the rows that existed when it started; returns the counts. Rows the sink refuses (an `Err`, or no answer
     /// within the delivery timeout) back off and hold their topic back. Several relays may drain at
     /// once, in one process or many. The application schedules it (a loop with a pause, a cron job, or
     /// `idemctl outbox drain`).
@@ -247,12 +251,16 @@ impl Outbox {
         Fut: Future<Output = Result<(), E>>,
         E: Display,
     {
+        telemetry::postgres_statement("outbox_horizon");
+        let horizon: i64 =
+            self.store.bounded("outbox horizon", sqlx::query_scalar(HORIZON).fetch_one(self.store.pg_pool())).await?;
         let mut drained = Drained::default();
         loop {
-            let batch = self.drain_batch(&mut sink).await?;
+            let (batch, full) = self.drain_batch(&mut sink, horizon).await?;
             drained.delivered += batch.delivered;
             drained.failed += batch.failed;
-            if batch.delivered == 0 {
+            // A batch short of its size found everything that was due.
+            if batch.delivered == 0 || !full {
                 break;
             }
         }
@@ -260,7 +268,8 @@ impl Outbox {
         Ok(drained)
     }
 
-    async fn drain_batch<F, Fut, E>(&self, sink: &mut F) -> Result<Drained, StoreError>
+    /// One batch; also says whether it was full (more may be due).
+    async fn drain_batch<F, Fut, E>(&self, sink: &mut F, horizon: i64) -> Result<(Drained, bool), StoreError>
     where
         F: FnMut(Message) -> Fut,
         Fut: Future<Output = Result<(), E>>,
@@ -269,11 +278,12 @@ impl Outbox {
         let store = &self.store;
         let mut tx = store.bounded("outbox lock", store.pg_pool().begin()).await?;
         telemetry::postgres_statement("outbox_lock");
-        let lock = sqlx::query(LOCK_BATCH).bind(i64::from(self.batch_size)).bind(self.topics.as_deref());
+        let lock = sqlx::query(LOCK_BATCH).bind(i64::from(self.batch_size)).bind(self.topics.as_deref()).bind(horizon);
         let rows = store.bounded("outbox lock", lock.fetch_all(&mut *tx)).await?;
         if rows.is_empty() {
-            return Ok(Drained::default());
+            return Ok((Drained::default(), false));
         }
+        let full = rows.len() == self.batch_size as usize;
         let mut delivered = Vec::new();
         let (mut failed_ids, mut errors, mut delays) = (Vec::new(), Vec::new(), Vec::new());
         let mut held_back = HashSet::new();
@@ -305,7 +315,7 @@ impl Outbox {
         let settle = sqlx::query(SETTLE).bind(delivered).bind(failed_ids).bind(errors).bind(delays);
         store.bounded("outbox settle", settle.execute(&mut *tx)).await?;
         store.bounded("outbox settle", tx.commit()).await?;
-        Ok(drained)
+        Ok((drained, full))
     }
 
     /// The wait before the next delivery of a row whose `attempt`-th delivery failed.

@@ -17,6 +17,7 @@ suite!(
     two_relays_deliver_each_row_once_in_topic_order,
     failing_sink_backs_off_then_delivers_in_order,
     bad_enqueue_input_gets_typed_errors,
+    drain_ends_while_producers_keep_writing,
 );
 
 /// What a sink saw: (relay, row id, topic, attempt, idempotency key), in delivery order.
@@ -224,4 +225,25 @@ async fn bad_enqueue_input_gets_typed_errors(mode: Mode) {
         .expect("drain");
     assert_eq!(drained.delivered, 1);
     assert_eq!(payloads, [(nul, json!({"text": "a\u{0}b"}))]);
+}
+
+/// A producer that writes a new row for every row delivered (as fast as the relay) does not keep
+/// `drain` from returning: it delivers what was there when it started, and the rest is pending.
+async fn drain_ends_while_producers_keep_writing(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let outbox = h.store.outbox().with_batch_size(4);
+    for n in 0..8 {
+        enqueue_committed(&outbox, &h, "events", json!({ "n": n })).await;
+    }
+    let drain = outbox.drain(|m: Message| {
+        let (outbox, h) = (&outbox, &h);
+        async move {
+            enqueue_committed(outbox, h, "events", json!({ "after": m.id })).await;
+            Ok::<_, String>(())
+        }
+    });
+    let drained = tokio::time::timeout(Duration::from_secs(30), drain).await.expect("drain returns").expect("drain");
+    assert_eq!(drained.delivered, 8);
+    let backlog = outbox.backlog().await.expect("backlog");
+    assert_eq!(backlog.iter().map(|t| t.pending).sum::<u64>(), 8, "the rows written meanwhile wait");
 }
