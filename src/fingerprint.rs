@@ -384,6 +384,44 @@ mod tests {
         assert_eq!(fp(big), fp(&respelled.expect("serializable")));
     }
 
+    /// Fingerprints are stored in both tiers: the canonical form must never change across versions, or
+    /// retries that span an upgrade would be refused as mismatches.
+    #[test]
+    fn fingerprints_are_a_stored_format() {
+        let golden = [
+            (
+                r#"{"amount":1200,"currency":"EUR","customer":{"id":"cus_1"},"items":[1,2.5,-3,true,null,[],{}]}"#,
+                "de6d95321feefe4df4205416bf9b2f37944d1144bf01eafabc9eb2499639abe5",
+            ),
+            (
+                r#"{"b":"quote \" backslash \\ tab \t nul \u0000 bell \u0007","a":"é ü 日本 🎉 \ud83c\udf89"}"#,
+                "d14938111673ff62920231ab3915827e670590c485794efffb8a73c9cfcffe2f",
+            ),
+            (
+                r#"[0,-0,-0.0,1e0,1.5e3,1e-7,1e21,1e300,18446744073709551615,-9223372036854775808,123456789012345678901234567890]"#,
+                "0fa092f3c0e405784b52288d4f43252c294c860ecf6ee8daa49c62829b0a76e7",
+            ),
+            (
+                r#"{"z":1,"é":2,"Z":3,"a b":4,"a\nb":5,"":6,"aa":7,"a":8}"#,
+                "5e983d579120fd406aff1d7ad87d928a08193d35bf5b0ee00ed0c1b8db301ae9",
+            ),
+            (r#""just a string""#, "9bcf318e16d168781747d788c05ae170d43178940982410bfd90246ff4be00ec"),
+            (
+                r#"[[[[{"deep":[{"x":{"y":[]}}]}]]]]"#,
+                "ac9427bd1b6b0a355ab3c1ed12aec471d71145f8ddb4b9ddbac066ed488d1091",
+            ),
+        ];
+        for (body, hex) in golden {
+            assert_eq!(fp(body).as_hex(), hex, "{body}");
+        }
+        let options = FingerprintOptions::default().ignore_field("/meta/ts").and_then(|o| o.ignore_field("/items/1"));
+        let ignored = Fingerprint::of_json(br#"{"meta":{"ts":5,"id":1},"items":[1,2,3]}"#, &options.expect("pointers"));
+        assert_eq!(
+            ignored.expect("valid").as_hex(),
+            "93cb7b9205ef87799a3f3b30cc6b728ff8dc6b1645e661a0c1ed33dd757d4a8e"
+        );
+    }
+
     #[test]
     fn json_and_raw_bytes_never_collide() {
         let raw = Fingerprint::of_bytes(b"{}", &FingerprintOptions::default()).expect("small");
