@@ -69,9 +69,17 @@ const SETTLE: &str = "
     FROM unnest($2::bigint[], $3::text[], $4::float8[]) AS f(id, error, delay_ms)
     WHERE o.id = f.id";
 
+/// Skips the rest of a topic's backoff: its head goes out at the next drain.
+const RETRY: &str =
+    "UPDATE idempotency_outbox SET next_attempt_at = now() WHERE topic = $1 AND next_attempt_at > now()";
+
+/// Deletes one undelivered row (a poison message holding its topic back), returning it for the record.
+const DISCARD: &str =
+    "DELETE FROM idempotency_outbox WHERE id = $1 RETURNING id, topic, payload::text AS payload, attempts";
+
 /// Window functions run before `DISTINCT ON`, so each topic's row is its head with the topic's totals.
 const BACKLOG: &str = "
-    SELECT DISTINCT ON (topic) topic,
+    SELECT DISTINCT ON (topic) topic, id AS head_id,
            count(*) OVER (PARTITION BY topic) AS pending,
            EXTRACT(EPOCH FROM now() - min(enqueued_at) OVER (PARTITION BY topic))::float8 AS oldest_seconds,
            attempts, last_error,
@@ -155,7 +163,9 @@ pub struct TopicBacklog {
     pub pending: u64,
     /// Age of the oldest of them.
     pub oldest: Duration,
-    /// Failed deliveries of the topic's head (its next row to go out).
+    /// The topic's head: its next row to go out.
+    pub head_id: i64,
+    /// Failed deliveries of the head.
     pub head_attempts: u32,
     /// Why the head's last delivery failed.
     pub head_error: Option<String>,
@@ -324,6 +334,36 @@ impl Outbox {
         first.saturating_mul(1 << attempt.saturating_sub(1).min(20)).min(max)
     }
 
+    /// Lets `topic`'s head be delivered at the next drain instead of after its backoff (once the
+    /// downstream is fixed); returns how many rows were waiting.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn retry(&self, topic: &str) -> Result<u64, StoreError> {
+        telemetry::postgres_statement("outbox_retry");
+        let query = sqlx::query(RETRY).bind(topic).execute(self.store.pg_pool());
+        Ok(self.store.bounded("outbox retry", query).await?.rows_affected())
+    }
+
+    /// Deletes the undelivered row `id` without delivering it, and returns it (to keep, or to replay by
+    /// hand): the way out for a row no downstream will ever accept, which otherwise holds its topic back.
+    /// `None` if there is no such row (delivered, or discarded already). If a relay holds the row, this
+    /// waits for its batch to end.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn discard(&self, id: i64) -> Result<Option<Message>, StoreError> {
+        telemetry::postgres_statement("outbox_discard");
+        let query = sqlx::query(DISCARD).bind(id).fetch_optional(self.store.pg_pool());
+        let row = self.store.bounded("outbox discard", query).await?;
+        let message = row.as_ref().map(Message::from_row).transpose();
+        let message = message.map_err(|source| StoreError::StoreUnavailable { step: "outbox discard", source })?;
+        if let Some(message) = &message {
+            tracing::warn!(id, topic = message.topic, payload = message.payload, "outbox row discarded");
+        }
+        Ok(message)
+    }
+
     /// The undelivered rows, per topic, and updates the pending-rows and oldest-age gauges.
     ///
     /// # Errors
@@ -350,6 +390,7 @@ fn topic_backlog(row: &PgRow) -> Result<TopicBacklog, sqlx::Error> {
         topic: row.try_get("topic")?,
         pending: u64::try_from(row.try_get::<i64, _>("pending")?).unwrap_or(0),
         oldest: seconds("oldest_seconds")?,
+        head_id: row.try_get("head_id")?,
         head_attempts: u32::try_from(row.try_get::<i32, _>("attempts")?).unwrap_or(0),
         head_error: row.try_get("last_error")?,
         retry_in: seconds("retry_in_seconds")?,

@@ -265,6 +265,14 @@ async fn idemctl_commands(mode: Mode) {
     let hooks = &status["topics"][0];
     assert_eq!((&hooks["topic"], &hooks["pending"], &hooks["head_attempts"]), (&json!("hooks"), &json!(1), &json!(1)));
     assert!(hooks["head_error"].as_str().is_some_and(|e| e.contains("exit status: 3")), "{status}");
+    assert_eq!(hooks["head_id"], 3);
+    assert_eq!(idemctl(&h, &["outbox", "retry", "hooks"]), (0, json!({ "retried": 1 })));
+    let retried = idemctl(&h, &["outbox", "status"]).1;
+    assert_eq!(retried["topics"][0]["retry_in_seconds"], 0.0, "{retried}");
+    let discarded = json!({ "discarded": true, "id": 3, "topic": "hooks", "payload": { "n": 3 } });
+    assert_eq!(idemctl(&h, &["outbox", "discard", "3"]), (0, discarded));
+    assert_eq!(idemctl(&h, &["outbox", "discard", "3"]), (0, json!({ "discarded": false })));
+    assert_eq!(idemctl(&h, &["outbox", "status"]), (0, json!({ "topics": [] })));
 
     let (code, refused) = idemctl(&h, &["inspect", "acme", &op, "bad key"]);
     assert_eq!(code, 2);

@@ -10,6 +10,8 @@
 //! idemctl evict <tenant> <operation> <key>
 //! idemctl outbox status
 //! idemctl outbox drain --exec '<shell command>' [--topic T]... [--batch N] [--timeout 30s]
+//! idemctl outbox retry <topic>
+//! idemctl outbox discard <id>
 //! ```
 //! Reads `DATABASE_URL` and `REDIS_URL` (or `--database-url`, `--redis-url`); `--json` prints one JSON
 //! document for scripts. Exit status 0 on success, 1 when the store failed, 2 on bad usage.
@@ -118,6 +120,10 @@ enum OutboxCommand {
         #[arg(long, default_value = "30s", value_parser = parse_duration)]
         timeout: Duration,
     },
+    /// Deliver a topic's head at the next drain, without waiting out its backoff.
+    Retry { topic: String },
+    /// Delete an undelivered row without delivering it (a message no downstream accepts); prints it.
+    Discard { id: i64 },
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -271,6 +277,19 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
             Output { json: json!({ "evicted": evicted }), text: text.into() }
         }
         Command::Outbox(OutboxCommand::Status) => outbox_status(&store.outbox().backlog().await?),
+        Command::Outbox(OutboxCommand::Retry { topic }) => {
+            let waiting = store.outbox().retry(topic).await?;
+            Output { json: json!({ "retried": waiting }), text: format!("{waiting} rows of {topic} retried now") }
+        }
+        Command::Outbox(OutboxCommand::Discard { id }) => match store.outbox().discard(*id).await? {
+            Some(message) => {
+                let payload: Value = message.decode().unwrap_or_else(|_| Value::String(message.payload().into()));
+                let document =
+                    json!({ "discarded": true, "id": message.id, "topic": message.topic, "payload": payload });
+                Output { text: format!("discarded {document}"), json: document }
+            }
+            None => Output { json: json!({ "discarded": false }), text: format!("no undelivered row {id}") },
+        },
         Command::Outbox(OutboxCommand::Drain { exec, topic, batch, timeout }) => {
             let mut outbox = store.outbox().with_batch_size(*batch).with_delivery_timeout(*timeout);
             if !topic.is_empty() {
@@ -328,6 +347,7 @@ fn outbox_status(backlog: &[TopicBacklog]) -> Output {
                 "topic": t.topic,
                 "pending": t.pending,
                 "oldest_seconds": t.oldest.as_secs_f64(),
+                "head_id": t.head_id,
                 "head_attempts": t.head_attempts,
                 "head_error": t.head_error,
                 "retry_in_seconds": t.retry_in.as_secs_f64(),
