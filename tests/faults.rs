@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemstore::testkit::ProxyMode;
-use idemstore::{Begin, Fingerprint, LeaseExpiry, Mode, Policy, RunOutcome, Scope, State};
+use idemstore::{Begin, Fingerprint, LeaseExpiry, Mode, Policy, RunOutcome, Scope, State, StoreError};
 use serde_json::json;
 use support::chaos::{self, Load, Progress, Report};
 use support::{Harness, Servers, key};
@@ -37,6 +37,7 @@ suite!(
     skewed_clocks_do_not_move_leases,
     owner_process_killed_mid_transaction_leaves_nothing,
     outbox_relay_killed_mid_batch_redelivers_with_the_same_key,
+    postgres_crash_mid_drain_loses_no_outbox_row,
 );
 
 /// A process SIGKILLed inside `run_once_in_tx`, after its work's insert and before the commit, leaves
@@ -99,17 +100,7 @@ async fn child_tx_owner() {
 /// downstream that deduplicates on that key (here `run_once`) applies each row once.
 async fn outbox_relay_killed_mid_batch_redelivers_with_the_same_key(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
-    sqlx::query("CREATE TABLE deliveries (row_id BIGINT NOT NULL, key TEXT NOT NULL, attempt INT NOT NULL)")
-        .execute(&h.pool)
-        .await
-        .expect("create the deliveries table");
-    let outbox = h.store.outbox();
-    let mut tx = h.pool.begin().await.expect("begin");
-    for n in 0..10 {
-        outbox.enqueue(&mut tx, "receipts", &json!({"n": n})).await.expect("enqueue");
-    }
-    tx.commit().await.expect("commit");
-
+    let outbox = outbox_with_receipts(&h).await;
     let mut child = child(&h, "child_relay").stdout(Stdio::piped()).spawn().expect("spawn the relay process");
     let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     for line in lines {
@@ -131,19 +122,72 @@ async fn outbox_relay_killed_mid_batch_redelivers_with_the_same_key(mode: Mode) 
 
     let drained = outbox.drain(|m| downstream(&h, m)).await.expect("drain");
     assert_eq!((drained.delivered, drained.failed), (10, 0));
+    assert_delivered_once_downstream(&h, 3).await;
+}
+
+/// Postgres crashes while a relay is mid-batch, after the downstream applied 3 rows: the drain fails
+/// closed with a transient error and records nothing; after the restart every row is delivered (the
+/// first 3 again, same keys) and applied once downstream.
+async fn postgres_crash_mid_drain_loses_no_outbox_row(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Owned).await;
+    let outbox = outbox_with_receipts(&h).await;
+    let postgres = h.postgres.as_ref().expect("owned");
+    let mut delivered = 0;
+    let crashed = outbox
+        .drain(|m| {
+            delivered += 1;
+            let crash = delivered == 3;
+            let h = &h;
+            async move {
+                let applied = downstream(h, m).await;
+                if crash {
+                    postgres.stop().expect("crash Postgres");
+                }
+                applied
+            }
+        })
+        .await;
+    assert!(crashed.as_ref().is_err_and(StoreError::is_transient), "fails closed: {crashed:?}");
+    postgres.restart().expect("restart Postgres");
+
+    let drained = outbox.drain(|m| downstream(&h, m)).await.expect("drain after the restart");
+    assert_eq!((drained.delivered, drained.failed), (10, 0));
+    assert_delivered_once_downstream(&h, 3).await;
+}
+
+/// The deliveries log, and 10 committed rows on the topic `receipts`.
+async fn outbox_with_receipts(h: &Harness) -> idemstore::Outbox {
+    sqlx::query("CREATE TABLE deliveries (row_id BIGINT NOT NULL, key TEXT NOT NULL, attempt INT NOT NULL)")
+        .execute(&h.pool)
+        .await
+        .expect("create the deliveries table");
+    let outbox = h.store.outbox();
+    let mut tx = h.pool.begin().await.expect("begin");
+    for n in 0..10 {
+        outbox.enqueue(&mut tx, "receipts", &json!({"n": n})).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+    outbox
+}
+
+/// Every row reached the downstream with its own key (the first `redelivered` rows twice, the rest
+/// once), was applied there once, and left the outbox.
+async fn assert_delivered_once_downstream(h: &Harness, redelivered: usize) {
     let deliveries: Vec<(i64, String, i32)> =
         sqlx::query_as("SELECT row_id, key, attempt FROM deliveries ORDER BY row_id, attempt")
             .fetch_all(&h.pool)
             .await
             .expect("deliveries");
-    let per_row = |id: i64| deliveries.iter().filter(|d| d.0 == id).collect::<Vec<_>>();
-    for (n, id) in still_there.iter().enumerate() {
-        let seen = per_row(*id);
-        assert_eq!(seen.len(), if n < 3 { 2 } else { 1 }, "row {id}: {deliveries:?}");
+    let mut ids: Vec<i64> = deliveries.iter().map(|d| d.0).collect();
+    ids.dedup();
+    assert_eq!(ids.len(), 10, "{deliveries:?}");
+    for (n, id) in ids.iter().enumerate() {
+        let seen: Vec<_> = deliveries.iter().filter(|d| d.0 == *id).collect();
+        assert_eq!(seen.len(), if n < redelivered { 2 } else { 1 }, "row {id}: {deliveries:?}");
         assert!(seen.iter().all(|d| d.1 == format!("outbox-{id}") && d.2 == 1), "same key, same attempt: {seen:?}");
         assert_eq!(h.effects("acme", &key(&format!("outbox-{id}"))).await, 1, "applied once downstream");
     }
-    assert!(outbox.backlog().await.expect("backlog").is_empty());
+    assert!(h.store.outbox().backlog().await.expect("backlog").is_empty());
 }
 
 /// The downstream of the outbox tests: logs the delivery, then applies it once per idempotency key.
