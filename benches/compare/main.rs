@@ -22,7 +22,7 @@ use idemstore::Store;
 use idemstore::testkit::{PostgresServer, RedisServer};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::PgPoolOptions;
-use workload::{Fixture, Subject, Workload};
+use workload::{Fixture, NewKeyPath, Subject, Workload};
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -104,7 +104,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let saved: serde_json::Value = serde_json::from_slice(&std::fs::read(saved)?)?;
         let plan: Plan = serde_json::from_value(saved["plan"].clone())?;
         let cells: Vec<Cell> = serde_json::from_value(saved["cells"].clone())?;
-        return report::write(&plan, &cells);
+        let relay: Vec<RelayCell> = serde_json::from_value(saved["relay"].clone()).unwrap_or_default();
+        return report::write(&plan, &cells, &relay);
     }
     let plan = Plan::from(args);
     let metrics = PrometheusBuilder::new().install_recorder()?;
@@ -136,7 +137,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (subject, store) in [(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)] {
         for workload in [Workload::New, Workload::Replay] {
             let cell = format!("r{run_id}-warm-{}", subject.name().replace(' ', "_"));
-            let fixture = Fixture::library(store.clone(), pg.clone(), workload, false, cell).await;
+            let fixture = Fixture::library(store.clone(), pg.clone(), workload, NewKeyPath::Separate, cell).await;
             measure(&warm_up, &metrics, fixture, Some(workload), subject, widest, 0).await;
         }
     }
@@ -145,18 +146,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                // A B (C) in even rounds, (C) B A in odd ones; new keys also run transactionally (C).
+                // A B (C D) in even rounds, (D C) B A in odd ones; new keys also run transactionally, without
+                // and with an outbox row (C, D).
                 let mut order = vec![(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
                 if workload == Workload::New {
-                    order.push((Subject::TwoTierInTx, &two_tier));
+                    order.extend([(Subject::TwoTierInTx, &two_tier), (Subject::TwoTierInTxOutbox, &two_tier)]);
                 }
                 if round % 2 == 1 {
                     order.reverse();
                 }
                 for (subject, store) in order {
                     let cell_id = format!("r{run_id}-{round}-{concurrency}-{}", subject.name().replace(' ', "_"));
-                    let transactional = subject == Subject::TwoTierInTx;
-                    let fixture = Fixture::library(store.clone(), pg.clone(), workload, transactional, cell_id).await;
+                    let new_keys = subject.new_key_path();
+                    let fixture = Fixture::library(store.clone(), pg.clone(), workload, new_keys, cell_id).await;
                     cells.push(measure(&plan, &metrics, fixture, Some(workload), subject, concurrency, round).await);
                 }
             }
@@ -170,9 +172,43 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             eprintln!("round {} concurrency {concurrency}: done", round + 1);
         }
     }
-    report::write(&plan, &cells)?;
+    let relay = relay_throughput(&plan, &two_tier).await?;
+    report::write(&plan, &cells, &relay)?;
     drop(owned);
     Ok(())
+}
+
+/// One relay draining a backlog of outbox rows (over 10 topics) with a sink that accepts at once.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RelayCell {
+    batch: u32,
+    round: usize,
+    rows: u64,
+    rows_per_second: f64,
+}
+
+/// The relay's throughput per batch size, each round on a fresh backlog.
+async fn relay_throughput(plan: &Plan, store: &Store) -> Result<Vec<RelayCell>, Box<dyn std::error::Error>> {
+    let accept = |_| std::future::ready(Ok::<_, String>(()));
+    // The receipts the in-tx + outbox cells wrote: cleared, not timed.
+    store.outbox().with_batch_size(1000).drain(accept).await?;
+    let backlog = if plan.quick { 2_000 } else { 20_000 };
+    let mut cells = Vec::new();
+    for round in 0..plan.rounds {
+        for batch in [100, 1000] {
+            let outbox = store.outbox().with_batch_size(batch);
+            let mut tx = store.pg_pool().begin().await?;
+            for n in 0..backlog {
+                outbox.enqueue(&mut tx, &format!("{}-{}", workload::RECEIPTS, n % 10), &n).await?;
+            }
+            tx.commit().await?;
+            let started = Instant::now();
+            let rows = outbox.drain(accept).await?.delivered;
+            let rows_per_second = rows as f64 / started.elapsed().as_secs_f64();
+            cells.push(RelayCell { batch, round, rows, rows_per_second });
+        }
+    }
+    Ok(cells)
 }
 
 /// Runs `concurrency` workers for the plan's duration and measures what they did.

@@ -7,7 +7,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use crate::workload::{Subject, Workload};
-use crate::{Cell, Plan};
+use crate::{Cell, Plan, RelayCell};
 
 /// Median and range over rounds.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -100,7 +100,7 @@ fn summarize(cells: &[Cell]) -> Vec<Row> {
             redis_per_request: median(&of, |c| c.redis_per_request),
             unexpected: of.iter().map(|c| c.unexpected).sum(),
             redis_fallbacks: of.iter().map(|c| c.redis_fallbacks).sum(),
-            vs_postgres_only: matches!(subject, Subject::TwoTier | Subject::TwoTierInTx)
+            vs_postgres_only: matches!(subject, Subject::TwoTier | Subject::TwoTierInTx | Subject::TwoTierInTxOutbox)
                 .then(|| ratios(&of, workload, Subject::PostgresOnly, concurrency))
                 .flatten(),
             vs_floor: floor_for(workload, subject).and_then(|floor| ratios(&of, None, floor, concurrency)),
@@ -219,13 +219,37 @@ fn plot(rows: &[Row], path: &Path) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-pub fn write(plan: &Plan, cells: &[Cell]) -> Result<(), Box<dyn std::error::Error>> {
+/// The relay's rows per second by batch size, over rounds.
+fn relay_summary(relay: &[RelayCell]) -> BTreeMap<u32, Spread> {
+    let mut by_batch: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
+    for cell in relay {
+        by_batch.entry(cell.batch).or_default().push(cell.rows_per_second);
+    }
+    by_batch.into_iter().filter_map(|(batch, values)| Some((batch, Spread::of(values)?))).collect()
+}
+
+fn relay_markdown(relay: &[RelayCell]) -> String {
+    let Some(backlog) = relay.first().map(|c| c.rows) else { return String::new() };
+    let mut md = format!(
+        "\nOutbox relay: one `Outbox::drain` over a backlog of {backlog} rows in 10 topics, a sink that accepts at \
+         once (medians over rounds, min–max).\n\n| batch | rows/s |\n|---:|---:|\n"
+    );
+    for (batch, rows_per_second) in relay_summary(relay) {
+        let _ = writeln!(md, "| {batch} | {} |", spread(&rows_per_second, 0));
+    }
+    md
+}
+
+pub fn write(plan: &Plan, cells: &[Cell], relay: &[RelayCell]) -> Result<(), Box<dyn std::error::Error>> {
     let rows = summarize(cells);
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&dir)?;
-    let json = serde_json::json!({ "plan": plan, "cells": cells, "summary": rows });
+    let relay_summary = relay_summary(relay);
+    let json = serde_json::json!({
+        "plan": plan, "cells": cells, "summary": rows, "relay": relay, "relay_summary": relay_summary,
+    });
     std::fs::write(dir.join("compare.json"), serde_json::to_vec_pretty(&json)?)?;
-    let table = markdown(plan, &rows);
+    let table = markdown(plan, &rows) + &relay_markdown(relay);
     std::fs::write(dir.join("compare.md"), &table)?;
     plot(&rows, &dir.join("compare.svg"))?;
     println!("{table}");

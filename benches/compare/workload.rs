@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use idemstore::{Begin, Fingerprint, IdempotencyKey, Lease, RunOutcome, Scope, Store};
+use idemstore::{Begin, Fingerprint, IdempotencyKey, Lease, Outbox, RunOutcome, Scope, Store, TxFuture};
 use redis::Script;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -32,6 +32,8 @@ pub enum Subject {
     PostgresOnly,
     /// Two-tier with `run_once_in_tx`: claim, work and completion in one commit (new keys only).
     TwoTierInTx,
+    /// As `TwoTierInTx`, the work also writing an outbox row (a receipt to send): the outbox's cost.
+    TwoTierInTxOutbox,
     /// A raw EVALSHA of a trivial script: the least a Redis-answered request can cost.
     EvalshaFloor,
     /// A raw `INSERT ... ON CONFLICT` + `UPDATE` pair: the least a durable claim and completion cost.
@@ -44,8 +46,30 @@ impl Subject {
             Subject::TwoTier => "two-tier",
             Subject::PostgresOnly => "postgres-only",
             Subject::TwoTierInTx => "two-tier in-tx",
+            Subject::TwoTierInTxOutbox => "two-tier in-tx + outbox",
             Subject::EvalshaFloor => "evalsha floor",
             Subject::SqlFloor => "sql floor",
+        }
+    }
+}
+
+/// How a library fixture sends new keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NewKeyPath {
+    /// `run_once`: the claim, the work and the completion commit one after the other.
+    Separate,
+    /// `run_once_in_tx`: one commit.
+    InTx,
+    /// `run_once_in_tx`, the work also enqueueing an outbox row.
+    InTxWithOutbox,
+}
+
+impl Subject {
+    pub fn new_key_path(self) -> NewKeyPath {
+        match self {
+            Subject::TwoTierInTx => NewKeyPath::InTx,
+            Subject::TwoTierInTxOutbox => NewKeyPath::InTxWithOutbox,
+            _ => NewKeyPath::Separate,
         }
     }
 }
@@ -60,8 +84,7 @@ pub enum Fixture {
         store: Store,
         pool: PgPool,
         workload: Workload,
-        /// New keys go through `run_once_in_tx`.
-        transactional: bool,
+        new_keys: NewKeyPath,
         scope: Scope,
         cell: String,
         next: AtomicU64,
@@ -95,7 +118,7 @@ impl Fixture {
         store: Store,
         pool: PgPool,
         workload: Workload,
-        transactional: bool,
+        new_keys: NewKeyPath,
         cell: String,
     ) -> Arc<Self> {
         let scope = Scope::new(cell.clone(), format!("{workload:?}")).expect("valid scope");
@@ -124,7 +147,7 @@ impl Fixture {
             store,
             pool,
             workload,
-            transactional,
+            new_keys,
             scope,
             cell,
             next: AtomicU64::new(0),
@@ -146,7 +169,7 @@ impl Fixture {
     /// Sends one request.
     pub async fn request(&self) -> Expected {
         match self {
-            Fixture::Library { store, pool, workload, transactional, scope, cell, next, completed, held } => {
+            Fixture::Library { store, pool, workload, new_keys, scope, cell, next, completed, held } => {
                 let n = next.fetch_add(1, Ordering::Relaxed);
                 let kind = match workload {
                     Workload::Mixed => match n % 100 {
@@ -164,11 +187,14 @@ impl Fixture {
                     Workload::Mismatch => (pick(completed), other_payload()),
                     _ => (held[(n % HELD) as usize].0.clone(), payload()),
                 };
-                let outcome = if *transactional && kind == Workload::New {
-                    let tenant = cell.clone();
-                    store.run_once_in_tx(scope, &key, &body, move |tx| work_in_tx(tx, tenant)).await
-                } else {
-                    store.run_once(scope, &key, &body, || work(pool, cell)).await
+                let outcome = match new_keys {
+                    NewKeyPath::Separate => store.run_once(scope, &key, &body, || work(pool, cell)).await,
+                    _ if kind != Workload::New => store.run_once(scope, &key, &body, || work(pool, cell)).await,
+                    NewKeyPath::InTx | NewKeyPath::InTxWithOutbox => {
+                        let (tenant, outbox) =
+                            (cell.clone(), (*new_keys == NewKeyPath::InTxWithOutbox).then(|| store.outbox()));
+                        store.run_once_in_tx(scope, &key, &body, move |tx| work_in_tx(tx, tenant, outbox)).await
+                    }
                 };
                 matches!(
                     (kind, outcome),
@@ -206,24 +232,28 @@ impl Fixture {
 }
 
 /// The side effect, the same in both modes: one small durable insert.
-async fn work(pool: &PgPool, tenant: &str) -> Result<Value, sqlx::Error> {
-    let id: i64 = sqlx::query_scalar("INSERT INTO bench_charges (tenant, amount) VALUES ($1, 1200) RETURNING id")
-        .bind(tenant)
-        .fetch_one(pool)
-        .await?;
+async fn work(pool: &PgPool, tenant: &str) -> Result<Value, WorkError> {
+    let id: i64 = sqlx::query_scalar(CHARGE).bind(tenant).fetch_one(pool).await?;
     Ok(json!({ "charge": id }))
 }
 
-/// The same insert, inside the claim's transaction.
-fn work_in_tx(tx: &mut sqlx::PgConnection, tenant: String) -> idemstore::TxFuture<'_, Value, sqlx::Error> {
+/// The same insert, inside the claim's transaction; with an outbox, its receipt too.
+fn work_in_tx(tx: &mut sqlx::PgConnection, tenant: String, outbox: Option<Outbox>) -> TxFuture<'_, Value, WorkError> {
     Box::pin(async move {
-        let id: i64 = sqlx::query_scalar("INSERT INTO bench_charges (tenant, amount) VALUES ($1, 1200) RETURNING id")
-            .bind(tenant)
-            .fetch_one(&mut *tx)
-            .await?;
+        let id: i64 = sqlx::query_scalar(CHARGE).bind(tenant).fetch_one(&mut *tx).await?;
+        if let Some(outbox) = outbox {
+            outbox.enqueue(tx, RECEIPTS, &json!({ "charge": id })).await?;
+        }
         Ok(json!({ "charge": id }))
     })
 }
+
+type WorkError = Box<dyn std::error::Error + Send + Sync>;
+
+const CHARGE: &str = "INSERT INTO bench_charges (tenant, amount) VALUES ($1, 1200) RETURNING id";
+
+/// The outbox topic of the receipts that `TwoTierInTxOutbox` writes.
+pub const RECEIPTS: &str = "receipts";
 
 pub const SCHEMA: &str = "
     CREATE TABLE IF NOT EXISTS bench_charges (id BIGSERIAL PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL);
