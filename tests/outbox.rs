@@ -1,15 +1,17 @@
-//! The transactional outbox against real Postgres (and Redis in front of `run_once_in_tx`), in both modes.
-//! The relay killed mid-batch is a fault test: `tests/faults.rs`.
+//! The transactional outbox against real Postgres (and Redis in front of `run_once_in_tx`), in both modes,
+//! including its faults: a relay process killed mid-batch, Postgres crashing under a relay.
 
 #[macro_use]
 mod support;
 
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idemstore::{InputError, Message, Mode, Outbox, StoreError};
+use idemstore::{InputError, LeaseExpiry, Message, Mode, Outbox, Scope, StoreError};
 use serde_json::{Value, json};
-use support::{Harness, key};
+use support::{Harness, Servers, attach_to_parent, child, key, short_lease};
 use tokio::sync::Semaphore;
 
 suite!(
@@ -18,6 +20,8 @@ suite!(
     failing_sink_backs_off_then_delivers_in_order,
     bad_enqueue_input_gets_typed_errors,
     drain_ends_while_producers_keep_writing,
+    relay_killed_mid_batch_redelivers_with_the_same_key,
+    postgres_crash_mid_drain_loses_no_row,
 );
 
 /// What a sink saw: (relay, row id, topic, attempt, idempotency key), in delivery order.
@@ -246,4 +250,140 @@ async fn drain_ends_while_producers_keep_writing(mode: Mode) {
     assert_eq!(drained.delivered, 8);
     let backlog = outbox.backlog().await.expect("backlog");
     assert_eq!(backlog.iter().map(|t| t.pending).sum::<u64>(), 8, "the rows written meanwhile wait");
+}
+
+/// An outbox relay process SIGKILLed mid-batch, after its sink accepted 3 of 10 rows: nothing was
+/// recorded, so the next relay delivers all 10, the first 3 again with the same idempotency key, and a
+/// downstream that deduplicates on that key (here `run_once`) applies each row once.
+async fn relay_killed_mid_batch_redelivers_with_the_same_key(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
+    let outbox = outbox_with_receipts(&h).await;
+    let mut child = child(&h, "child_relay").stdout(Stdio::piped()).spawn().expect("spawn the relay process");
+    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    for line in lines {
+        if line.expect("child stdout").contains("RELAY MID BATCH") {
+            break;
+        }
+    }
+    child.kill().expect("SIGKILL the relay");
+    child.wait().expect("reap the relay");
+    // The killed relay's batch stays locked until Postgres notices the closed connection: wait on its
+    // locks (a signal) rather than for a while.
+    let mut wait = h.pool.begin().await.expect("begin");
+    let still_there: Vec<i64> = sqlx::query_scalar("SELECT id FROM idempotency_outbox ORDER BY id FOR UPDATE")
+        .fetch_all(&mut *wait)
+        .await
+        .expect("wait for the killed relay's locks");
+    wait.rollback().await.expect("rollback");
+    assert_eq!(still_there.len(), 10, "the killed batch recorded nothing");
+
+    let drained = outbox.drain(|m| downstream(&h, m)).await.expect("drain");
+    assert_eq!((drained.delivered, drained.failed), (10, 0));
+    assert_delivered_once_downstream(&h, 3).await;
+}
+
+/// Postgres crashes while a relay is mid-batch, after the downstream applied 3 rows: the drain fails
+/// closed with a transient error and records nothing; after the restart every row is delivered (the
+/// first 3 again, same keys) and applied once downstream.
+async fn postgres_crash_mid_drain_loses_no_row(mode: Mode) {
+    let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Owned).await;
+    let outbox = outbox_with_receipts(&h).await;
+    let postgres = h.postgres.as_ref().expect("owned");
+    let mut delivered = 0;
+    let crashed = outbox
+        .drain(|m| {
+            delivered += 1;
+            let crash = delivered == 3;
+            let h = &h;
+            async move {
+                let applied = downstream(h, m).await;
+                if crash {
+                    postgres.stop().expect("crash Postgres");
+                }
+                applied
+            }
+        })
+        .await;
+    assert!(crashed.as_ref().is_err_and(StoreError::is_transient), "fails closed: {crashed:?}");
+    postgres.restart().expect("restart Postgres");
+
+    let drained = outbox.drain(|m| downstream(&h, m)).await.expect("drain after the restart");
+    assert_eq!((drained.delivered, drained.failed), (10, 0));
+    assert_delivered_once_downstream(&h, 3).await;
+}
+
+/// The deliveries log, and 10 committed rows on the topic `receipts`.
+async fn outbox_with_receipts(h: &Harness) -> idemstore::Outbox {
+    sqlx::query("CREATE TABLE deliveries (row_id BIGINT NOT NULL, key TEXT NOT NULL, attempt INT NOT NULL)")
+        .execute(&h.pool)
+        .await
+        .expect("create the deliveries table");
+    let outbox = h.store.outbox();
+    let mut tx = h.pool.begin().await.expect("begin");
+    for n in 0..10 {
+        outbox.enqueue(&mut tx, "receipts", &json!({"n": n})).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+    outbox
+}
+
+/// Every row reached the downstream with its own key (the first `redelivered` rows twice, the rest
+/// once), was applied there once, and left the outbox.
+async fn assert_delivered_once_downstream(h: &Harness, redelivered: usize) {
+    let deliveries: Vec<(i64, String, i32)> =
+        sqlx::query_as("SELECT row_id, key, attempt FROM deliveries ORDER BY row_id, attempt")
+            .fetch_all(&h.pool)
+            .await
+            .expect("deliveries");
+    let mut ids: Vec<i64> = deliveries.iter().map(|d| d.0).collect();
+    ids.dedup();
+    assert_eq!(ids.len(), 10, "{deliveries:?}");
+    for (n, id) in ids.iter().enumerate() {
+        let seen: Vec<_> = deliveries.iter().filter(|d| d.0 == *id).collect();
+        assert_eq!(seen.len(), if n < redelivered { 2 } else { 1 }, "row {id}: {deliveries:?}");
+        assert!(seen.iter().all(|d| d.1 == format!("outbox-{id}") && d.2 == 1), "same key, same attempt: {seen:?}");
+        assert_eq!(h.effects("acme", &key(&format!("outbox-{id}"))).await, 1, "applied once downstream");
+    }
+    assert!(h.store.outbox().backlog().await.expect("backlog").is_empty());
+}
+
+/// The downstream of the outbox tests: logs the delivery, then applies it once per idempotency key.
+async fn downstream(h: &Harness, message: idemstore::Message) -> Result<(), String> {
+    let k = message.idempotency_key();
+    sqlx::query("INSERT INTO deliveries (row_id, key, attempt) VALUES ($1, $2, $3)")
+        .bind(message.id)
+        .bind(k.as_str())
+        .bind(i32::try_from(message.attempt).unwrap_or(i32::MAX))
+        .execute(&h.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+    let scope = Scope::new("acme", h.operation.clone()).expect("scope");
+    let payload: serde_json::Value = message.decode().map_err(|e| e.to_string())?;
+    let applied = h.store.run_once(&scope, &k, &payload, || h.charge("acme", &k)).await;
+    applied.map(drop).map_err(|e| e.to_string())
+}
+
+/// Child process of `relay_killed_mid_batch_redelivers_with_the_same_key`: delivers 3 rows of its
+/// batch downstream, announces it, and hangs (inside the 4th delivery) until killed.
+#[tokio::test]
+#[ignore = "run as a child process by the fault tests"]
+async fn child_relay() {
+    let Some(h) = attach_to_parent().await else { return };
+    let mut delivered = 0;
+    let _ = h
+        .store
+        .outbox()
+        .drain(|m| {
+            delivered += 1;
+            let hang = delivered > 3;
+            let h = &h;
+            async move {
+                if hang {
+                    println!("RELAY MID BATCH");
+                    std::future::pending::<()>().await;
+                }
+                downstream(h, m).await
+            }
+        })
+        .await;
 }

@@ -5,12 +5,13 @@
 
 pub mod chaos;
 
+use std::process::Command;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idemstore::testkit::{PostgresServer, Proxy, RedisServer};
-use idemstore::{IdempotencyKey, Mode, Policy, Scope, Store};
+use idemstore::{IdempotencyKey, LeaseExpiry, Mode, Policy, Scope, Store};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -288,4 +289,38 @@ pub fn recorder() -> &'static PrometheusHandle {
         idemstore::telemetry::describe();
         handle
     })
+}
+
+/// Short leases, so that markers orphaned by a fault expire within the test.
+pub fn short_lease(expiry: LeaseExpiry) -> Policy {
+    Policy::builder()
+        .lease(Duration::from_secs(2))
+        .redis_ttl(Duration::from_secs(600))
+        .lease_expiry(expiry)
+        .build()
+        .expect("policy")
+}
+
+/// This test binary, run again as a child process that joins this test's servers.
+pub fn child(h: &Harness, entry: &str) -> Command {
+    let mut command = Command::new(std::env::current_exe().expect("test binary"));
+    command
+        .args(["--exact", entry, "--ignored", "--nocapture"])
+        .env("IDEMSTORE_CHILD_DATABASE_URL", &h.database_url)
+        .env("IDEMSTORE_CHILD_ID", h.id())
+        .env("IDEMSTORE_CHILD_MODE", format!("{:?}", h.mode));
+    if let Some(url) = &h.redis_url {
+        command.env("IDEMSTORE_CHILD_REDIS_URL", url);
+    }
+    command
+}
+
+/// In a child process: the harness of the parent test, or `None` when run on its own.
+pub async fn attach_to_parent() -> Option<Harness> {
+    let database_url = std::env::var("IDEMSTORE_CHILD_DATABASE_URL").ok()?;
+    let id = std::env::var("IDEMSTORE_CHILD_ID").ok()?;
+    let mode =
+        if std::env::var("IDEMSTORE_CHILD_MODE").ok()? == "TwoTier" { Mode::TwoTier } else { Mode::PostgresOnly };
+    let redis_url = std::env::var("IDEMSTORE_CHILD_REDIS_URL").ok();
+    Some(Harness::attach(mode, short_lease(LeaseExpiry::TakeOver), database_url, redis_url, &id).await)
 }
