@@ -177,6 +177,8 @@ async fn failing_sink_backs_off_then_delivers_in_order(mode: Mode) {
     assert_eq!((flaky_backlog.pending, flaky_backlog.head_attempts), (2, 1));
     assert_eq!(flaky_backlog.head_error.as_deref(), Some("downstream unavailable"));
     assert!(flaky_backlog.retry_in <= Duration::from_millis(500), "{flaky_backlog:?}");
+    assert_eq!(support::total("idemstore_outbox_pending_rows"), 3.0, "the gauges follow the backlog");
+    assert!(support::total("idemstore_outbox_oldest_pending_age_seconds") > 0.0);
     let silent_backlog = backlog.iter().find(|t| t.topic == silent).expect("silent pending");
     assert!(silent_backlog.head_error.as_deref().is_some_and(|e| e.contains("no answer")), "{silent_backlog:?}");
 
@@ -199,6 +201,8 @@ async fn failing_sink_backs_off_then_delivers_in_order(mode: Mode) {
     assert_eq!(support::labelled("idemstore_outbox_deliveries_total", &[("topic", &flaky)]), 2.0);
     assert_eq!(support::labelled("idemstore_outbox_failures_total", &[("topic", &silent)]), 1.0);
     assert!(outbox.backlog().await.expect("backlog").is_empty(), "silent delivered on its second attempt");
+    assert_eq!(support::total("idemstore_outbox_pending_rows"), 0.0);
+    assert_eq!(support::total("idemstore_outbox_oldest_pending_age_seconds"), 0.0);
 }
 
 /// Bad topics and payloads are refused with typed errors, and the transaction stays usable.
