@@ -7,8 +7,8 @@
 //! and depth, so hostile input gets an [`InputError`], never a stack overflow, and objects that repeat a
 //! member are refused because two parsers may disagree about which copy counts.
 
+use std::borrow::Cow;
 use std::cell::Cell;
-use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -146,23 +146,28 @@ impl FingerprintOptions {
     }
 }
 
-/// A JSON value in canonical order. Numbers are kept as their canonical text.
+/// A parsed JSON value, borrowing its strings from the body where no escape forced a copy. Objects keep
+/// their members sorted by name (byte order) once parsed.
 #[derive(Debug, PartialEq)]
-enum Canon {
+enum Canon<'a> {
     Null,
     Bool(bool),
-    Number(String),
-    String(String),
-    Array(Vec<Canon>),
-    Object(BTreeMap<String, Canon>),
+    Int(i64),
+    UInt(u64),
+    Float(f64),
+    String(Cow<'a, str>),
+    Array(Vec<Canon<'a>>),
+    Object(Vec<(Cow<'a, str>, Canon<'a>)>),
 }
 
-impl Canon {
+impl Canon<'_> {
     fn write(&self, out: &mut Vec<u8>) {
         match self {
             Canon::Null => out.extend_from_slice(b"null"),
             Canon::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
-            Canon::Number(n) => out.extend_from_slice(n.as_bytes()),
+            Canon::Int(n) => write_display(n, out),
+            Canon::UInt(n) => write_display(n, out),
+            Canon::Float(v) => write_float(*v, out),
             Canon::String(s) => write_string(s, out),
             Canon::Array(items) => {
                 out.push(b'[');
@@ -190,28 +195,43 @@ impl Canon {
     }
 }
 
+fn write_display(value: &impl fmt::Display, out: &mut Vec<u8>) {
+    use std::io::Write as _;
+    // Writing into a Vec cannot fail.
+    let _ = write!(out, "{value}");
+}
+
+/// Copies runs of bytes that need no escape at once; escapes `"`, `\` and control characters.
 fn write_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
-    for c in s.chars() {
-        match c {
-            '"' => out.extend_from_slice(b"\\\""),
-            '\\' => out.extend_from_slice(b"\\\\"),
-            c if (c as u32) < 0x20 => out.extend_from_slice(format!("\\u{:04x}", c as u32).as_bytes()),
-            c => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
-        }
+    let bytes = s.as_bytes();
+    let mut run = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escaped: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0..0x20 => &[b'\\', b'u', b'0', b'0', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]],
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[run..i]);
+        out.extend_from_slice(escaped);
+        run = i + 1;
     }
+    out.extend_from_slice(&bytes[run..]);
     out.push(b'"');
 }
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// One spelling per numeric value: integers (and floats holding an integer below 2^53) as plain
 /// integers, other floats in Rust's shortest round-trip form. Integers beyond 64 bits are compared as
 /// IEEE-754 doubles, as RFC 8785 does.
-fn canonical_float(v: f64) -> String {
+fn write_float(v: f64, out: &mut Vec<u8>) {
     const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
-    if v.fract() == 0.0 && v.abs() < EXACT { format!("{}", v as i64) } else { format!("{v}") }
+    if v.fract() == 0.0 && v.abs() < EXACT { write_display(&(v as i64), out) } else { write_display(&v, out) }
 }
 
-fn parse(body: &[u8], max_depth: usize) -> Result<Canon, InputError> {
+fn parse(body: &[u8], max_depth: usize) -> Result<Canon<'_>, InputError> {
     let refusal = Cell::new(None);
     let seed = CanonSeed { depth: 0, max_depth, refusal: &refusal };
     let mut de = serde_json::Deserializer::from_slice(body);
@@ -221,10 +241,10 @@ fn parse(body: &[u8], max_depth: usize) -> Result<Canon, InputError> {
 
 /// Builds a [`Canon`] while parsing, enforcing the depth limit and refusing repeated members. A refusal
 /// is kept in `refusal` so that it reaches the caller typed, not as serde's message.
-struct CanonSeed<'a> {
+struct CanonSeed<'r> {
     depth: usize,
     max_depth: usize,
-    refusal: &'a Cell<Option<InputError>>,
+    refusal: &'r Cell<Option<InputError>>,
 }
 
 impl CanonSeed<'_> {
@@ -235,6 +255,10 @@ impl CanonSeed<'_> {
         Ok(CanonSeed { depth: self.depth + 1, max_depth: self.max_depth, refusal: self.refusal })
     }
 
+    fn nested_copy(&self) -> Self {
+        CanonSeed { depth: self.depth, max_depth: self.max_depth, refusal: self.refusal }
+    }
+
     fn refuse<E: de::Error>(&self, error: InputError) -> E {
         self.refusal.set(Some(error));
         E::custom("payload refused")
@@ -242,49 +266,53 @@ impl CanonSeed<'_> {
 }
 
 impl<'de> DeserializeSeed<'de> for CanonSeed<'_> {
-    type Value = Canon;
+    type Value = Canon<'de>;
 
-    fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Canon, D::Error> {
+    fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Canon<'de>, D::Error> {
         deserializer.deserialize_any(self)
     }
 }
 
 impl<'de> Visitor<'de> for CanonSeed<'_> {
-    type Value = Canon;
+    type Value = Canon<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_unit<E>(self) -> Result<Canon, E> {
+    fn visit_unit<E>(self) -> Result<Canon<'de>, E> {
         Ok(Canon::Null)
     }
 
-    fn visit_bool<E>(self, v: bool) -> Result<Canon, E> {
+    fn visit_bool<E>(self, v: bool) -> Result<Canon<'de>, E> {
         Ok(Canon::Bool(v))
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<Canon, E> {
-        Ok(Canon::Number(v.to_string()))
+    fn visit_u64<E>(self, v: u64) -> Result<Canon<'de>, E> {
+        Ok(Canon::UInt(v))
     }
 
-    fn visit_i64<E>(self, v: i64) -> Result<Canon, E> {
-        Ok(Canon::Number(v.to_string()))
+    fn visit_i64<E>(self, v: i64) -> Result<Canon<'de>, E> {
+        Ok(Canon::Int(v))
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<Canon, E> {
-        Ok(Canon::Number(canonical_float(v)))
+    fn visit_f64<E>(self, v: f64) -> Result<Canon<'de>, E> {
+        Ok(Canon::Float(v))
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<Canon, E> {
-        Ok(Canon::String(v.to_owned()))
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Canon<'de>, E> {
+        Ok(Canon::String(Cow::Borrowed(v)))
     }
 
-    fn visit_string<E>(self, v: String) -> Result<Canon, E> {
-        Ok(Canon::String(v))
+    fn visit_str<E>(self, v: &str) -> Result<Canon<'de>, E> {
+        Ok(Canon::String(Cow::Owned(v.to_owned())))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Canon, A::Error> {
+    fn visit_string<E>(self, v: String) -> Result<Canon<'de>, E> {
+        Ok(Canon::String(Cow::Owned(v)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Canon<'de>, A::Error> {
         let inner = self.nested()?;
         let mut items = Vec::new();
         while let Some(item) = seq.next_element_seed(inner.nested_copy())? {
@@ -293,23 +321,49 @@ impl<'de> Visitor<'de> for CanonSeed<'_> {
         Ok(Canon::Array(items))
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Canon, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Canon<'de>, A::Error> {
         let inner = self.nested()?;
-        let mut members = BTreeMap::new();
-        while let Some(name) = map.next_key::<String>()? {
-            let value = map.next_value_seed(inner.nested_copy())?;
-            if members.contains_key(&name) {
-                return Err(self.refuse(InputError::DuplicateMember { name }));
-            }
-            members.insert(name, value);
+        let mut members = Vec::new();
+        while let Some(name) = map.next_key_seed(MemberName)? {
+            members.push((name, map.next_value_seed(inner.nested_copy())?));
+        }
+        // Byte order, as `str` compares; a repeated name ends up next to itself.
+        members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        if let Some(pair) = members.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+            return Err(self.refuse(InputError::DuplicateMember { name: pair[0].0.clone().into_owned() }));
         }
         Ok(Canon::Object(members))
     }
 }
 
-impl CanonSeed<'_> {
-    fn nested_copy(&self) -> Self {
-        CanonSeed { depth: self.depth, max_depth: self.max_depth, refusal: self.refusal }
+/// An object member's name, borrowed from the body unless it holds an escape.
+struct MemberName;
+
+impl<'de> DeserializeSeed<'de> for MemberName {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Cow<'de, str>, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MemberName {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Borrowed(v))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Owned(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Owned(v))
     }
 }
 
@@ -333,7 +387,7 @@ impl JsonPointer {
         let mut node = root;
         for token in parents {
             let next = match node {
-                Canon::Object(members) => members.get_mut(token),
+                Canon::Object(members) => member(members, token).map(|i| &mut members[i].1),
                 Canon::Array(items) => token.parse::<usize>().ok().and_then(|i| items.get_mut(i)),
                 _ => None,
             };
@@ -344,7 +398,9 @@ impl JsonPointer {
         }
         match node {
             Canon::Object(members) => {
-                members.remove(last);
+                if let Some(i) = member(members, last) {
+                    members.remove(i);
+                }
             }
             Canon::Array(items) => {
                 if let Some(item) = last.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
@@ -354,6 +410,11 @@ impl JsonPointer {
             _ => {}
         }
     }
+}
+
+/// The index of the member `name` in a sorted object.
+fn member(members: &[(Cow<'_, str>, Canon<'_>)], name: &str) -> Option<usize> {
+    members.binary_search_by(|(candidate, _)| candidate.as_ref().cmp(name)).ok()
 }
 
 #[cfg(test)]
@@ -519,7 +580,9 @@ mod tests {
             let mut canonical = Vec::new();
             parse(&compact, 64).expect("valid").write(&mut canonical);
             let reparsed: serde_json::Value = serde_json::from_slice(&canonical).expect("canonical form is JSON");
-            prop_assert_eq!(parse(&canonical, 64).ok(), parse(&serde_json::to_vec(&reparsed).expect("ser"), 64).ok());
+            let mut again = Vec::new();
+            parse(&serde_json::to_vec(&reparsed).expect("ser"), 64).expect("valid").write(&mut again);
+            prop_assert_eq!(canonical, again);
         }
 
         /// Two payloads share a fingerprint exactly when their canonical values are equal.
