@@ -8,11 +8,13 @@
 //! transaction commits: rows of one producer (or of one transaction) go out in the order they were
 //! enqueued, while the order between transactions that commit concurrently is not defined.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Display;
 use std::future::Future;
 use std::time::Duration;
 
+use futures_util::StreamExt as _;
+use futures_util::stream::FuturesUnordered;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::Row as _;
@@ -95,7 +97,17 @@ pub struct Outbox {
     batch_size: u32,
     backoff: (Duration, Duration),
     delivery_timeout: Duration,
+    concurrency: usize,
     max_payload: usize,
+}
+
+/// What a batch's deliveries came to, shaped as `SETTLE`'s arguments.
+#[derive(Default)]
+struct Settlement {
+    delivered: Vec<i64>,
+    failed: Vec<i64>,
+    errors: Vec<String>,
+    delays_ms: Vec<f64>,
 }
 
 /// One row handed to the sink.
@@ -182,6 +194,7 @@ impl Store {
             batch_size: 100,
             backoff: (Duration::from_secs(1), Duration::from_secs(300)),
             delivery_timeout: Duration::from_secs(30),
+            concurrency: 1,
             max_payload: 1 << 20,
         }
     }
@@ -212,6 +225,14 @@ impl Outbox {
     /// locked meanwhile.
     pub fn with_delivery_timeout(mut self, timeout: Duration) -> Self {
         self.delivery_timeout = timeout;
+        self
+    }
+
+    /// Most topics whose rows are with the sink at once (default 1, at least 1): a slow downstream then
+    /// holds back one topic, not the whole batch. The rows of one topic are always delivered one after
+    /// the other, in order.
+    pub fn with_concurrency(mut self, topics: usize) -> Self {
+        self.concurrency = topics.max(1);
         self
     }
 
@@ -294,38 +315,81 @@ impl Outbox {
             return Ok((Drained::default(), false));
         }
         let full = rows.len() == self.batch_size as usize;
-        let mut delivered = Vec::new();
-        let (mut failed_ids, mut errors, mut delays) = (Vec::new(), Vec::new(), Vec::new());
-        let mut held_back = HashSet::new();
-        for row in &rows {
-            let message = Message::from_row(row)
-                .map_err(|source| StoreError::StoreUnavailable { step: "outbox lock", source })?;
-            if held_back.contains(&message.topic) {
-                continue;
-            }
-            let (id, attempt, topic) = (message.id, message.attempt, message.topic.clone());
-            let error = match tokio::time::timeout(self.delivery_timeout, sink(message)).await {
-                Ok(Ok(())) => {
-                    telemetry::outbox_delivery(&topic);
-                    delivered.push(id);
-                    continue;
-                }
-                Ok(Err(error)) => error.to_string(),
-                Err(_) => format!("no answer within {:?}", self.delivery_timeout),
-            };
-            tracing::warn!(id, topic, attempt, error, "outbox delivery failed");
-            telemetry::outbox_failure(&topic);
-            failed_ids.push(id);
-            errors.push(error);
-            delays.push(millis(self.backoff_after(attempt)) as f64);
-            held_back.insert(topic);
-        }
+        let messages = rows.iter().map(Message::from_row).collect::<Result<Vec<_>, _>>();
+        let messages = messages.map_err(|source| StoreError::StoreUnavailable { step: "outbox lock", source })?;
+        let settlement = self.deliver(sink, messages).await;
         telemetry::postgres_statement("outbox_settle");
-        let drained = Drained { delivered: delivered.len() as u64, failed: failed_ids.len() as u64 };
-        let settle = sqlx::query(SETTLE).bind(delivered).bind(failed_ids).bind(errors).bind(delays);
+        let drained = Drained { delivered: settlement.delivered.len() as u64, failed: settlement.failed.len() as u64 };
+        let settle = sqlx::query(SETTLE)
+            .bind(settlement.delivered)
+            .bind(settlement.failed)
+            .bind(settlement.errors)
+            .bind(settlement.delays_ms);
         store.bounded("outbox settle", settle.execute(&mut *tx)).await?;
         store.bounded("outbox settle", tx.commit()).await?;
         Ok((drained, full))
+    }
+
+    /// Hands a batch to the sink: each topic's rows one after the other in id order, up to
+    /// `concurrency` topics side by side. A failed row holds the rest of its topic back.
+    async fn deliver<F, Fut, E>(&self, sink: &mut F, messages: Vec<Message>) -> Settlement
+    where
+        F: FnMut(Message) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: Display,
+    {
+        let mut topics: Vec<VecDeque<Message>> = Vec::new();
+        let mut index = HashMap::new();
+        for message in messages {
+            let topic = *index.entry(message.topic.clone()).or_insert_with(|| {
+                topics.push(VecDeque::new());
+                topics.len() - 1
+            });
+            topics[topic].push_back(message);
+        }
+        let timeout = self.delivery_timeout;
+        let mut send = |topic: usize, message: Message| {
+            let (id, attempt, name) = (message.id, message.attempt, message.topic.clone());
+            let delivery = tokio::time::timeout(timeout, sink(message));
+            async move { (topic, id, attempt, name, delivery.await) }
+        };
+        let mut in_flight = FuturesUnordered::new();
+        let mut not_started = 0..topics.len();
+        for topic in not_started.by_ref().take(self.concurrency) {
+            if let Some(message) = topics[topic].pop_front() {
+                in_flight.push(send(topic, message));
+            }
+        }
+        let mut settlement = Settlement::default();
+        while let Some((topic, id, attempt, name, answer)) = in_flight.next().await {
+            let error = match answer {
+                Ok(Ok(())) => None,
+                Ok(Err(error)) => Some(error.to_string()),
+                Err(_) => Some(format!("no answer within {timeout:?}")),
+            };
+            match error {
+                None => {
+                    telemetry::outbox_delivery(&name);
+                    settlement.delivered.push(id);
+                }
+                Some(error) => {
+                    tracing::warn!(id, topic = name, attempt, error, "outbox delivery failed");
+                    telemetry::outbox_failure(&name);
+                    settlement.failed.push(id);
+                    settlement.errors.push(error);
+                    settlement.delays_ms.push(millis(self.backoff_after(attempt)) as f64);
+                    topics[topic].clear();
+                }
+            }
+            let next = topics[topic]
+                .pop_front()
+                .map(|message| (topic, message))
+                .or_else(|| not_started.by_ref().find_map(|t| topics[t].pop_front().map(|message| (t, message))));
+            if let Some((topic, message)) = next {
+                in_flight.push(send(topic, message));
+            }
+        }
+        settlement
     }
 
     /// The wait before the next delivery of a row whose `attempt`-th delivery failed.

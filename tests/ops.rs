@@ -254,7 +254,7 @@ async fn idemctl_commands(mode: Mode) {
     assert_eq!((code, &status["topics"][1]["topic"], &status["topics"][1]["pending"]), (0, &json!("mail"), &json!(2)));
     let sent = std::env::temp_dir().join(format!("idemctl-outbox-{}.log", h.prefix));
     let exec = format!("(cat; printf ' %s %s\\n' \"$IDEMPOTENCY_KEY\" \"$OUTBOX_TOPIC\") >> '{}'", sent.display());
-    let (code, drained) = idemctl(&h, &["outbox", "drain", "--topic", "mail", "--exec", &exec]);
+    let (code, drained) = idemctl(&h, &["outbox", "drain", "--topic", "mail", "--concurrency", "2", "--exec", &exec]);
     assert_eq!((code, drained), (0, json!({ "delivered": 2, "failed": 0 })));
     let log = std::fs::read_to_string(&sent).expect("the delivery command ran");
     let _ = std::fs::remove_file(&sent);

@@ -6,6 +6,7 @@ mod support;
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ suite!(
     failing_sink_backs_off_then_delivers_in_order,
     bad_enqueue_input_gets_typed_errors,
     drain_ends_while_producers_keep_writing,
+    topics_are_delivered_side_by_side,
     relay_killed_mid_batch_redelivers_with_the_same_key,
     postgres_crash_mid_drain_loses_no_row,
 );
@@ -254,6 +256,48 @@ async fn drain_ends_while_producers_keep_writing(mode: Mode) {
     assert_eq!(drained.delivered, 8);
     let backlog = outbox.backlog().await.expect("backlog");
     assert_eq!(backlog.iter().map(|t| t.pending).sum::<u64>(), 8, "the rows written meanwhile wait");
+}
+
+/// With a concurrency of 2, a row waiting on its downstream holds back its own topic only: the first
+/// row of `slow` completes only once the other topic's first row has been delivered (it would time out
+/// if topics went one at a time); never more than 2 rows are with the sink, and each topic keeps its order.
+async fn topics_are_delivered_side_by_side(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let outbox = h.store.outbox().with_concurrency(2).with_delivery_timeout(Duration::from_secs(10));
+    let (slow, quick, third) = (format!("slow-{}", h.id()), format!("quick-{}", h.id()), format!("third-{}", h.id()));
+    for n in 0..3 {
+        for topic in [&slow, &quick, &third] {
+            enqueue_committed(&outbox, &h, topic, json!({ "n": n })).await;
+        }
+    }
+    let (quick_started, log) = (Arc::new(tokio::sync::Notify::new()), Log::default());
+    let (in_flight, most_in_flight) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut record = logging_sink(&log, 0);
+    let sink = |m: Message| {
+        let (quick_started, in_flight, most_in_flight) =
+            (Arc::clone(&quick_started), Arc::clone(&in_flight), Arc::clone(&most_in_flight));
+        let (wait, signal) = (m.topic == slow && m.attempt == 1, m.topic == quick);
+        let logged = record(m);
+        async move {
+            most_in_flight.fetch_max(in_flight.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+            if signal {
+                quick_started.notify_one();
+            }
+            if wait {
+                quick_started.notified().await;
+            }
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            logged.await
+        }
+    };
+    let drained = outbox.drain(sink).await.expect("drain");
+    assert_eq!((drained.delivered, drained.failed), (9, 0), "the slow row did not time out");
+    assert_eq!(most_in_flight.load(Ordering::SeqCst), 2);
+    let log = log.lock().expect("log").clone();
+    for topic in [&slow, &quick, &third] {
+        let order: Vec<i64> = log.iter().filter(|entry| &entry.2 == topic).map(|entry| entry.1).collect();
+        assert!(order.len() == 3 && order.windows(2).all(|w| w[0] < w[1]), "{topic}: {order:?}");
+    }
 }
 
 /// An outbox relay process SIGKILLed mid-batch, after its sink accepted 3 of 10 rows: nothing was

@@ -9,7 +9,7 @@
 //! idemctl stats [--window 1h]
 //! idemctl evict <tenant> <operation> <key>
 //! idemctl outbox status
-//! idemctl outbox drain --exec '<shell command>' [--topic T]... [--batch N] [--timeout 30s]
+//! idemctl outbox drain --exec '<shell command>' [--topic T]... [--batch N] [--concurrency N] [--timeout 30s]
 //! idemctl outbox retry <topic>
 //! idemctl outbox discard <id>
 //! ```
@@ -116,6 +116,9 @@ enum OutboxCommand {
         /// Rows per transaction.
         #[arg(long, default_value_t = 100)]
         batch: u32,
+        /// Topics delivered side by side (each topic's rows stay in order).
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
         /// Longest a delivery may take before it counts as failed (e.g. 30s, 2m).
         #[arg(long, default_value = "30s", value_parser = parse_duration)]
         timeout: Duration,
@@ -290,8 +293,9 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
             }
             None => Output { json: json!({ "discarded": false }), text: format!("no undelivered row {id}") },
         },
-        Command::Outbox(OutboxCommand::Drain { exec, topic, batch, timeout }) => {
-            let mut outbox = store.outbox().with_batch_size(*batch).with_delivery_timeout(*timeout);
+        Command::Outbox(OutboxCommand::Drain { exec, topic, batch, concurrency, timeout }) => {
+            let outbox = store.outbox().with_batch_size(*batch).with_concurrency(*concurrency);
+            let mut outbox = outbox.with_delivery_timeout(*timeout);
             if !topic.is_empty() {
                 outbox = outbox.with_topics(topic.clone());
             }
