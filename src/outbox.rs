@@ -31,9 +31,10 @@ const ENQUEUE: &str = "INSERT INTO idempotency_outbox (topic, payload) VALUES ($
 /// The newest row when a drain starts: it delivers nothing newer, so it ends even while producers write.
 const HORIZON: &str = "SELECT COALESCE(max(id), 0) FROM idempotency_outbox";
 
-/// One batch, locked for this relay's transaction, of rows up to the drain's horizon (`$3`). A topic's head (its oldest row) is the topic's lock:
-/// relays skip heads that another relay holds, and take the rows behind a head only with it, so no two
-/// relays deliver one topic at once and its rows go out in id order. Topics are found by a loose index
+/// One batch, locked for this relay's transaction, of rows up to the drain's horizon (`$3`). A topic's
+/// head (its oldest row) is the topic's lock: relays skip heads that another relay holds, and take the
+/// rows behind a head only with it, so no two relays deliver one topic at once and its rows go out in id
+/// order. Topics are found by a loose index
 /// scan (one probe per topic), so a long backlog in one topic costs no scan. A head that is backing off
 /// holds its whole topic back: order before progress.
 const LOCK_BATCH: &str = "
@@ -49,7 +50,7 @@ const LOCK_BATCH: &str = "
         SELECT o.topic FROM idempotency_outbox o
         WHERE o.id IN (SELECT (SELECT h.id FROM idempotency_outbox h WHERE h.topic = t.topic ORDER BY h.id LIMIT 1)
                        FROM topics t WHERE t.topic IS NOT NULL)
-          AND o.next_attempt_at <= now()
+          AND o.next_attempt_at <= now() AND o.id <= $3
         ORDER BY o.id
         LIMIT $1
         FOR UPDATE SKIP LOCKED
@@ -266,10 +267,10 @@ impl Outbox {
     }
 
     /// Delivers the rows that are due to `sink`, topic by topic in id order, one batch per transaction,
-    /// until it has caught up with the rows that existed when it started; returns the counts. Rows the sink refuses (an `Err`, or no answer
-    /// within the delivery timeout) back off and hold their topic back. Several relays may drain at
-    /// once, in one process or many. The application schedules it (a loop with a pause, a cron job, or
-    /// `idemctl outbox drain`).
+    /// until it has caught up with the rows that existed when it started; returns the counts. Rows the
+    /// sink refuses (an `Err`, or no answer within the delivery timeout) back off and hold their topic
+    /// back. Several relays may drain at once, in one process or many. The application schedules it (a
+    /// loop with a pause, a cron job, or `idemctl outbox drain`).
     ///
     /// Delivery is at least once: a relay that dies, or whose commit fails, after the sink accepted a
     /// row delivers that row again, with the same [`Message::idempotency_key`].
