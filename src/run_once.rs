@@ -258,15 +258,14 @@ impl Store {
     {
         let policy = self.policy(scope.operation());
         let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
-        let unavailable = |step| move |source| StoreError::StoreUnavailable { step, source };
-        let mut tx = self.pg_pool().begin().await.map_err(unavailable("begin transaction"))?;
+        let mut tx = self.bounded("begin transaction", self.pg_pool().begin()).await?;
         let lease = match claimed(self.begin_in(scope, key, &fingerprint, &mut tx).await?)? {
             Claimed::Owner(lease) => lease,
             Claimed::Answered(outcome) => return Ok(outcome),
         };
         let finished = match encode(work(&mut tx).await) {
             Ok((value, bytes)) => match self.complete_in(&mut tx, &lease, &bytes).await {
-                Ok(()) => tx.commit().await.map(|()| (value, bytes)).map_err(|e| unavailable("commit")(e).into()),
+                Ok(()) => self.bounded("commit", tx.commit()).await.map(|()| (value, bytes)).map_err(RunError::from),
                 Err(error) => Err(error.into()),
             },
             Err(error) => Err(error),
