@@ -80,6 +80,9 @@ const RETRY: &str =
 const DISCARD: &str =
     "DELETE FROM idempotency_outbox WHERE id = $1 RETURNING id, topic, payload::text AS payload, attempts";
 
+const GAUGES: &str = "
+    SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(enqueued_at))::float8, 0) FROM idempotency_outbox";
+
 /// Window functions run before `DISTINCT ON`, so each topic's row is its head with the topic's totals.
 const BACKLOG: &str = "
     SELECT DISTINCT ON (topic) topic, id AS head_id,
@@ -296,8 +299,23 @@ impl Outbox {
                 break;
             }
         }
-        self.backlog().await?;
+        // The rows are settled by now: a failed gauge refresh must not report the drain as failed.
+        if let Err(error) = self.refresh_gauges().await {
+            tracing::warn!(%error, "could not count the outbox backlog after a drain");
+        }
         Ok(drained)
+    }
+
+    /// The pending-rows and oldest-age gauges, from one aggregate (cheaper than [`Outbox::backlog`]).
+    async fn refresh_gauges(&self) -> Result<(), StoreError> {
+        telemetry::postgres_statement("outbox_gauges");
+        let gauges = sqlx::query_as::<_, (i64, f64)>(GAUGES).fetch_one(self.store.pg_pool());
+        let (pending, oldest) = self.store.bounded("outbox gauges", gauges).await?;
+        telemetry::outbox_backlog(
+            u64::try_from(pending).unwrap_or(0),
+            Duration::try_from_secs_f64(oldest).unwrap_or_default(),
+        );
+        Ok(())
     }
 
     /// One batch; also says whether it was full (more may be due).

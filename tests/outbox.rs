@@ -174,13 +174,13 @@ async fn failing_sink_backs_off_then_delivers_in_order(mode: Mode) {
 
     let drained = outbox.drain(sink()).await.expect("drain");
     assert_eq!((drained.delivered, drained.failed), (1, 2), "steady delivered; flaky and silent failed");
+    assert_eq!(support::total("idemstore_outbox_pending_rows"), 3.0, "the drain refreshed the gauges");
+    assert!(support::total("idemstore_outbox_oldest_pending_age_seconds") > 0.0);
     let backlog = outbox.backlog().await.expect("backlog");
     let flaky_backlog = backlog.iter().find(|t| t.topic == flaky).expect("flaky pending");
     assert_eq!((flaky_backlog.pending, flaky_backlog.head_attempts), (2, 1));
     assert_eq!(flaky_backlog.head_error.as_deref(), Some("downstream unavailable"));
     assert!(flaky_backlog.retry_in <= Duration::from_millis(500), "{flaky_backlog:?}");
-    assert_eq!(support::total("idemstore_outbox_pending_rows"), 3.0, "the gauges follow the backlog");
-    assert!(support::total("idemstore_outbox_oldest_pending_age_seconds") > 0.0);
     let silent_backlog = backlog.iter().find(|t| t.topic == silent).expect("silent pending");
     assert!(silent_backlog.head_error.as_deref().is_some_and(|e| e.contains("no answer")), "{silent_backlog:?}");
 
