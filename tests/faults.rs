@@ -42,15 +42,7 @@ suite!(
 /// nothing behind: no record, no effect; the retry executes exactly once.
 async fn owner_process_killed_mid_transaction_leaves_nothing(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
-    let mut child = child(&h, "child_tx_owner").stdout(Stdio::piped()).spawn().expect("spawn the owner process");
-    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    for line in lines {
-        if line.expect("child stdout").contains("OWNER IN TRANSACTION") {
-            break;
-        }
-    }
-    child.kill().expect("SIGKILL the owner");
-    child.wait().expect("reap the owner");
+    support::kill_child_at(&h, "child_tx_owner", "OWNER IN TRANSACTION");
     let (scope, k, payload) = (h.scope("acme"), key("in-tx"), json!({"amount": 1}));
     assert_eq!(h.store.lookup(&scope, &k).await.expect("lookup"), None, "the claim never committed");
     let executed = loop {
@@ -452,15 +444,7 @@ async fn owner_task_aborted_mid_work_goes_indeterminate(mode: Mode) {
 /// exactly one retry executes.
 async fn owner_process_killed_mid_work_is_taken_over(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
-    let mut child = child(&h, "child_owner").stdout(Stdio::piped()).spawn().expect("spawn the owner process");
-    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    for line in lines {
-        if line.expect("child stdout").contains("OWNER WORKING") {
-            break;
-        }
-    }
-    child.kill().expect("SIGKILL the owner");
-    child.wait().expect("reap the owner");
+    support::kill_child_at(&h, "child_owner", "OWNER WORKING");
     let outcomes = retry_storm(&h, "killed").await;
     let executed = outcomes.iter().filter(|o| matches!(o, RunOutcome::Executed(_))).count();
     assert_eq!(executed, 1, "{outcomes:?}");

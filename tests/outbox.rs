@@ -4,15 +4,13 @@
 #[macro_use]
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemstore::{InputError, LeaseExpiry, Message, Mode, Outbox, Scope, StoreError};
 use serde_json::{Value, json};
-use support::{Harness, Servers, attach_to_parent, child, key, short_lease};
+use support::{Harness, Servers, attach_to_parent, key, short_lease};
 use tokio::sync::Semaphore;
 
 suite!(
@@ -306,15 +304,7 @@ async fn topics_are_delivered_side_by_side(mode: Mode) {
 async fn relay_killed_mid_batch_redelivers_with_the_same_key(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
     let outbox = outbox_with_receipts(&h).await;
-    let mut child = child(&h, "child_relay").stdout(Stdio::piped()).spawn().expect("spawn the relay process");
-    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    for line in lines {
-        if line.expect("child stdout").contains("RELAY MID BATCH") {
-            break;
-        }
-    }
-    child.kill().expect("SIGKILL the relay");
-    child.wait().expect("reap the relay");
+    support::kill_child_at(&h, "child_relay", "RELAY MID BATCH");
     // The killed relay's batch stays locked until Postgres notices the closed connection: wait on its
     // locks (a signal) rather than for a while.
     let mut wait = h.pool.begin().await.expect("begin");

@@ -187,14 +187,12 @@ impl Fixture {
                     Workload::Mismatch => (pick(completed), other_payload()),
                     _ => (held[(n % HELD) as usize].0.clone(), payload()),
                 };
-                let outcome = match new_keys {
-                    NewKeyPath::Separate => store.run_once(scope, &key, &body, || work(pool, cell)).await,
-                    _ if kind != Workload::New => store.run_once(scope, &key, &body, || work(pool, cell)).await,
-                    NewKeyPath::InTx | NewKeyPath::InTxWithOutbox => {
-                        let (tenant, outbox) =
-                            (cell.clone(), (*new_keys == NewKeyPath::InTxWithOutbox).then(|| store.outbox()));
-                        store.run_once_in_tx(scope, &key, &body, move |tx| work_in_tx(tx, tenant, outbox)).await
-                    }
+                let outcome = if kind == Workload::New && *new_keys != NewKeyPath::Separate {
+                    let (tenant, outbox) =
+                        (cell.clone(), (*new_keys == NewKeyPath::InTxWithOutbox).then(|| store.outbox()));
+                    store.run_once_in_tx(scope, &key, &body, move |tx| work_in_tx(tx, tenant, outbox)).await
+                } else {
+                    store.run_once(scope, &key, &body, || work(pool, cell)).await
                 };
                 matches!(
                     (kind, outcome),

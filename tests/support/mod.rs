@@ -315,6 +315,21 @@ pub fn child(h: &Harness, entry: &str) -> Command {
     command
 }
 
+/// Runs the child `entry`, waits until it prints a line containing `cue`, then SIGKILLs and reaps it:
+/// a process dying at an exact point of its work.
+pub fn kill_child_at(h: &Harness, entry: &str, cue: &str) {
+    use std::io::BufRead as _;
+    let mut process = child(h, entry).stdout(std::process::Stdio::piped()).spawn().expect("spawn the child");
+    let lines = std::io::BufReader::new(process.stdout.take().expect("stdout")).lines();
+    for line in lines {
+        if line.expect("child stdout").contains(cue) {
+            break;
+        }
+    }
+    process.kill().expect("SIGKILL the child");
+    process.wait().expect("reap the child");
+}
+
 /// In a child process: the harness of the parent test, or `None` when run on its own.
 pub async fn attach_to_parent() -> Option<Harness> {
     let database_url = std::env::var("IDEMSTORE_CHILD_DATABASE_URL").ok()?;
