@@ -11,7 +11,8 @@
 --              t = owner token (in progress only), r = stored response (completed only).
 --
 -- Returns one of:
---   {'claimed'}                  no record: the marker is written, claim in Postgres next
+--   {'claimed'}                  no record (or a malformed one): the marker is written, claim in
+--                                Postgres next
 --   {'mismatch'}                 the key's settled record (completed or indeterminate) holds a
 --                                different fingerprint
 --   {'unconfirmed'}              an in-progress marker holds a different fingerprint; it may be the marker
@@ -23,7 +24,15 @@
 local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r')
 local state, fingerprint, response = rec[1], rec[2], rec[3]
 
-if not state then
+-- No record, or a hash outside this contract (fields lost, or written by something else): a miss. It is
+-- replaced by the caller's marker, and Postgres decides.
+local valid = fingerprint and (state == 'p' or state == 'i' or (state == 'c' and response))
+if not valid then
+  -- Only a malformed hash is deleted: a write before HSET would let the script past Redis's OOM check
+  -- (which refuses a script's first write), so under `noeviction` a full Redis could still grow.
+  if state or fingerprint or response then
+    redis.call('DEL', KEYS[1])
+  end
   redis.call('HSET', KEYS[1], 's', 'p', 'h', ARGV[1], 't', ARGV[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {'claimed'}

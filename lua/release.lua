@@ -3,10 +3,12 @@
 --
 -- KEYS[1]  the record hash, idem:{...}
 -- ARGV[1]  owner token of the caller
+-- ARGV[2]  'released' once Postgres released the record under the caller's fence: an indeterminate
+--          copy of it is stale then and goes too ('' otherwise: only the caller's own marker goes)
 --
--- Returns 1 if the marker was deleted, 0 if it belongs to someone else or is gone.
+-- Returns 1 if the copy was deleted, 0 if it belongs to someone else or is gone.
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] == 'p' and rec[2] == ARGV[1] then
+if (rec[1] == 'p' and rec[2] == ARGV[1]) or (rec[1] == 'i' and ARGV[2] == 'released') then
   redis.call('DEL', KEYS[1])
   return 1
 end

@@ -11,6 +11,7 @@
 //! [tiers.partner]                 # a tier of your own, starting from `standard`
 //! redis_ttl = "2h"
 //! retention = "30d"               # or "never"
+//! tombstone = "90d"               # how long a purged key answers "expired"; or "never"
 //!
 //! [operations]
 //! "POST /payments" = "ledger"
@@ -51,6 +52,7 @@ struct TierFields {
     lease: Option<String>,
     redis_ttl: Option<String>,
     retention: Option<String>,
+    tombstone: Option<String>,
     lease_expiry: Option<String>,
 }
 
@@ -95,12 +97,14 @@ impl TierFields {
         if let Some(retention) = self.retention {
             builder = builder.retention(if retention == "never" { None } else { Some(parse_duration(&retention)?) });
         }
+        if let Some(horizon) = self.tombstone {
+            builder = builder.tombstone(if horizon == "never" { None } else { Some(parse_duration(&horizon)?) });
+        }
         if let Some(rule) = self.lease_expiry {
-            builder = builder.lease_expiry(match rule.as_str() {
-                "take_over" => LeaseExpiry::TakeOver,
-                "mark_indeterminate" => LeaseExpiry::MarkIndeterminate,
-                other => return Err(config(format!("lease_expiry {other:?} is not take_over or mark_indeterminate"))),
-            });
+            builder = builder.lease_expiry(
+                LeaseExpiry::parse(&rule)
+                    .ok_or_else(|| config(format!("lease_expiry {rule:?} is not take_over or mark_indeterminate")))?,
+            );
         }
         Ok(builder)
     }

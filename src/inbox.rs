@@ -44,6 +44,8 @@ pub enum Received<T> {
     Conflict,
     /// An earlier delivery ended without an answer (`MarkIndeterminate`); an operator must resolve it.
     Indeterminate,
+    /// The event was handled so long ago that its record was purged; a tombstone says it ran. Acknowledge it.
+    Expired,
 }
 
 /// What the store keeps for each event: the handler's outcome and the provider's sequence number.
@@ -105,6 +107,7 @@ impl Inbox {
             RunOutcome::InFlight { retry_after } => Received::InProgress { retry_after },
             RunOutcome::Mismatch => Received::Conflict,
             RunOutcome::Indeterminate => Received::Indeterminate,
+            RunOutcome::Expired => Received::Expired,
         })
     }
 }

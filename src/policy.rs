@@ -20,15 +20,35 @@ pub enum LeaseExpiry {
     MarkIndeterminate,
 }
 
+impl LeaseExpiry {
+    /// The name stored with each record (`take_over`, `mark_indeterminate`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseExpiry::TakeOver => "take_over",
+            LeaseExpiry::MarkIndeterminate => "mark_indeterminate",
+        }
+    }
+
+    /// The rule of a stored name; `None` for a name this version does not know.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "take_over" => Some(LeaseExpiry::TakeOver),
+            "mark_indeterminate" => Some(LeaseExpiry::MarkIndeterminate),
+            _ => None,
+        }
+    }
+}
+
 /// Named presets of lease and retention, for endpoints with different retry windows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Tier {
-    /// Short-lived actions: Redis 5 min, Postgres 1 h.
+    /// Short-lived actions: Redis 5 min, Postgres 1 h, then a tombstone for 24 h.
     Ephemeral,
-    /// The default: Redis 1 h, Postgres 24 h.
+    /// The default: Redis 1 h, Postgres 24 h, then a tombstone for 7 days.
     Standard,
-    /// Webhook receivers, whose senders retry for days: Redis 1 h, Postgres 7 days.
+    /// Webhook receivers, whose senders retry for days: Redis 1 h, Postgres 7 days, then a tombstone for
+    /// 30 days.
     Webhook,
     /// Ledger entries: Redis 24 h, Postgres forever.
     Ledger,
@@ -41,6 +61,7 @@ pub struct Policy {
     pub(crate) lease: Duration,
     pub(crate) redis_ttl: Duration,
     pub(crate) retention: Option<Duration>,
+    pub(crate) tombstone: Option<Duration>,
     pub(crate) lease_expiry: LeaseExpiry,
     pub(crate) fingerprint: FingerprintOptions,
 }
@@ -53,6 +74,7 @@ impl Default for Policy {
 
 const MINUTE: Duration = Duration::from_secs(60);
 const HOUR: Duration = Duration::from_secs(3600);
+const DAY: Duration = Duration::from_secs(24 * 3600);
 
 impl Tier {
     /// The preset's name, recorded with every record stored under it.
@@ -74,17 +96,18 @@ impl Policy {
 
     /// The preset for `tier`, with a 30 s lease and [`LeaseExpiry::TakeOver`].
     pub fn tier(tier: Tier) -> Self {
-        let (redis_ttl, retention) = match tier {
-            Tier::Ephemeral => (5 * MINUTE, Some(HOUR)),
-            Tier::Standard => (HOUR, Some(24 * HOUR)),
-            Tier::Webhook => (HOUR, Some(7 * 24 * HOUR)),
-            Tier::Ledger => (24 * HOUR, None),
+        let (redis_ttl, retention, tombstone) = match tier {
+            Tier::Ephemeral => (5 * MINUTE, Some(HOUR), Some(DAY)),
+            Tier::Standard => (HOUR, Some(DAY), Some(7 * DAY)),
+            Tier::Webhook => (HOUR, Some(7 * DAY), Some(30 * DAY)),
+            Tier::Ledger => (24 * HOUR, None, None),
         };
         Self {
             name: Cow::Borrowed(tier.name()),
             lease: Duration::from_secs(30),
             redis_ttl,
             retention,
+            tombstone,
             lease_expiry: LeaseExpiry::TakeOver,
             fingerprint: FingerprintOptions::default(),
         }
@@ -108,6 +131,12 @@ impl Policy {
     /// How long Postgres keeps a record; `None` keeps it forever.
     pub fn retention(&self) -> Option<Duration> {
         self.retention
+    }
+
+    /// How long a completed key still answers [`crate::Begin::Expired`] after its record was purged (a
+    /// compact tombstone, counted from the end of the retention); `None` keeps the tombstone forever.
+    pub fn tombstone(&self) -> Option<Duration> {
+        self.tombstone
     }
 
     /// What a lease that ran out means.
@@ -154,6 +183,13 @@ impl PolicyBuilder {
     /// How long Postgres keeps a record; `None` keeps it forever.
     pub fn retention(mut self, retention: Option<Duration>) -> Self {
         self.0.retention = retention;
+        self
+    }
+
+    /// How long a tombstone answers [`crate::Begin::Expired`] once the record was purged, counted from
+    /// the end of the retention; `None` keeps it forever (see [`Policy::tombstone`]).
+    pub fn tombstone(mut self, horizon: Option<Duration>) -> Self {
+        self.0.tombstone = horizon;
         self
     }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
-use crate::policy::Policy;
+use crate::policy::{LeaseExpiry, Policy};
 
 /// Where a record is in its life.
 ///
@@ -18,7 +18,12 @@ use crate::policy::Policy;
 ///             │     │ ^────────────────────────── retry (fence + 1) ── Released │
 ///             │     └──release──────────────────────────────────────────^       │
 ///             └── lease ran out, LeaseExpiry::MarkIndeterminate ──> Indeterminate
+///
+/// Completed ── retention ran out, purged ──> Expired (a tombstone) ── horizon ran out ──> (absent)
 /// ```
+///
+/// The lease-expiry rule, retention and tombstone horizon a record was claimed under stay with it: a
+/// caller holding another policy never changes what happens to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
@@ -31,6 +36,9 @@ pub enum State {
     Released,
     /// An owner's lease ran out without an answer; nothing re-executes until it is resolved.
     Indeterminate,
+    /// The key completed and its record was purged after the retention: a tombstone (fingerprint and
+    /// last fence) refuses retries until its horizon ends, instead of executing them again.
+    Expired,
 }
 
 impl State {
@@ -41,6 +49,7 @@ impl State {
             State::Completed => "completed",
             State::Released => "released",
             State::Indeterminate => "indeterminate",
+            State::Expired => "expired",
         }
     }
 
@@ -50,6 +59,7 @@ impl State {
             "completed" => State::Completed,
             "released" => State::Released,
             "indeterminate" => State::Indeterminate,
+            "expired" => State::Expired,
             _ => return None,
         })
     }
@@ -100,6 +110,10 @@ pub enum Begin {
     /// An owner's lease ran out without an answer, under [`crate::LeaseExpiry::MarkIndeterminate`];
     /// nothing is executed until the record is resolved.
     Indeterminate,
+    /// The request completed long ago: its response was purged after the retention, and a tombstone
+    /// remembers that it ran. Nothing is executed; the caller should treat it as done (or look the
+    /// result up elsewhere).
+    Expired,
 }
 
 /// Proof of ownership of one key, valid until the lease runs out or another owner takes over.
@@ -163,14 +177,28 @@ pub struct Record {
     pub state: State,
     /// The fence of the latest owner.
     pub fence: i64,
-    /// Hex SHA-256 of the canonical payload that claimed the key.
+    /// Hex SHA-256 of the canonical payload that claimed the key (its first 16 hex digits, for an
+    /// [`State::Expired`] tombstone).
     pub fingerprint: String,
     /// Time left on the owner's lease (zero once it ran out); `None` unless in progress.
     pub lease_remaining: Option<Duration>,
-    /// Time until Postgres may purge the record; `None` if it is kept forever.
+    /// Time until Postgres may purge the record (for a tombstone, until it goes); `None` if it is kept
+    /// forever.
     pub expires_in: Option<Duration>,
     /// The stored response, once completed.
     pub response: Option<StoredResponse>,
     /// The tier (policy name) the record was stored under; `None` for records older than tiers.
     pub tier: Option<String>,
+    /// The lease-expiry rule the record was claimed under; it decides, whatever a caller's policy says.
+    pub lease_expiry: Option<LeaseExpiry>,
+}
+
+impl Record {
+    /// Whether a request with `fingerprint` is the one this record holds (a tombstone keeps a prefix).
+    pub(crate) fn matches(&self, fingerprint: &Fingerprint) -> bool {
+        match self.state {
+            State::Expired => fingerprint.as_hex().starts_with(&self.fingerprint),
+            _ => self.fingerprint == fingerprint.as_hex(),
+        }
+    }
 }

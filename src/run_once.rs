@@ -35,6 +35,9 @@ pub enum RunOutcome<T> {
     Mismatch,
     /// An owner's lease ran out without an answer; nothing executes until the record is resolved.
     Indeterminate,
+    /// The work completed long ago and its stored result was purged after the retention; nothing was
+    /// executed (see [`Begin::Expired`]).
+    Expired,
 }
 
 /// Why [`Store::run_once`] could not give an outcome.
@@ -75,6 +78,7 @@ fn claimed<T: DeserializeOwned, E>(answer: Begin) -> Result<Claimed<T>, RunError
         Begin::InFlight { retry_after } => Claimed::Answered(RunOutcome::InFlight { retry_after }),
         Begin::Mismatch => Claimed::Answered(RunOutcome::Mismatch),
         Begin::Indeterminate => Claimed::Answered(RunOutcome::Indeterminate),
+        Begin::Expired => Claimed::Answered(RunOutcome::Expired),
     })
 }
 
@@ -261,18 +265,27 @@ impl Store {
         let mut tx = self.bounded("begin transaction", self.pg_pool().begin()).await?;
         let lease = match claimed(self.begin_in(scope, key, &fingerprint, &mut tx).await?)? {
             Claimed::Owner(lease) => lease,
-            Claimed::Answered(outcome) => return Ok(outcome),
+            Claimed::Answered(outcome) => {
+                // The answer may have marked the record indeterminate, in this transaction: keep it.
+                if let Err(error) = self.bounded("commit", tx.commit()).await {
+                    tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
+                }
+                return Ok(outcome);
+            }
         };
         let finished = match encode(work(&mut tx).await) {
             Ok((value, bytes)) => match self.complete_in(&mut tx, &lease, &bytes).await {
-                Ok(()) => self.bounded("commit", tx.commit()).await.map(|()| (value, bytes)).map_err(RunError::from),
+                Ok(retained) => {
+                    let committed = self.bounded("commit", tx.commit()).await;
+                    committed.map(|()| (value, bytes, retained)).map_err(RunError::from)
+                }
                 Err(error) => Err(error.into()),
             },
             Err(error) => Err(error),
         };
         match finished {
-            Ok((value, bytes)) => {
-                self.cache_completion(&lease, &bytes).await;
+            Ok((value, bytes, retained)) => {
+                self.cache_completion(&lease, &bytes, &retained).await;
                 Ok(RunOutcome::Executed(value))
             }
             Err(error) => {

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 /// Answers per operation; label `outcome`: executed, replayed, in_flight, mismatch, indeterminate,
-/// lease_lost, error.
+/// expired, lease_lost, error.
 pub const OUTCOMES: &str = "idemstore_outcomes_total";
 /// Redis hot-path answers; label `result`: hit (answered from Redis), miss (went on to Postgres), error.
 pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use support::{Harness, Servers, key};
 
 suite!(
-    purge_in_batches_spares_a_record_reclaimed_meanwhile,
+    purge_in_batches_leaves_tombstones_that_refuse_retries,
     recover_stale_spares_live_owners,
     resolve_settles_indeterminate_records,
     tier_is_recorded_with_each_record,
@@ -55,26 +55,28 @@ async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
     panic!("never: {what}");
 }
 
-/// 40 expired records are purged 7 at a time while one of them is claimed again: the purge deletes the
-/// other 39 and never the live one.
-async fn purge_in_batches_spares_a_record_reclaimed_meanwhile(mode: Mode) {
+/// 40 expired records are purged 7 at a time while one of them is retried: each leaves a tombstone, and
+/// the retry is refused as expired (before or after its record went), never executed again.
+async fn purge_in_batches_leaves_tombstones_that_refuse_retries(mode: Mode) {
     let h = Harness::with(mode, policy(100, 200, 400, LeaseExpiry::TakeOver), Servers::Any).await;
     for i in 0..40 {
         complete(&h, &format!("old-{i}")).await;
     }
     eventually("all 40 expired", async || h.store.count_expired().await.expect("count") == 40).await;
-    let (reclaimed, scope, payload) = (key("old-7"), h.scope("acme"), json!({"n": "old-7"}));
-    let (purged, claim) = tokio::join!(
+    let (retried, scope, payload) = (key("old-7"), h.scope("acme"), json!({"n": "old-7"}));
+    let (purged, retry) = tokio::join!(
         h.store.purge_expired(7),
-        h.store.run_once(&scope, &reclaimed, &payload, || h.charge("acme", &reclaimed)),
+        h.store.run_once(&scope, &retried, &payload, || h.charge("acme", &retried)),
     );
-    assert!(matches!(claim, Ok(RunOutcome::Executed(_))), "an expired key is a new key: {claim:?}");
-    let purged = purged.expect("purge");
-    assert!((39..=40).contains(&purged), "{purged}");
-    let live = h.store.lookup(&h.scope("acme"), &reclaimed).await.expect("lookup");
-    assert_eq!(live.map(|r| r.state), Some(State::Completed), "the reclaimed record survived the purge");
+    assert!(matches!(retry, Ok(RunOutcome::<Value>::Expired)), "an expired key is not a new key: {retry:?}");
+    assert_eq!(purged.expect("purge"), 40);
+    assert_eq!(h.effects("acme", &retried).await, 1, "the retry did not run the work again");
+    let tombstone = h.store.lookup(&scope, &retried).await.expect("lookup").expect("a tombstone");
+    assert_eq!(tombstone.state, State::Expired);
+    let other = h.store.run_once(&scope, &retried, &json!({"n": "other"}), || h.charge("acme", &retried)).await;
+    assert!(matches!(other, Ok(RunOutcome::<Value>::Mismatch)), "another payload is still refused: {other:?}");
     assert_eq!(h.store.count_expired().await.expect("count"), 0);
-    assert!(support::total("idemstore_purged_records_total") >= 39.0);
+    assert!(support::total("idemstore_purged_records_total") >= 40.0);
 }
 
 /// A dead owner's stale record is released; a live owner that keeps extending is left alone; a record

@@ -23,6 +23,9 @@ pub mod problem_types {
     pub const KEY_REUSED: &str = "urn:idemstore:problem:key-reused";
     /// 409: an earlier attempt ended without an answer; an operator must resolve the key.
     pub const INDETERMINATE: &str = "urn:idemstore:problem:indeterminate";
+    /// 410: the request completed, but its stored response was purged after the retention; it is not
+    /// executed again.
+    pub const EXPIRED: &str = "urn:idemstore:problem:expired";
     /// 503: the idempotency store is unavailable; nothing was executed.
     pub const UNAVAILABLE: &str = "urn:idemstore:problem:store-unavailable";
 }

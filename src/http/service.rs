@@ -151,6 +151,11 @@ where
             let detail = "an earlier attempt with this key ended without an answer; it must be resolved first";
             return Problem::new(StatusCode::CONFLICT, types::INDETERMINATE, "Outcome unknown", detail).into_response();
         }
+        Ok(Begin::Expired) => {
+            let detail =
+                "a request with this key completed, and its response is no longer kept; it is not executed again";
+            return Problem::new(StatusCode::GONE, types::EXPIRED, "Response expired", detail).into_response();
+        }
         Err(_) => return unavailable(),
     };
 

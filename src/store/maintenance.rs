@@ -14,20 +14,48 @@ use crate::policy::{LeaseExpiry, millis};
 use crate::record::{Lease, Record, State};
 use crate::telemetry;
 
-/// One bounded batch. `FOR UPDATE SKIP LOCKED` lets several purgers run at once and never waits on a
-/// record being claimed; the outer condition is checked again on the locked row, so a record that a
-/// concurrent claim just renewed is kept.
+/// One bounded batch of expired records. Completed ones leave a tombstone (so a late retry is refused,
+/// not executed again), released ones go; in-progress and indeterminate records are never purged: a live
+/// lease outlives any retention, and an indeterminate record waits for its resolution. `FOR UPDATE SKIP
+/// LOCKED` lets several purgers run at once and never waits on a record being claimed; the condition is
+/// checked again on the locked row. Records are matched by primary key (ctids repeat across partitions).
+/// `$2`: the tombstone horizon of records older than stored horizons.
 const PURGE_BATCH: &str = "
-    DELETE FROM idempotency_records
-    WHERE ctid IN (
-        SELECT ctid FROM idempotency_records
-        WHERE expires_at <= now()
+    WITH doomed AS (
+        SELECT tenant, operation, idempotency_key FROM idempotency_records
+        WHERE expires_at <= now() AND state IN ('completed', 'released')
         ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM idempotency_records r USING doomed d
+        WHERE r.tenant = d.tenant AND r.operation = d.operation AND r.idempotency_key = d.idempotency_key
+          AND r.expires_at <= now() AND r.state IN ('completed', 'released')
+        RETURNING r.tenant, r.operation, r.idempotency_key, r.state, r.fingerprint, r.fence, r.expires_at, r.tier, r.tombstone_ms
+    ), buried AS (
+        INSERT INTO idempotency_tombstones (digest, fingerprint, fence, expires_at)
+        SELECT idempotency_key_digest(tenant, operation, idempotency_key), ('x' || left(fingerprint, 16))::bit(64)::bigint,
+               fence,
+               expires_at + (CASE WHEN tier IS NULL THEN $2::float8 ELSE tombstone_ms::float8 END)
+                            * interval '1 millisecond'
+        FROM gone WHERE state = 'completed'
+        ON CONFLICT (digest) DO UPDATE
+        SET fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at
+    )
+    SELECT count(*) FROM gone";
+
+/// One bounded batch of tombstones whose horizon ended: their keys are new again.
+const PURGE_TOMBSTONES: &str = "
+    DELETE FROM idempotency_tombstones
+    WHERE digest IN (
+        SELECT digest FROM idempotency_tombstones
+        WHERE expires_at <= now()
         LIMIT $1
         FOR UPDATE SKIP LOCKED)
       AND expires_at <= now()";
 
-const COUNT_EXPIRED: &str = "SELECT count(*) FROM idempotency_records WHERE expires_at <= now()";
+const COUNT_EXPIRED: &str =
+    "SELECT count(*) FROM idempotency_records WHERE expires_at <= now() AND state IN ('completed', 'released')";
 
 const STALE: &str = "
     SELECT tenant, operation, idempotency_key, fingerprint, fence, owner, on_lease_expiry
@@ -116,11 +144,13 @@ pub struct Inspection {
 }
 
 impl Store {
-    /// Deletes expired records, `batch` at a time, until none is left; returns how many. Safe to run
-    /// from several processes at once; each batch is one short statement on the expiry index.
+    /// Purges expired records, `batch` at a time, until none is left; returns how many records and
+    /// tombstones went. A completed record leaves a tombstone until its horizon
+    /// ([`Policy::tombstone`](crate::Policy::tombstone)) ends; in-progress and indeterminate records are
+    /// never purged. Safe to run from several processes at once; each batch is one short statement.
     ///
     /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed (batches already deleted stay deleted).
+    /// [`StoreError::StoreUnavailable`] if Postgres failed (batches already purged stay purged).
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         let mut purged = 0;
         loop {
@@ -132,16 +162,22 @@ impl Store {
         }
     }
 
-    /// Deletes one batch of at most `batch` expired records; returns how many.
+    /// Purges one batch of at most `batch` expired records and one of at most `batch` tombstones whose
+    /// horizon ended; returns how many went (fewer than `batch`: nothing is left).
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn purge_expired_batch(&self, batch: u32) -> Result<u64, StoreError> {
+        let limit = i64::from(batch.max(1));
+        let horizon = self.inner.default_policy.tombstone.map(|t| millis(t) as f64);
         telemetry::postgres_statement("purge");
-        let query = sqlx::query(PURGE_BATCH).bind(i64::from(batch.max(1))).execute(self.pg_pool());
-        let deleted = query.await.map_err(unavailable("purge"))?.rows_affected();
-        telemetry::purged(deleted);
-        Ok(deleted)
+        let records = sqlx::query_scalar::<_, i64>(PURGE_BATCH).bind(limit).bind(horizon).fetch_one(self.pg_pool());
+        let records = u64::try_from(self.bounded("purge", records).await?).unwrap_or(0);
+        telemetry::postgres_statement("purge_tombstones");
+        let tombstones = sqlx::query(PURGE_TOMBSTONES).bind(limit).execute(self.pg_pool());
+        let tombstones = self.bounded("purge", tombstones).await?.rows_affected();
+        telemetry::purged(records + tombstones);
+        Ok(records + tombstones)
     }
 
     /// How many records have expired and await purging.
@@ -161,7 +197,7 @@ impl Store {
     pub async fn recover_stale(&self, batch: u32, dry_run: bool) -> Result<Recovery, StoreError> {
         telemetry::postgres_statement("stale");
         let rows = sqlx::query(STALE).bind(i64::from(batch.max(1))).fetch_all(self.pg_pool());
-        let rows = rows.await.map_err(unavailable("recover"))?;
+        let rows = self.bounded("recover", rows).await?;
         let mut recovery = Recovery { found: rows.len() as u64, ..Recovery::default() };
         for row in rows {
             let decode = |e| StoreError::StoreUnavailable { step: "recover", source: e };
@@ -180,9 +216,8 @@ impl Store {
                 continue;
             }
             // The rule the record was claimed under; the configured one for records older than the column.
-            let rule = match row.try_get::<Option<String>, _>(6).map_err(decode)?.as_deref() {
-                Some("take_over") => LeaseExpiry::TakeOver,
-                Some(_) => LeaseExpiry::MarkIndeterminate,
+            let rule = match row.try_get::<Option<String>, _>(6).map_err(decode)? {
+                Some(rule) => LeaseExpiry::parse(&rule).unwrap_or(LeaseExpiry::MarkIndeterminate),
                 None => stale.policy.lease_expiry,
             };
             let (recovered, action) = match rule {
@@ -194,11 +229,12 @@ impl Store {
                         .bind(stale.key.as_str())
                         .bind(stale.fence)
                         .execute(self.pg_pool());
-                    (released.await.map_err(unavailable("recover"))?.rows_affected() == 1, "released")
+                    (self.bounded("recover", released).await?.rows_affected() == 1, "released")
                 }
                 LeaseExpiry::MarkIndeterminate => {
-                    let marked = self.inner.postgres.mark_indeterminate(&stale).await;
-                    (marked.map_err(unavailable("recover"))?, "marked_indeterminate")
+                    let marked = self.inner.postgres.mark_indeterminate(&stale, None).await;
+                    let marked = marked.map_err(|source| StoreError::StoreUnavailable { step: "recover", source });
+                    (marked?, "marked_indeterminate")
                 }
             };
             if recovered {
@@ -238,7 +274,7 @@ impl Store {
             }
         };
         telemetry::postgres_statement("resolve");
-        let resolved = query.execute(self.pg_pool()).await.map_err(unavailable("resolve"))?.rows_affected() == 1;
+        let resolved = self.bounded("resolve", query.execute(self.pg_pool())).await?.rows_affected() == 1;
         if resolved {
             // Redis may still answer "indeterminate": drop its copy so the next request reads Postgres.
             self.evict_redis(scope, key).await;
@@ -254,7 +290,7 @@ impl Store {
     pub async fn stats(&self, window: Duration) -> Result<Vec<StatsRow>, StoreError> {
         telemetry::postgres_statement("stats");
         let rows = sqlx::query(COUNTS).bind(millis(window) as f64).fetch_all(self.pg_pool());
-        let rows = rows.await.map_err(unavailable("stats"))?;
+        let rows = self.bounded("stats", rows).await?;
         let decode = |e| StoreError::StoreUnavailable { step: "stats", source: e };
         rows.iter()
             .map(|row| {
@@ -316,10 +352,6 @@ impl Store {
 
 async fn count(store: &Store, sql: &'static str, step: &'static str) -> Result<u64, StoreError> {
     telemetry::postgres_statement("count");
-    let count: i64 = sqlx::query_scalar(sql).fetch_one(store.pg_pool()).await.map_err(unavailable(step))?;
+    let count: i64 = store.bounded(step, sqlx::query_scalar(sql).fetch_one(store.pg_pool())).await?;
     Ok(u64::try_from(count).unwrap_or(0))
-}
-
-fn unavailable(step: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |source| StoreError::StoreUnavailable { step, source }
 }

@@ -12,11 +12,11 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 use crate::config::PolicyConfig;
 use crate::error::StoreError;
-use crate::policy::Policy;
+use crate::policy::{Policy, millis};
 pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
 use postgres_tier::PostgresTier;
 use redis_tier::RedisTier;
@@ -110,13 +110,28 @@ impl Store {
         self.inner.postgres.bounded(call).await.map_err(|source| StoreError::StoreUnavailable { step, source })
     }
 
-    /// Applies the embedded migrations (idempotent; safe from several processes at once).
+    /// Applies the embedded migrations (idempotent; safe from several processes at once), on a
+    /// connection of its own without the store's statement timeouts: a migration may take long.
     ///
     /// # Errors
     /// [`StoreError::Migrate`] if a migration fails or Postgres is unreachable.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        MIGRATOR.run(self.pg_pool()).await.map_err(StoreError::Migrate)
+        let mut conn = self.pg_pool().acquire().await.map_err(|e| StoreError::Migrate(e.into()))?.detach();
+        sqlx::raw_sql("SET statement_timeout = 0; SET lock_timeout = 0")
+            .execute(&mut conn)
+            .await
+            .map_err(|e| StoreError::Migrate(e.into()))?;
+        let migrated = MIGRATOR.run(&mut conn).await.map_err(StoreError::Migrate);
+        // The connection leaves the pool's accounting; closing it is a courtesy, its loss harmless.
+        let _ = sqlx::Connection::close(conn).await;
+        migrated
     }
+}
+
+/// `options` with the server-side timeouts of a store whose client-side timeout is `timeout`.
+fn server_bounded(options: PgConnectOptions, timeout: Duration) -> PgConnectOptions {
+    let ms = |d: Duration| format!("{}ms", millis(d).max(1));
+    options.options([("statement_timeout", ms(timeout * 4 / 5)), ("lock_timeout", ms(timeout / 2))])
 }
 
 /// Configures a [`Store`]. Postgres is required; Redis is optional (without it, [`Mode::PostgresOnly`]).
@@ -144,8 +159,10 @@ impl fmt::Debug for StoreBuilder {
 }
 
 impl StoreBuilder {
-    /// Uses an existing Postgres pool. Keep its acquire timeout short: a caller waits that long before
-    /// getting [`StoreError::StoreUnavailable`].
+    /// Connects like an existing Postgres pool: the store opens its own connections (up to the pool's
+    /// maximum) with the pool's connect options plus server-side statement and lock timeouts (see
+    /// [`StoreBuilder::postgres_timeout`]), which the application's own queries should not inherit. Keep
+    /// the acquire timeout short: a caller waits that long before getting [`StoreError::StoreUnavailable`].
     pub fn postgres(mut self, pool: PgPool) -> Self {
         self.pg_pool = Some(pool);
         self
@@ -189,6 +206,14 @@ impl StoreBuilder {
 
     /// Longest wait for one Postgres statement before the call fails closed with
     /// [`StoreError::StoreUnavailable`] (default 5 s). Guards against a partitioned or stalled server.
+    ///
+    /// The server enforces it too, with room to spare: the store's connections run with a
+    /// `statement_timeout` of four fifths of it and a `lock_timeout` of half of it. A statement the
+    /// store gave up on has been cancelled by the server by then, so a claim answered "unavailable"
+    /// never commits afterwards, and no abandoned statement holds a connection past the timeout. (This
+    /// includes the statements of [`Store::run_once_in_tx`]'s work, which runs on the store's
+    /// connection; `SET LOCAL statement_timeout` there to give it longer. Poolers in transaction mode
+    /// drop startup options: set both timeouts on their side.)
     pub fn postgres_timeout(mut self, timeout: Duration) -> Self {
         self.postgres_timeout = Some(timeout);
         self
@@ -221,15 +246,22 @@ impl StoreBuilder {
     /// [`StoreError::Config`] when no Postgres is given or a URL does not parse;
     /// [`StoreError::RedisConfig`] when the Redis pool cannot be created.
     pub fn build(self) -> Result<Store, StoreError> {
-        let pg_pool = match (self.pg_pool, self.database_url) {
-            (Some(pool), _) => pool,
-            (None, Some(url)) => PgPoolOptions::new()
-                .max_connections(16)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_lazy(&url)
-                .map_err(|e| StoreError::Config(format!("invalid DATABASE_URL: {e}")))?,
+        let timeout = self.postgres_timeout.unwrap_or(Duration::from_secs(5));
+        let (connect, pool_options) = match (self.pg_pool, self.database_url) {
+            (Some(pool), _) => {
+                let options = pool.options();
+                let pool_options = PgPoolOptions::new()
+                    .max_connections(options.get_max_connections())
+                    .acquire_timeout(options.get_acquire_timeout());
+                (PgConnectOptions::clone(&pool.connect_options()), pool_options)
+            }
+            (None, Some(url)) => {
+                let connect = url.parse().map_err(|e| StoreError::Config(format!("invalid DATABASE_URL: {e}")))?;
+                (connect, PgPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(5)))
+            }
             (None, None) => return Err(StoreError::Config("a Postgres pool or URL is required".into())),
         };
+        let pg_pool = pool_options.connect_lazy_with(server_bounded(connect, timeout));
         let redis_pool = match (self.redis_pool, self.redis_url) {
             (Some(pool), _) => Some(pool),
             (None, Some(url)) => Some(
@@ -256,7 +288,7 @@ impl StoreBuilder {
         patterns.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
         Ok(Store {
             inner: Arc::new(Inner {
-                postgres: PostgresTier::new(pg_pool, self.postgres_timeout.unwrap_or(Duration::from_secs(5))),
+                postgres: PostgresTier::new(pg_pool, timeout),
                 redis,
                 default_policy: Arc::new(self.default_policy.unwrap_or_default()),
                 patterns,

@@ -16,7 +16,7 @@ use crate::telemetry;
 /// so that application clocks never take part in a lease decision.
 macro_rules! record_columns {
     () => {
-        "state, fingerprint, fence, owner, response, tier,
+        "state, fingerprint, fence, response, tier, on_lease_expiry,
          CASE WHEN lease_expires_at IS NOT NULL
               THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM lease_expires_at - now()) * 1000))::bigint END AS lease_ms,
          CASE WHEN expires_at IS NOT NULL
@@ -24,33 +24,86 @@ macro_rules! record_columns {
     };
 }
 
-/// The claim, in one round trip. Inserts a fresh record, or re-acquires one (fence + 1) that expired,
-/// was released, or whose owner's lease ran out under `TakeOver` (`$8`); any other existing record is
-/// returned as it is, for the caller to answer from. `prior` is read from the statement's snapshot: it
-/// says what was re-acquired (for the takeover metric) and is the answer when nothing was written.
+/// A key's live tombstone (`$1`..`$3`), shaped like a record in state `expired`: its fingerprint is the
+/// first 16 hex digits of the one that completed, its expiry the end of the tombstone's horizon.
+macro_rules! tombstone {
+    () => {
+        "SELECT 'expired'::text AS state, lpad(to_hex(fingerprint), 16, '0') AS fingerprint, fence,
+                NULL::text AS owner, NULL::bytea AS response, NULL::text AS tier, NULL::text AS on_lease_expiry,
+                NULL::timestamptz AS lease_expires_at, expires_at
+         FROM idempotency_tombstones
+         WHERE digest = idempotency_key_digest($1, $2, $3) AND (expires_at IS NULL OR expires_at > now())"
+    };
+}
+
+/// The retention of a record being re-acquired: the one it was claimed under (`$7`, the caller's, only
+/// for records older than stored tiers).
+macro_rules! kept_retention {
+    () => {
+        "(CASE WHEN r.tier IS NULL THEN $7::float8 ELSE r.retention_ms::float8 END)"
+    };
+}
+
+/// When an in-progress record under `$retention` milliseconds (NULL: forever) expires: never before its
+/// lease (`$6`) ends, so retention cannot cut a live lease.
+macro_rules! in_progress_expiry {
+    ($retention:expr) => {
+        concat!(
+            "CASE WHEN ",
+            $retention,
+            " IS NOT NULL
+                  THEN now() + GREATEST($6::float8, ",
+            $retention,
+            ") * interval '1 millisecond' END"
+        )
+    };
+}
+
+/// The claim, in one round trip. Inserts a fresh record, or re-acquires (under a new fence) one that was
+/// released, or whose owner's lease ran out under the record's own `take_over` rule (`$8`, the caller's,
+/// only for records older than stored rules); another payload re-acquires only once the record expired.
+/// Completed and indeterminate records, live leases and tombstones are never written: the statement
+/// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
+/// row lock. `prior` also says what was re-acquired (for the takeover metric).
 const CLAIM: &str = concat!(
     "WITH prior AS (
-        SELECT state, fingerprint, fence, owner, response, tier, lease_expires_at, expires_at
+        SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
         FROM idempotency_records
         WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
+    ), buried AS (",
+    tombstone!(),
+    " AND NOT EXISTS (SELECT 1 FROM prior)
     ), claimed AS (
         INSERT INTO idempotency_records AS r
             (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
-             tier, on_lease_expiry, retention_ms)
-        VALUES ($1, $2, $3, $4, 'in_progress', 1, $5,
-                now() + $6::float8 * interval '1 millisecond',
-                now() + $7::float8 * interval '1 millisecond', $9,
-                CASE WHEN $8 THEN 'take_over' ELSE 'mark_indeterminate' END, $7::float8::bigint)
+             tier, on_lease_expiry, retention_ms, tombstone_ms)
+        SELECT $1, $2, $3, $4, 'in_progress', nextval('idempotency_fences'), $5,
+               now() + $6::float8 * interval '1 millisecond',
+               ",
+    in_progress_expiry!("$7::float8"),
+    ",
+               $9, CASE WHEN $8 THEN 'take_over' ELSE 'mark_indeterminate' END, $7::float8::bigint,
+               $10::float8::bigint
+        WHERE NOT EXISTS (SELECT 1 FROM buried)
+          AND NOT EXISTS (SELECT 1 FROM prior WHERE state IN ('completed', 'indeterminate')
+                                                 OR (state = 'in_progress' AND (lease_expires_at > now()
+                                                     OR on_lease_expiry = 'mark_indeterminate')))
         ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
-        SET fingerprint = EXCLUDED.fingerprint, state = 'in_progress', fence = r.fence + 1,
+        SET fingerprint = EXCLUDED.fingerprint, state = 'in_progress', fence = nextval('idempotency_fences'),
             owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
-            expires_at = EXCLUDED.expires_at, tier = EXCLUDED.tier,
-            on_lease_expiry = EXCLUDED.on_lease_expiry, retention_ms = EXCLUDED.retention_ms, updated_at = now()
-        WHERE r.expires_at <= now()
-           OR (r.fingerprint = EXCLUDED.fingerprint
-               AND (r.state = 'released'
-                    OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND $8)))
-        RETURNING state, fingerprint, fence, owner, response, tier, lease_expires_at, expires_at
+            expires_at = ",
+    in_progress_expiry!(kept_retention!()),
+    ",
+            tier = COALESCE(r.tier, EXCLUDED.tier),
+            on_lease_expiry = COALESCE(r.on_lease_expiry, EXCLUDED.on_lease_expiry),
+            retention_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.retention_ms ELSE r.retention_ms END,
+            tombstone_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.tombstone_ms ELSE r.tombstone_ms END,
+            updated_at = now()
+        WHERE (r.state = 'released' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
+           OR (r.state = 'in_progress' AND r.lease_expires_at <= now()
+               AND COALESCE(r.on_lease_expiry = 'take_over', $8)
+               AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
+        RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
     )
     SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, ",
     record_columns!(),
@@ -58,21 +111,42 @@ const CLAIM: &str = concat!(
     UNION ALL
     SELECT false, NULL, ",
     record_columns!(),
-    " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)"
-);
-
-const LOOKUP: &str = concat!(
-    "SELECT ",
+    " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
+    UNION ALL
+    SELECT false, NULL, ",
     record_columns!(),
-    " FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3"
+    " FROM buried"
 );
 
+/// A key's record, or its live tombstone once the record was purged.
+const LOOKUP: &str = concat!(
+    "WITH found AS (
+        SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
+        FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
+    )
+    SELECT ",
+    record_columns!(),
+    " FROM found
+    UNION ALL
+    SELECT ",
+    record_columns!(),
+    " FROM (",
+    tombstone!(),
+    ") AS buried WHERE NOT EXISTS (SELECT 1 FROM found)"
+);
+
+/// Retention counts from completion, under the retention the record was claimed under (`$6`, the
+/// caller's, only for records older than stored tiers).
 const COMPLETE: &str = "
     UPDATE idempotency_records
     SET state = 'completed', response = $5, owner = NULL, lease_expires_at = NULL,
-        expires_at = now() + $6::float8 * interval '1 millisecond', updated_at = now()
+        expires_at = now() + (CASE WHEN tier IS NULL THEN $6::float8 ELSE retention_ms::float8 END)
+                             * interval '1 millisecond',
+        updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state IN ('in_progress', 'indeterminate')";
+      AND state IN ('in_progress', 'indeterminate')
+    RETURNING CASE WHEN expires_at IS NOT NULL
+                   THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms";
 
 const RELEASE: &str = "
     UPDATE idempotency_records
@@ -80,9 +154,13 @@ const RELEASE: &str = "
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
       AND state IN ('in_progress', 'indeterminate')";
 
+/// A lease extended past the record's expiry pushes the expiry along: retention never cuts a live lease.
 const EXTEND: &str = "
     UPDATE idempotency_records
-    SET lease_expires_at = now() + $5::float8 * interval '1 millisecond', updated_at = now()
+    SET lease_expires_at = now() + $5::float8 * interval '1 millisecond',
+        expires_at = CASE WHEN expires_at IS NOT NULL
+                          THEN GREATEST(expires_at, now() + $5::float8 * interval '1 millisecond') END,
+        updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
       AND state = 'in_progress'";
 
@@ -93,6 +171,13 @@ const MARK_INDETERMINATE: &str = "
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
       AND state = 'in_progress' AND lease_expires_at <= now()";
 
+/// How long a completed record is kept.
+#[derive(Debug)]
+pub(crate) struct Retained {
+    /// Time until the record expires; `None` if it is kept forever.
+    pub(crate) expires_in: Option<Duration>,
+}
+
 /// What the claim statement found or wrote.
 #[derive(Debug)]
 pub(crate) struct Claim {
@@ -100,7 +185,6 @@ pub(crate) struct Claim {
     pub(crate) acquired: bool,
     /// The record was re-acquired from an owner whose lease ran out.
     pub(crate) took_over: bool,
-    pub(crate) owner: Option<String>,
     pub(crate) record: Record,
 }
 
@@ -143,8 +227,11 @@ impl PostgresTier {
         };
         let policy = &lease.policy;
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
-        // but is invisible to `prior`, so the statement returns no row; the next attempt sees it.
+        // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
+        // record this claim would have re-acquired). The next attempt sees the winner.
+        let mut attempt = 0;
         loop {
+            attempt += 1;
             telemetry::postgres_statement("claim");
             let claim = sqlx::query(CLAIM)
                 .bind(lease.scope.tenant())
@@ -156,16 +243,20 @@ impl PostgresTier {
                 .bind(policy.retention.map(|r| millis(r) as f64))
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                 .bind(policy.name())
+                .bind(policy.tombstone.map(|t| millis(t) as f64))
                 .fetch_optional(&mut *conn);
             let row = self.bounded(claim).await?;
             if let Some(row) = row {
                 let acquired: bool = row.try_get("acquired")?;
                 let prior: Option<String> = row.try_get("prior_state")?;
+                let record = decode_record(&row)?;
+                if !acquired && attempt < MAX_CLAIM_ATTEMPTS && lost_a_race(&record, lease) {
+                    continue;
+                }
                 return Ok(Claim {
                     acquired,
                     took_over: acquired && prior.as_deref() == Some(State::InProgress.as_str()),
-                    owner: row.try_get("owner")?,
-                    record: decode_record(&row)?,
+                    record,
                 });
             }
         }
@@ -182,16 +273,31 @@ impl PostgresTier {
         row.as_ref().map(decode_record).transpose()
     }
 
-    /// Returns whether the fenced completion matched (false: the lease was lost). On `conn` (inside the
-    /// caller's transaction, the one that claimed) when given.
+    /// The fenced completion, on `conn` (inside the caller's transaction, the one that claimed) when
+    /// given. `None` when it matched no record (the lease was lost), else how long the record is kept.
     pub(crate) async fn complete(
         &self,
         lease: &Lease,
         response: &[u8],
         conn: Option<&mut PgConnection>,
-    ) -> Result<bool, sqlx::Error> {
+    ) -> Result<Option<Retained>, sqlx::Error> {
         let retention = lease.policy.retention.map(|r| millis(r) as f64);
         let query = self.fenced("complete", COMPLETE, lease).bind(response).bind(retention);
+        let row = match conn {
+            Some(conn) => self.bounded(query.fetch_optional(conn)).await?,
+            None => self.bounded(query.fetch_optional(&self.pool)).await?,
+        };
+        row.map(|row| Ok(Retained { expires_in: millis_column(&row, "expires_ms")? })).transpose()
+    }
+
+    /// Marks the record of `stale` (the lease that ran out, as read) indeterminate, on `conn` when given:
+    /// the transaction whose claim holds the record's row lock must not wait for itself.
+    pub(crate) async fn mark_indeterminate(
+        &self,
+        stale: &Lease,
+        conn: Option<&mut PgConnection>,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self.fenced("mark_indeterminate", MARK_INDETERMINATE, stale);
         let done = match conn {
             Some(conn) => self.bounded(query.execute(conn)).await,
             None => self.bounded(query.execute(&self.pool)).await,
@@ -206,13 +312,6 @@ impl PostgresTier {
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<bool, sqlx::Error> {
         let lease_ms = millis(lease.policy.lease) as f64;
         self.bounded(self.fenced("extend", EXTEND, lease).bind(lease_ms).execute(&self.pool)).await.map(matched)
-    }
-
-    /// Marks the record of `stale` (the lease that ran out, as read) indeterminate.
-    pub(crate) async fn mark_indeterminate(&self, stale: &Lease) -> Result<bool, sqlx::Error> {
-        self.bounded(self.fenced("mark_indeterminate", MARK_INDETERMINATE, stale).execute(&self.pool))
-            .await
-            .map(matched)
     }
 
     /// A write keyed by the lease's record and fence (`$1`..`$4`), counted as `statement`.
@@ -231,6 +330,30 @@ impl PostgresTier {
     }
 }
 
+/// Whether a record the claim did not acquire is one it would have re-acquired as read: another claim
+/// got it first, after this statement's snapshot.
+fn lost_a_race(record: &Record, lease: &Lease) -> bool {
+    let expired = record.expires_in == Some(Duration::ZERO);
+    let reusable = expired || record.matches(&lease.fingerprint);
+    let lease_ran_out = record.lease_remaining == Some(Duration::ZERO);
+    let rule = record.lease_expiry.unwrap_or(lease.policy.lease_expiry);
+    reusable
+        && match record.state {
+            State::Released => true,
+            State::InProgress => lease_ran_out && rule == LeaseExpiry::TakeOver,
+            _ => false,
+        }
+}
+
+/// How often a claim is retried after losing a race, before the last answer stands ("in flight").
+const MAX_CLAIM_ATTEMPTS: u32 = 4;
+
+/// A column of milliseconds as a duration (negative values, which the queries never produce, as zero).
+fn millis_column(row: &PgRow, column: &str) -> Result<Option<Duration>, sqlx::Error> {
+    let value: Option<i64> = row.try_get(column)?;
+    Ok(value.map(|v| Duration::from_millis(u64::try_from(v).unwrap_or(0))))
+}
+
 fn matched(result: sqlx::postgres::PgQueryResult) -> bool {
     result.rows_affected() == 1
 }
@@ -239,10 +362,7 @@ fn decode_record(row: &PgRow) -> Result<Record, sqlx::Error> {
     let state: String = row.try_get("state")?;
     let state = State::parse(&state)
         .ok_or_else(|| sqlx::Error::Decode(format!("unknown idempotency record state {state:?}").into()))?;
-    let ms = |column: &str| -> Result<Option<Duration>, sqlx::Error> {
-        let value: Option<i64> = row.try_get(column)?;
-        Ok(value.map(|v| Duration::from_millis(u64::try_from(v).unwrap_or(0))))
-    };
+    let ms = |column: &str| millis_column(row, column);
     Ok(Record {
         state,
         fence: row.try_get("fence")?,
@@ -251,5 +371,6 @@ fn decode_record(row: &PgRow) -> Result<Record, sqlx::Error> {
         expires_in: ms("expires_ms")?,
         response: row.try_get::<Option<Vec<u8>>, _>("response")?.map(StoredResponse::new),
         tier: row.try_get("tier")?,
+        lease_expiry: row.try_get::<Option<String>, _>("on_lease_expiry")?.as_deref().and_then(LeaseExpiry::parse),
     })
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::Store;
 use sqlx::postgres::PgConnection;
 
-use super::postgres_tier::Claim;
+use super::postgres_tier::Retained;
 use super::redis_tier::RedisTier;
 use super::scripts::RedisBegin;
 use crate::error::StoreError;
@@ -79,17 +79,18 @@ impl Store {
     /// Takes the Redis marker of a lease whose claim never committed (its transaction rolled back).
     pub(crate) async fn release_marker(&self, lease: &Lease) {
         if let Some(redis) = &self.inner.redis {
-            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner).await;
+            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, false).await;
             self.degrade(lease.scope.operation(), deleted);
         }
     }
 
-    /// Mirrors a completion into Redis, after Postgres committed it.
-    pub(crate) async fn cache_completion(&self, lease: &Lease, response: &[u8]) {
+    /// Mirrors a completion into Redis, after Postgres committed it, for no longer than Postgres keeps
+    /// it: a replay from Redis never outlives the record.
+    pub(crate) async fn cache_completion(&self, lease: &Lease, response: &[u8], retained: &Retained) {
         if let Some(redis) = &self.inner.redis {
-            let ttl = millis(lease.policy.redis_ttl);
+            let ttl = redis_ttl(lease.policy.redis_ttl, retained.expires_in);
             let record_key = self.record_key(redis, lease);
-            let put = redis.put(&record_key, State::Completed, lease.fingerprint.as_hex(), "", response, ttl);
+            let put = redis.put(&record_key, State::Completed, lease.fingerprint.as_hex(), "", response, millis(ttl));
             self.degrade(lease.scope.operation(), put.await);
         }
     }
@@ -100,7 +101,7 @@ impl Store {
         tx: &mut PgConnection,
         lease: &Lease,
         response: &[u8],
-    ) -> Result<(), StoreError> {
+    ) -> Result<Retained, StoreError> {
         let stored = self.inner.postgres.complete(lease, response, Some(tx)).await;
         self.fenced_step(lease, "complete", stored)
     }
@@ -123,10 +124,10 @@ impl Store {
     /// [`StoreError::StoreUnavailable`] if Postgres failed (the lease runs out, then policy applies).
     pub async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
         let stored = self.inner.postgres.complete(lease, response, None).await;
-        self.fenced_step(lease, "complete", stored)?;
+        let retained = self.fenced_step(lease, "complete", stored)?;
         // Fault tests: the process "dies" after the commit, before Redis hears of it.
         fail::fail_point!("complete-before-redis", |_| Ok(()));
-        self.cache_completion(lease, response).await;
+        self.cache_completion(lease, response, &retained).await;
         Ok(())
     }
 
@@ -136,9 +137,9 @@ impl Store {
     /// As [`Store::complete`].
     pub async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         let released = self.inner.postgres.release(lease).await;
-        self.fenced_step(lease, "release", released)?;
+        self.fenced_step(lease, "release", released.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
-            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner).await;
+            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, true).await;
             self.degrade(lease.scope.operation(), deleted);
         }
         Ok(())
@@ -150,7 +151,7 @@ impl Store {
     /// As [`Store::complete`].
     pub async fn extend(&self, lease: &Lease) -> Result<(), StoreError> {
         let extended = self.inner.postgres.extend(lease).await;
-        self.fenced_step(lease, "extend", extended)?;
+        self.fenced_step(lease, "extend", extended.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
             let lease_ms = millis(lease.policy.lease);
             let extended = redis.extend(&self.record_key(redis, lease), &lease.owner, lease_ms).await;
@@ -205,13 +206,19 @@ impl Store {
         }
 
         let started = Instant::now();
-        let claim = match self.inner.postgres.claim(&candidate, tx).await {
+        let mut tx = tx;
+        let claim = match self.inner.postgres.claim(&candidate, tx.as_deref_mut()).await {
             Ok(claim) => claim,
             Err(source) => {
                 // Fail closed, and take the marker back so retries are not told "in flight" for work
                 // that never started.
                 if let Some((redis, record_key)) = &marked {
-                    self.degrade(operation, redis.release(record_key, &candidate.owner).await);
+                    self.degrade(operation, redis.release(record_key, &candidate.owner, false).await);
+                }
+                // The row is locked past the lock timeout: an owner is working on it inside its own
+                // transaction (`run_once_in_tx`), which is what "in flight" means.
+                if is_lock_timeout(&source) {
+                    return Ok(Begin::InFlight { retry_after: Duration::ZERO });
                 }
                 return Err(StoreError::StoreUnavailable { step: "claim", source });
             }
@@ -222,33 +229,52 @@ impl Store {
             if claim.took_over {
                 telemetry::lease_takeover(operation);
             }
-            return Ok(Begin::Acquired(Lease { fence: claim.record.fence, ..candidate }));
+            let policy = match claim.record.lease_expiry {
+                // The rule stored with the record wins over the caller's.
+                Some(rule) if rule != candidate.policy.lease_expiry => {
+                    Arc::new(Policy { lease_expiry: rule, ..Policy::clone(&candidate.policy) })
+                }
+                _ => Arc::clone(&candidate.policy),
+            };
+            return Ok(Begin::Acquired(Lease { fence: claim.record.fence, policy, ..candidate }));
         }
-        let answer = self.answer_from(&candidate, &claim.record).await?;
+        let answer = self.answer_from(&candidate, &claim.record, tx).await;
         if let Some((redis, record_key)) = &marked {
             telemetry::reconciliation(operation);
-            let state = if matches!(answer, Begin::Indeterminate) { State::Indeterminate } else { claim.record.state };
-            self.repair(redis, record_key, &candidate, &claim, state).await;
+            let state = match &answer {
+                Ok(Begin::Indeterminate) => State::Indeterminate,
+                Ok(_) => claim.record.state,
+                // Postgres failed while answering: no marker stays behind for a state nobody confirmed.
+                Err(_) => State::Released,
+            };
+            self.repair(redis, record_key, &candidate, &claim.record, state).await;
         }
-        Ok(answer)
+        answer
     }
 
-    /// The answer for a key that Postgres holds and the caller did not acquire.
-    async fn answer_from(&self, candidate: &Lease, record: &Record) -> Result<Begin, StoreError> {
-        if record.fingerprint != candidate.fingerprint.as_hex() {
+    /// The answer for a key that Postgres holds and the caller did not acquire; on `tx` when the claim
+    /// was made there.
+    async fn answer_from(
+        &self,
+        candidate: &Lease,
+        record: &Record,
+        tx: Option<&mut PgConnection>,
+    ) -> Result<Begin, StoreError> {
+        if !record.matches(&candidate.fingerprint) {
             return Ok(Begin::Mismatch);
         }
         let remaining = record.lease_remaining.unwrap_or_default();
+        let rule = record.lease_expiry.unwrap_or(candidate.policy.lease_expiry);
         Ok(match record.state {
+            State::Completed if record.expires_in == Some(Duration::ZERO) => Begin::Expired,
             State::Completed => {
                 Begin::Completed(record.response.clone().unwrap_or_else(|| StoredResponse::new(Vec::new())))
             }
+            State::Expired => Begin::Expired,
             State::Indeterminate => Begin::Indeterminate,
-            State::InProgress
-                if remaining.is_zero() && candidate.policy.lease_expiry == LeaseExpiry::MarkIndeterminate =>
-            {
+            State::InProgress if remaining.is_zero() && rule == LeaseExpiry::MarkIndeterminate => {
                 let stale = Lease { fence: record.fence, ..candidate.clone() };
-                let marked = self.inner.postgres.mark_indeterminate(&stale).await;
+                let marked = self.inner.postgres.mark_indeterminate(&stale, tx).await;
                 match marked.map_err(|source| StoreError::StoreUnavailable { step: "mark indeterminate", source })? {
                     true => Begin::Indeterminate,
                     // The owner extended or finished meanwhile: a retry sees which.
@@ -263,37 +289,38 @@ impl Store {
 
     /// Writes into Redis what Postgres holds, replacing the caller's marker. `state` is the record's
     /// state after this request (it may just have been marked indeterminate).
-    async fn repair(&self, redis: &RedisTier, record_key: &str, candidate: &Lease, claim: &Claim, state: State) {
-        let record = &claim.record;
-        let remaining = record.lease_remaining.unwrap_or_default();
-        let (owner, response, ttl) = match state {
-            State::Completed => {
+    ///
+    /// Another owner's in-progress marker is never written here: Postgres may have settled that lease
+    /// since it was read (a release racing this repair would leave a marker answering "in flight" for a
+    /// lease nobody holds). The caller's own marker is taken back instead, and duplicates ask Postgres
+    /// until the owner completes and writes the result.
+    async fn repair(&self, redis: &RedisTier, record_key: &str, candidate: &Lease, record: &Record, state: State) {
+        let (response, ttl) = match state {
+            State::Completed if record.expires_in != Some(Duration::ZERO) => {
                 let response = record.response.as_ref().map_or(&[][..], StoredResponse::as_bytes);
-                ("", response, candidate.policy.redis_ttl)
+                (response, redis_ttl(candidate.policy.redis_ttl, record.expires_in))
             }
-            State::InProgress if !remaining.is_zero() => (claim.owner.as_deref().unwrap_or(""), &[][..], remaining),
-            State::Indeterminate => ("", &[][..], candidate.policy.lease),
-            // Released, or a lease that just ran out: no marker, so the next request asks Postgres.
-            State::InProgress | State::Released => {
-                self.degrade(candidate.scope.operation(), redis.release(record_key, &candidate.owner).await);
+            State::Indeterminate => (&[][..], candidate.policy.lease),
+            _ => {
+                self.degrade(candidate.scope.operation(), redis.release(record_key, &candidate.owner, false).await);
                 return;
             }
         };
-        let put = redis.put(record_key, state, &record.fingerprint, owner, response, millis(ttl));
+        let put = redis.put(record_key, state, &record.fingerprint, "", response, millis(ttl));
         self.degrade(candidate.scope.operation(), put.await);
     }
 
     /// Maps a fenced Postgres write: no row matched means the lease was lost.
-    fn fenced_step(
+    fn fenced_step<T>(
         &self,
         lease: &Lease,
         step: &'static str,
-        result: Result<bool, sqlx::Error>,
-    ) -> Result<(), StoreError> {
+        result: Result<Option<T>, sqlx::Error>,
+    ) -> Result<T, StoreError> {
         let operation = lease.scope.operation();
         match result {
-            Ok(true) => Ok(()),
-            Ok(false) => {
+            Ok(Some(done)) => Ok(done),
+            Ok(None) => {
                 telemetry::outcome(operation, "lease_lost");
                 Err(StoreError::LeaseLost { fence: lease.fence })
             }
@@ -316,6 +343,16 @@ impl Store {
     }
 }
 
+/// Whether Postgres gave up waiting for a row lock (`lock_timeout`, SQLSTATE 55P03).
+fn is_lock_timeout(error: &sqlx::Error) -> bool {
+    error.as_database_error().and_then(|e| e.code()).is_some_and(|code| code == "55P03")
+}
+
+/// How long Redis may keep a completed record: its TTL, never past the record's expiry in Postgres.
+fn redis_ttl(ttl: Duration, expires_in: Option<Duration>) -> Duration {
+    expires_in.map_or(ttl, |expires_in| ttl.min(expires_in))
+}
+
 /// Counts the answer of a claim by operation.
 fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>) {
     let outcome = match answer {
@@ -324,6 +361,7 @@ fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>) {
         Ok(Begin::InFlight { .. }) => "in_flight",
         Ok(Begin::Mismatch) => "mismatch",
         Ok(Begin::Indeterminate) => "indeterminate",
+        Ok(Begin::Expired) => "expired",
         Err(_) => "error",
     };
     telemetry::outcome(operation, outcome);

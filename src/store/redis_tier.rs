@@ -1,8 +1,9 @@
 //! The Redis hot path: script calls under a latency budget, with a circuit breaker so that a Redis
 //! outage costs one budget per cool-down instead of one per request.
 
-use std::sync::RwLock;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use deadpool_redis::Pool;
@@ -13,6 +14,9 @@ use super::scripts::{self, RedisBegin};
 use crate::key::{IdempotencyKey, Scope};
 use crate::record::State;
 use crate::telemetry;
+
+/// How many keys left behind are remembered (about 10 MB at most).
+const MAX_BEHIND: usize = 100_000;
 
 /// Why a Redis call was not answered; every one degrades the call to the Postgres path.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +65,8 @@ pub(crate) struct RedisTier {
     prefix: String,
     budget: Duration,
     cooldown: Duration,
+    /// Keys whose copy may be behind Postgres, deleted before Redis answers again.
+    behind: Mutex<VecDeque<String>>,
     /// Milliseconds since `epoch` until which Redis is skipped; 0 when closed.
     open_until: AtomicU64,
     epoch: Instant,
@@ -71,6 +77,7 @@ impl RedisTier {
         Self {
             pool,
             shared: RwLock::new(None),
+            behind: Mutex::new(VecDeque::new()),
             prefix,
             budget,
             cooldown,
@@ -94,10 +101,20 @@ impl RedisTier {
         lease_ms: i64,
     ) -> Result<RedisBegin, RedisUnavailable> {
         let lease = lease_ms.to_string();
-        let reply = self
-            .invoke("begin", &scripts::BEGIN, record_key, &[fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes()])
-            .await?;
-        RedisBegin::decode(reply).map_err(|e| self.trip(RedisUnavailable::Failed(Box::new(e))))
+        let args = [fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes()];
+        let reply = self.invoke("begin", &scripts::BEGIN, record_key, &args).await.inspect_err(|error| {
+            // A call that timed out may still have written its marker.
+            if !matches!(error, RedisUnavailable::CircuitOpen) {
+                self.left_behind(record_key);
+            }
+        })?;
+        // A reply outside the contract says nothing about the key, but nothing about Redis either: the
+        // request asks Postgres, and the circuit stays closed for everyone else.
+        Ok(RedisBegin::decode(reply).unwrap_or_else(|error| {
+            tracing::warn!(%error, "unexpected begin reply; asking Postgres");
+            self.left_behind(record_key);
+            RedisBegin::Unconfirmed
+        }))
     }
 
     /// Mirrors a Postgres state into Redis. `owner` matters for in-progress markers, `response` for
@@ -114,17 +131,23 @@ impl RedisTier {
         let tag: &[u8] = match state {
             State::Completed => b"c",
             State::Indeterminate => b"i",
-            // A released record needs no marker: the next request claims it in Postgres.
-            State::Released => return Ok(()),
+            // A released record needs no marker: the next request claims it in Postgres; an expired one
+            // is answered by Postgres's tombstone.
+            State::Released | State::Expired => return Ok(()),
             State::InProgress => b"p",
         };
         let ttl = ttl_ms.max(1).to_string();
         let args = [tag, fingerprint.as_bytes(), owner.as_bytes(), response, ttl.as_bytes()];
-        self.invoke("put", &scripts::PUT, record_key, &args).await.map(drop)
+        let put = self.invoke("put", &scripts::PUT, record_key, &args).await;
+        put.map(drop).inspect_err(|_| self.left_behind(record_key))
     }
 
-    pub(crate) async fn release(&self, record_key: &str, owner: &str) -> Result<(), RedisUnavailable> {
-        self.invoke("release", &scripts::RELEASE, record_key, &[owner.as_bytes()]).await.map(drop)
+    /// Deletes the caller's own marker; with `released` (Postgres released the record under the caller's
+    /// fence), an indeterminate copy too.
+    pub(crate) async fn release(&self, record_key: &str, owner: &str, released: bool) -> Result<(), RedisUnavailable> {
+        let mode: &[u8] = if released { b"released" } else { b"" };
+        let released = self.invoke("release", &scripts::RELEASE, record_key, &[owner.as_bytes(), mode]).await;
+        released.map(drop).inspect_err(|_| self.left_behind(record_key))
     }
 
     pub(crate) async fn extend(&self, record_key: &str, owner: &str, lease_ms: i64) -> Result<(), RedisUnavailable> {
@@ -162,8 +185,42 @@ impl RedisTier {
         Ok(deleted == 1)
     }
 
+    /// Remembers a key whose Redis copy may now be behind Postgres: a write that settles it failed or was
+    /// skipped (circuit open), or a claim marker may have been written by a call that timed out. The key
+    /// is deleted before Redis answers anything again ([`RedisTier::invoke`]), so a stale "in flight"
+    /// never outlives Postgres's answer once Redis is back. Bounded: beyond it the oldest keys are
+    /// forgotten, and their markers expire with their lease.
+    fn left_behind(&self, record_key: &str) {
+        if let Ok(mut behind) = self.behind.lock() {
+            if behind.len() == MAX_BEHIND {
+                behind.pop_front();
+            }
+            behind.push_back(record_key.to_owned());
+        }
+    }
+
+    /// Deletes the keys left behind, first thing once Redis answers again; on failure they wait for the
+    /// next attempt.
+    async fn catch_up(&self, conn: &mut MultiplexedConnection) -> Result<(), RedisUnavailable> {
+        let keys: Vec<String> = match self.behind.lock() {
+            Ok(mut behind) if !behind.is_empty() => behind.drain(..).collect(),
+            _ => return Ok(()),
+        };
+        let mut pipe = redis::pipe();
+        for key in &keys {
+            pipe.del(key).ignore();
+        }
+        if let Err(error) = pipe.query_async::<()>(conn).await {
+            if let Ok(mut behind) = self.behind.lock() {
+                behind.extend(keys);
+            }
+            return Err(RedisUnavailable::Failed(Box::new(error)));
+        }
+        Ok(())
+    }
+
     /// Runs one script with EVALSHA (reloaded on NOSCRIPT by `Script::invoke_async`), bounded by the
-    /// budget; a failure opens the circuit for the cool-down.
+    /// budget, after catching up on keys left behind; a failure opens the circuit for the cool-down.
     async fn invoke(
         &self,
         name: &'static str,
@@ -177,6 +234,7 @@ impl RedisTier {
         telemetry::redis_call(name);
         let call = async {
             let mut conn = self.connection().await?;
+            self.catch_up(&mut conn).await?;
             let mut invocation = script.key(record_key);
             for arg in args {
                 invocation.arg(*arg);

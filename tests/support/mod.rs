@@ -212,6 +212,57 @@ impl Harness {
         redis::cmd("KEYS").arg(format!("{}:*", self.prefix)).query_async(&mut conn).await.expect("KEYS")
     }
 
+    /// Time passes for one key without waiting: the owner's lease ran out (server time stays the only
+    /// clock; the record's deadline moves instead). Its Redis marker goes with it, as it would.
+    pub async fn pass_lease(&self, scope: &Scope, key: &IdempotencyKey) {
+        self.move_deadline("idempotency_records", "lease_expires_at", scope, key).await;
+        self.expire_redis_copy(scope, key, "p").await;
+    }
+
+    /// The record's retention ran out (for an in-progress record: its owner kept extending past it).
+    /// A completed record's Redis copy expires with it, as its TTL makes it.
+    pub async fn pass_retention(&self, scope: &Scope, key: &IdempotencyKey) {
+        self.move_deadline("idempotency_records", "expires_at", scope, key).await;
+        self.expire_redis_copy(scope, key, "c").await;
+    }
+
+    /// The key's tombstone reached its horizon.
+    pub async fn pass_tombstone_horizon(&self, scope: &Scope, key: &IdempotencyKey) {
+        let sql = "UPDATE idempotency_tombstones SET expires_at = now() - interval '1 millisecond'
+                   WHERE digest = idempotency_key_digest($1, $2, $3)";
+        let query = sqlx::query(sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str());
+        query.execute(&self.pool).await.expect("move the tombstone's horizon");
+    }
+
+    async fn move_deadline(&self, table: &str, column: &str, scope: &Scope, key: &IdempotencyKey) {
+        let sql = format!(
+            "UPDATE {table} SET {column} = now() - interval '1 millisecond'
+             WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND {column} IS NOT NULL"
+        );
+        let query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(scope.tenant()).bind(scope.operation());
+        query.bind(key.as_str()).execute(&self.pool).await.expect("move a deadline");
+    }
+
+    /// Expires the key's Redis copy if it is in state `state` (`p`, `c` or `i`).
+    async fn expire_redis_copy(&self, scope: &Scope, key: &IdempotencyKey, state: &str) {
+        if self.redis_url.is_none() {
+            return;
+        }
+        let mut conn = self.redis_connection().await;
+        let record_key = self.redis_key(scope, key);
+        let held: Option<String> =
+            redis::cmd("HGET").arg(&record_key).arg("s").query_async(&mut conn).await.expect("HGET");
+        if held.as_deref() == Some(state) {
+            let _: i64 = redis::cmd("DEL").arg(&record_key).query_async(&mut conn).await.expect("DEL");
+        }
+    }
+
+    /// The Redis key of a record, as the store names it.
+    pub fn redis_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
+        let (tenant, operation) = (scope.tenant(), scope.operation());
+        format!("{}:{{{}:{tenant}:{}:{operation}:{key}}}", self.prefix, tenant.len(), operation.len())
+    }
+
     /// A counter of this test's operation (labels other than `operation` must match too).
     pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         counter(&self.operation, name, labels)

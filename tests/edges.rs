@@ -1,0 +1,336 @@
+//! "Once" at its edges: retention against live leases, fences across purges, the rule stored with each
+//! record, tombstones after the retention, and a transaction that never waits on its own lock. Each test
+//! reproduces a defect found by reading the protocol (and then by the model checker); time moves in the
+//! servers' data, never by sleeping. Real servers, both modes.
+
+#[macro_use]
+mod support;
+
+use std::time::Duration;
+
+use idemstore::testkit::ProxyMode;
+use idemstore::{
+    Begin, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Policy, RunOutcome, Scope, State,
+    StoreError,
+};
+use serde_json::{Value, json};
+use support::{Harness, Servers, key};
+
+suite!(
+    a_live_lease_outlives_the_retention,
+    fences_never_repeat_across_a_purge,
+    the_records_rule_wins_over_the_callers,
+    a_completed_key_expires_into_a_tombstone,
+    a_transaction_marks_indeterminate_without_waiting_on_itself,
+    a_tombstone_takes_at_most_120_bytes,
+    a_claim_that_timed_out_never_commits_later,
+    redis_never_answers_in_flight_after_postgres_settled,
+    a_malformed_redis_record_is_a_miss,
+    a_claim_that_lost_a_race_asks_again,
+    releasing_an_indeterminate_record_clears_its_redis_copy,
+);
+
+fn fingerprint(payload: &str) -> Fingerprint {
+    Fingerprint::of_json(payload.as_bytes(), &FingerprintOptions::default()).expect("fingerprint")
+}
+
+fn policy(expiry: LeaseExpiry) -> Policy {
+    Policy::builder().lease_expiry(expiry).build().expect("policy")
+}
+
+async fn acquire(h: &Harness, scope: &Scope, k: &IdempotencyKey, payload: &str) -> idemstore::Lease {
+    match h.store.begin(scope, k, &fingerprint(payload)).await.expect("begin") {
+        Begin::Acquired(lease) => lease,
+        other => panic!("expected to acquire, got {other:?}"),
+    }
+}
+
+/// An owner that keeps extending its lease past the record's retention keeps its key: another payload is
+/// refused (before: `Acquired` under a new fence while the owner still worked), nothing is purged, and
+/// the owner completes.
+async fn a_live_lease_outlives_the_retention(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("long-job"));
+    let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
+    h.pass_retention(&scope, &k).await;
+    h.store.extend(&owner).await.expect("the owner extends");
+    let other = h.store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await.expect("begin");
+    assert!(matches!(other, Begin::InFlight { .. } | Begin::Mismatch), "{other:?}");
+    let same = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    assert!(matches!(same, Begin::InFlight { .. }), "{same:?}");
+    assert_eq!(h.store.purge_expired(100).await.expect("purge"), 0, "a live lease is never purged");
+    h.store.complete(&owner, b"\"done\"").await.expect("the owner completes");
+    let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    assert!(matches!(replay, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{replay:?}");
+}
+
+/// A record released and purged is claimed again under a fence higher than every earlier one, so the
+/// old owner's late completion matches nothing (before: the fence restarted at 1 and the old owner's
+/// completion landed on the new record, under another payload).
+async fn fences_never_repeat_across_a_purge(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("reused"));
+    let old = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
+    h.pass_lease(&scope, &k).await;
+    let recovered = h.store.recover_stale(10, false).await.expect("recover");
+    assert_eq!(recovered.released, 1);
+    h.pass_retention(&scope, &k).await;
+    assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1, "the released record went");
+    let new = acquire(&h, &scope, &k, r#"{"b":2}"#).await;
+    assert!(new.fence() > old.fence(), "fences {} then {}", old.fence(), new.fence());
+    assert!(matches!(h.store.complete(&old, b"\"old\"").await, Err(StoreError::LeaseLost { .. })));
+    h.store.complete(&new, b"\"new\"").await.expect("the new owner completes");
+    let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await.expect("begin");
+    assert!(matches!(replay, Begin::Completed(ref r) if r.as_bytes() == b"\"new\""), "{replay:?}");
+}
+
+/// A record claimed under MarkIndeterminate whose lease ran out is marked indeterminate even when the
+/// next caller holds a TakeOver policy (before: taken over, so a payout could run twice); and a caller
+/// under MarkIndeterminate never marks a TakeOver record.
+async fn the_records_rule_wins_over_the_callers(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+    let (scope, payout) = (h.scope("acme"), key("payout"));
+    let fp = fingerprint(r#"{"amount":100}"#);
+    let strict = policy(LeaseExpiry::MarkIndeterminate);
+    let Begin::Acquired(first) = h.store.begin_with_policy(&scope, &payout, &fp, &strict).await.expect("begin") else {
+        panic!("first claim")
+    };
+    assert_eq!(first.policy().lease_expiry(), LeaseExpiry::MarkIndeterminate);
+    h.pass_lease(&scope, &payout).await;
+    let next = h.store.begin(&scope, &payout, &fp).await.expect("begin under TakeOver");
+    assert!(matches!(next, Begin::Indeterminate), "the record's rule wins: {next:?}");
+    assert_eq!(h.store.lookup(&scope, &payout).await.expect("lookup").expect("record").state, State::Indeterminate);
+
+    let retried = key("retried");
+    let Begin::Acquired(first) = h.store.begin(&scope, &retried, &fp).await.expect("begin") else { panic!() };
+    h.pass_lease(&scope, &retried).await;
+    let Begin::Acquired(second) = h.store.begin_with_policy(&scope, &retried, &fp, &strict).await.expect("begin")
+    else {
+        panic!("a TakeOver record is taken over, whatever the caller's rule")
+    };
+    assert!(second.fence() > first.fence());
+    assert_eq!(second.policy().lease_expiry(), LeaseExpiry::TakeOver, "the lease carries the record's rule");
+}
+
+/// After its retention a completed key answers `Expired` to its own payload and `Mismatch` to another,
+/// before and after the purge (which leaves a tombstone); once the tombstone's horizon ends, the key is
+/// new again, under a higher fence.
+async fn a_completed_key_expires_into_a_tombstone(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("old-order"));
+    let (mine, other) = (r#"{"a":1}"#, r#"{"a":2}"#);
+    let owner = acquire(&h, &scope, &k, mine).await;
+    h.store.complete(&owner, b"\"done\"").await.expect("complete");
+    h.pass_retention(&scope, &k).await;
+    for purge in [false, true] {
+        if purge {
+            assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1);
+            let tombstone = h.store.lookup(&scope, &k).await.expect("lookup").expect("tombstone");
+            assert_eq!((tombstone.state, tombstone.fence), (State::Expired, owner.fence()));
+        }
+        let again = h.store.begin(&scope, &k, &fingerprint(mine)).await.expect("begin");
+        assert!(matches!(again, Begin::Expired), "purged: {purge}: {again:?}");
+        let changed = h.store.begin(&scope, &k, &fingerprint(other)).await.expect("begin");
+        assert!(matches!(changed, Begin::Mismatch), "purged: {purge}: {changed:?}");
+    }
+    let work = || async { Ok::<_, sqlx::Error>(json!("again")) };
+    let run = h.store.run_once(&scope, &k, &json!({"a": 1}), work).await;
+    assert!(matches!(run, Ok(RunOutcome::<Value>::Expired)), "{run:?}");
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "expired")]), 3.0);
+
+    h.pass_tombstone_horizon(&scope, &k).await;
+    let reborn = acquire(&h, &scope, &k, other).await;
+    assert!(reborn.fence() > owner.fence());
+    assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1, "the tombstone went");
+}
+
+/// `run_once_in_tx` on a MarkIndeterminate key whose owner's lease ran out answers `Indeterminate` at
+/// once: the mark is written on the transaction's own connection (before: from a second pooled
+/// connection, which could wait on the transaction's row lock until the store timeout, then 503).
+async fn a_transaction_marks_indeterminate_without_waiting_on_itself(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::MarkIndeterminate), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("tx-payout"));
+    let _dead = acquire(&h, &scope, &k, r#"{"amount":5}"#).await;
+    h.pass_lease(&scope, &k).await;
+    let started = std::time::Instant::now();
+    let run = h.store.run_once_in_tx(&scope, &k, &json!({"amount": 5}), ran).await;
+    assert!(matches!(run, Ok(RunOutcome::Indeterminate)), "{run:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "answered without waiting for a timeout");
+    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("record");
+    assert_eq!(record.state, State::Indeterminate, "the mark was committed with the answer");
+}
+
+fn ran(_tx: &mut sqlx::PgConnection) -> idemstore::TxFuture<'_, Value, sqlx::Error> {
+    Box::pin(async { Ok(json!("ran")) })
+}
+
+/// Bytes per tombstone in Postgres (heap and both indexes), for 20,000 purged records with UUID keys.
+async fn a_tombstone_takes_at_most_120_bytes(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+    let rows = 20_000;
+    let seed = "INSERT INTO idempotency_records
+                    (tenant, operation, idempotency_key, fingerprint, state, fence, response, expires_at, tier,
+                     on_lease_expiry, retention_ms, tombstone_ms)
+                SELECT 'acme', $1, gen_random_uuid()::text, encode(sha256(i::text::bytea), 'hex'), 'completed',
+                       nextval('idempotency_fences'), '\\x00', now() - interval '1 second', 'standard', 'take_over',
+                       1000, 86400000
+                FROM generate_series(1, $2) AS i";
+    sqlx::query(seed).bind(&h.operation).bind(rows).execute(&h.pool).await.expect("seed records");
+    assert_eq!(h.store.purge_expired(5_000).await.expect("purge"), rows as u64);
+    sqlx::query("VACUUM ANALYZE idempotency_tombstones").execute(&h.pool).await.expect("vacuum");
+    let bytes: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('idempotency_tombstones')")
+        .fetch_one(&h.pool)
+        .await
+        .expect("size");
+    let per_tombstone = bytes as f64 / f64::from(rows);
+    println!("{per_tombstone:.1} bytes per tombstone ({bytes} bytes for {rows})");
+    assert!(per_tombstone <= 120.0, "{per_tombstone:.1} bytes per tombstone");
+}
+
+/// A claim blocked past the store's timeout (here by a table lock) is cancelled by the server, not just
+/// abandoned by the client: once the lock goes, no "ghost" claim commits (before: the abandoned statement
+/// committed later, so retries were told "in flight" for work that never ran).
+async fn a_claim_that_timed_out_never_commits_later(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("ghost"));
+    let mut locker = h.pool.begin().await.expect("begin");
+    sqlx::query("LOCK TABLE idempotency_records IN SHARE ROW EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .expect("lock the table");
+    let answer = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await;
+    assert!(
+        matches!(answer, Ok(Begin::InFlight { .. }) | Err(StoreError::StoreUnavailable { .. })),
+        "nothing executes while the claim cannot be written: {answer:?}"
+    );
+    locker.commit().await.expect("unlock");
+    // Lock requests queue in order: once this one is granted, a claim still waiting before it has ended.
+    let mut after = h.pool.begin().await.expect("begin");
+    sqlx::query("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE").execute(&mut *after).await.expect("lock");
+    after.commit().await.expect("unlock");
+    let ghost: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE idempotency_key = $1")
+        .bind(k.as_str())
+        .fetch_one(&h.pool)
+        .await
+        .expect("count");
+    assert_eq!(ghost, 0, "the abandoned claim was cancelled by the server");
+    let Begin::Acquired(_) = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin") else {
+        panic!("the key is free for a retry")
+    };
+}
+
+/// The owner completes while Redis cannot be reached (its marker stays behind in Redis); once Redis is
+/// back, the first request is answered from Postgres, not "in flight" from the stale marker (before: for
+/// up to a lease after Postgres had settled the key).
+async fn redis_never_answers_in_flight_after_postgres_settled(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let (scope, k) = (h.scope("acme"), key("settled"));
+    let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
+    if let Some(proxy) = &h.redis_proxy {
+        proxy.set(ProxyMode::Blackhole);
+    }
+    h.store.complete(&owner, b"\"done\"").await.expect("Postgres completes");
+    if let Some(proxy) = &h.redis_proxy {
+        proxy.cut();
+        proxy.set(ProxyMode::Pass);
+    }
+    let mut answer = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    // While the circuit is still open the answer comes from Postgres anyway; poll past the cool-down.
+    for _ in 0..50 {
+        if h.counter("idemstore_redis_lookups_total", &[("result", "miss")]) > 1.0 || mode == Mode::PostgresOnly {
+            break;
+        }
+        assert!(matches!(answer, Begin::Completed(_)), "{answer:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        answer = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    }
+    assert!(matches!(answer, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{answer:?}");
+    let again = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    assert!(matches!(again, Begin::Completed(_)), "Redis was repaired: {again:?}");
+}
+
+/// A Redis hash that lost fields (or was written by something else) is a miss that Postgres answers and
+/// repairs (before: a hash without its fingerprint answered "mismatch" to every payload, and one without
+/// its response tripped the circuit for the whole process).
+async fn a_malformed_redis_record_is_a_miss(mode: Mode) {
+    if mode == Mode::PostgresOnly {
+        return;
+    }
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+    let scope = h.scope("acme");
+    let mut conn = h.redis_connection().await;
+    for (name, fields) in
+        [("no-fingerprint", &[("s", "c"), ("r", "x")][..]), ("no-response", &[("s", "c"), ("h", "")][..])]
+    {
+        let k = key(name);
+        let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
+        h.store.complete(&owner, b"\"done\"").await.expect("complete");
+        let record_key = h.redis_key(&scope, &k);
+        let fp = fingerprint(r#"{"a":1}"#);
+        let mut hash = redis::cmd("HSET");
+        hash.arg(&record_key);
+        for (field, value) in fields {
+            hash.arg(field).arg(if *field == "h" { fp.as_hex() } else { value });
+        }
+        let _: () = redis::pipe()
+            .del(&record_key)
+            .ignore()
+            .add_command(hash)
+            .ignore()
+            .query_async(&mut conn)
+            .await
+            .expect("corrupt");
+        let answer = h.store.begin(&scope, &k, &fp).await.expect("begin");
+        assert!(matches!(answer, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{name}: {answer:?}");
+    }
+    assert_eq!(h.counter("idemstore_redis_fallbacks_total", &[]), 0.0, "the circuit never opened");
+}
+
+/// Found by the model checker (two clients begin together on a released key): a claim whose snapshot
+/// still shows the released record, but which waited for a concurrent winner's row lock, asks again and
+/// answers what the winner holds (before: "in flight" from the stale snapshot, for a key that another
+/// payload now owns). The winner's claim is held open in a transaction so the loser surely waits on it.
+async fn a_claim_that_lost_a_race_asks_again(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("raced"));
+    let first = acquire(&h, &scope, &k, r#"{"b":2}"#).await;
+    h.store.release(&first).await.expect("release");
+    let mut winner = h.pool.begin().await.expect("begin");
+    let take = "UPDATE idempotency_records
+                SET state = 'in_progress', fingerprint = $4, fence = nextval('idempotency_fences'),
+                    lease_expires_at = now() + interval '30 seconds'
+                WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
+    let other = fingerprint(r#"{"a":1}"#);
+    let query = sqlx::query(take).bind(scope.tenant()).bind(scope.operation()).bind(k.as_str()).bind(other.as_hex());
+    query.execute(&mut *winner).await.expect("the winner's claim, not yet committed");
+    let loser = {
+        let (store, scope, k) = (h.store.clone(), scope.clone(), k.clone());
+        tokio::spawn(async move { store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await })
+    };
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%claimed AS%'";
+    for _ in 0..500 {
+        let blocked: i64 = sqlx::query_scalar(waiting).fetch_one(&h.pool).await.expect("pg_stat_activity");
+        if blocked == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    winner.commit().await.expect("the winner commits");
+    let answer = loser.await.expect("join").expect("begin");
+    assert!(matches!(answer, Begin::Mismatch), "the key now belongs to another payload: {answer:?}");
+}
+
+/// Found by the model checker: an owner under MarkIndeterminate releases its record after a duplicate
+/// saw it indeterminate (and Redis cached that); the next request executes (before: Redis kept answering
+/// "indeterminate" for a record Postgres had released).
+async fn releasing_an_indeterminate_record_clears_its_redis_copy(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::MarkIndeterminate), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("late-release"));
+    let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
+    h.pass_lease(&scope, &k).await;
+    let seen = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    assert!(matches!(seen, Begin::Indeterminate), "{seen:?}");
+    h.store.release(&owner).await.expect("the owner still releases under its fence");
+    let next = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
+}

@@ -1,0 +1,120 @@
+//! The history of one case: every call, its answer and when it ran, checked as a whole once the case
+//! ends. The checks read only the answers, never the model, so they are a second opinion on the same
+//! run (as Jepsen's checkers read a history): per life of the key, at most one completion, and every
+//! replay repeats it.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+/// When a call ran, from the start of its case.
+#[derive(Clone, Copy, Debug)]
+pub struct Span {
+    started: Duration,
+    ended: Duration,
+}
+
+/// What an entry means to the end-of-case checks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Nothing the checks read.
+    None,
+    /// A begin acquired a key that held nothing (no record, no standing tombstone): a new life of the
+    /// key starts, in which nothing has completed yet.
+    NewLife,
+    /// A response was stored: an owner completed, or an operator resolved the record as completed.
+    Completion(String),
+    /// A begin replayed this response.
+    Replay(String),
+    /// A begin was told its response expired.
+    Expired,
+}
+
+struct Entry {
+    step: usize,
+    span: Span,
+    call: String,
+    answer: String,
+    effect: Effect,
+}
+
+/// The entries of one case, in the order they took effect.
+pub struct History {
+    origin: Instant,
+    entries: Vec<Entry>,
+}
+
+impl History {
+    /// An empty history whose clock starts now.
+    pub fn start() -> Self {
+        Self { origin: Instant::now(), entries: Vec::new() }
+    }
+
+    /// Runs `call`, timing it.
+    pub async fn timed<T>(&self, call: impl Future<Output = T>) -> (T, Span) {
+        let started = self.origin.elapsed();
+        let value = call.await;
+        (value, Span { started, ended: self.origin.elapsed() })
+    }
+
+    /// Adds a call of step `step` and what it answered.
+    pub fn record(
+        &mut self,
+        step: usize,
+        span: Span,
+        call: impl Into<String>,
+        answer: impl Into<String>,
+        effect: Effect,
+    ) {
+        self.entries.push(Entry { step, span, call: call.into(), answer: answer.into(), effect });
+    }
+
+    /// Adds a step that sent nothing to the store (a fault, time passing, a no-op).
+    pub fn note(&mut self, step: usize, call: impl Into<String>, answer: impl Into<String>) {
+        let now = self.origin.elapsed();
+        self.record(step, Span { started: now, ended: now }, call, answer, Effect::None);
+    }
+
+    /// At most one completion per life of the key; every replay equals the completion of its life, and
+    /// "expired" is only said of a life that completed.
+    pub fn check(&self) -> Result<(), String> {
+        // The completion of the key's current life, and the step that stored it.
+        let mut completion: Option<(usize, &str)> = None;
+        for entry in &self.entries {
+            let step = entry.step;
+            match (&entry.effect, completion) {
+                (Effect::NewLife, _) => completion = None,
+                (Effect::Completion(response), None) => completion = Some((step, response.as_str())),
+                (Effect::Completion(response), Some((first, stored))) => {
+                    return Err(format!(
+                        "step {step} stored {response:?}, but step {first} stored {stored:?} in the same life of \
+                         the key: the request ran twice"
+                    ));
+                }
+                (Effect::Replay(response), Some((_, stored))) if response == stored => {}
+                (Effect::Replay(response), _) => {
+                    return Err(format!(
+                        "step {step} replayed {response:?}, but this life of the key stored {completion:?}"
+                    ));
+                }
+                (Effect::Expired, None) => {
+                    return Err(format!(
+                        "step {step} was told \"expired\", but nothing completed in this life of the key"
+                    ));
+                }
+                (Effect::Expired | Effect::None, _) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for History {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = |at: Duration| at.as_secs_f64() * 1e3;
+        for Entry { step, span, call, answer, .. } in &self.entries {
+            let (started, ended) = (ms(span.started), ms(span.ended));
+            writeln!(f, "  {step:>3}  {started:>8.1}..{ended:<8.1}  {call:<40} -> {answer}")?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,538 @@
+//! The reference model of one key: what the protocol says the key holds, and which answers it allows.
+//! Plain Rust, no I/O. The driver hands it every real answer and, after every step, what Postgres
+//! holds; the model says whether they are allowed, and follows them.
+//!
+//! It is exact where the protocol is. Where the protocol leaves a choice to the store (may another
+//! payload reuse a key whose record expired before the purge came?), it allows each choice and follows
+//! the one the answer shows. Time moves only in steps (a lease runs out, a retention or a tombstone's
+//! horizon passes): the servers' leases and retentions are far longer than a case.
+//!
+//! The invariants, numbered as in the messages:
+//! 1. at most one live owner: nobody acquires a key while a lease on it is live;
+//! 2. a stored response answers only the payload that stored it, and it is the key's one completion;
+//! 3. fences strictly increase over a key's whole life, purges included;
+//! 4. a superseded owner's writes are refused (`LeaseLost`); a live owner's writes succeed;
+//! 5. a completed key replays its response to the same payload until its retention ends, never "in
+//!    flight"; another payload is refused;
+//! 6. after the retention, the same payload is told `Expired` (it never runs again) until the
+//!    tombstone's horizon; another payload is refused;
+//! 7. once a lease ran out under `MarkIndeterminate`, nobody acquires the key until it is resolved;
+//! 8. no "in flight" unless a lease is live; Postgres agrees with the model after every step, so
+//!    "live" is what Postgres holds, not only what the model believes.
+
+use std::fmt;
+
+/// A request payload. Two are enough: the same request retried, and a key reused by mistake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Payload {
+    A,
+    B,
+}
+
+/// What a lease that runs out means, as the policy of the store a call goes to says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    TakeOver,
+    MarkIndeterminate,
+}
+
+/// One `begin`: a payload, sent to the store whose policy has `rule`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Call {
+    pub payload: Payload,
+    pub rule: Rule,
+}
+
+impl fmt::Display for Call {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "begin {:?} ({:?})", self.payload, self.rule)
+    }
+}
+
+/// A `begin` answer, as far as the model reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    Acquired { fence: i64 },
+    InFlight,
+    Completed(String),
+    Mismatch,
+    Indeterminate,
+    Expired,
+}
+
+/// An owner's fenced write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Write {
+    Complete(String),
+    Release,
+    Extend,
+}
+
+impl fmt::Display for Write {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Write::Complete(response) => write!(f, "complete {response:?}"),
+            Write::Release => f.write_str("release"),
+            Write::Extend => f.write_str("extend"),
+        }
+    }
+}
+
+/// How a fenced write ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Done,
+    LeaseLost,
+}
+
+/// How an operator settles an indeterminate record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settle {
+    Completed(String),
+    Released,
+}
+
+/// The order in which two concurrent begins took effect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    AsCalled,
+    Reversed,
+}
+
+/// What Postgres holds for the key after a step (`Store::lookup`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Seen {
+    Nothing,
+    Record(SeenRecord),
+    /// A tombstone within its horizon; `payload` is `None` for a fingerprint of neither payload.
+    Tombstone {
+        payload: Option<Payload>,
+        fence: i64,
+    },
+}
+
+/// A record as Postgres holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeenRecord {
+    pub stage: Stage,
+    /// `None` for a fingerprint of neither payload.
+    pub payload: Option<Payload>,
+    pub fence: i64,
+    /// The rule stored with the record (`None` for records older than stored rules).
+    pub rule: Option<Rule>,
+    pub lease_live: bool,
+    pub retention_passed: bool,
+    pub response: Option<String>,
+}
+
+/// A record's state, without its data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    InProgress,
+    Completed,
+    Released,
+    Indeterminate,
+}
+
+/// What a check found wrong, in words that name the invariant.
+pub type Verdict = Result<(), String>;
+
+/// The key as the protocol says it should be.
+#[derive(Clone, Debug, Default)]
+pub struct Model {
+    record: Option<Record>,
+    /// What a purged completion left; kept past its horizon until a purge or a new owner removes it.
+    tombstone: Option<Tombstone>,
+    /// The highest fence any begin was given for this key.
+    highest_fence: Option<i64>,
+}
+
+#[derive(Clone, Debug)]
+struct Record {
+    payload: Payload,
+    fence: i64,
+    /// The rule of the call that first claimed the record: it stays with the record whoever claims it
+    /// again, until the record is purged.
+    rule: Rule,
+    phase: Phase,
+    retention_passed: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    InProgress { live: bool },
+    Completed(String),
+    Released,
+    Indeterminate,
+}
+
+impl Phase {
+    fn stage(&self) -> Stage {
+        match self {
+            Phase::InProgress { .. } => Stage::InProgress,
+            Phase::Completed(_) => Stage::Completed,
+            Phase::Released => Stage::Released,
+            Phase::Indeterminate => Stage::Indeterminate,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Tombstone {
+    payload: Payload,
+    /// The last fence of the purged record.
+    fence: i64,
+    horizon_passed: bool,
+}
+
+/// The kinds of answer a begin may get now, and why only those.
+struct Allowed {
+    kinds: &'static [Kind],
+    why: &'static str,
+}
+
+fn answers(kinds: &'static [Kind], why: &'static str) -> Allowed {
+    Allowed { kinds, why }
+}
+
+const HORIZON_PASSED: &str = "the tombstone's horizon passed: the key is new, though it may be refused until the purge";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Acquired,
+    InFlight,
+    Completed,
+    Mismatch,
+    Indeterminate,
+    Expired,
+}
+
+impl Answer {
+    fn kind(&self) -> Kind {
+        match self {
+            Answer::Acquired { .. } => Kind::Acquired,
+            Answer::InFlight => Kind::InFlight,
+            Answer::Completed(_) => Kind::Completed,
+            Answer::Mismatch => Kind::Mismatch,
+            Answer::Indeterminate => Kind::Indeterminate,
+            Answer::Expired => Kind::Expired,
+        }
+    }
+}
+
+impl Model {
+    /// Checks a begin's answer and follows it.
+    pub fn begin(&mut self, call: Call, answer: &Answer) -> Verdict {
+        let allowed = self.allowed(call.payload);
+        if !allowed.kinds.contains(&answer.kind()) {
+            return Err(format!(
+                "{call} was answered {answer:?}, but {}: only {:?} may be answered",
+                allowed.why, allowed.kinds
+            ));
+        }
+        match answer {
+            Answer::Acquired { fence } => self.acquired(call, *fence),
+            Answer::Completed(response) => self.replayed(response),
+            Answer::Indeterminate => {
+                if let Some(record) = &mut self.record {
+                    record.phase = Phase::Indeterminate;
+                }
+                Ok(())
+            }
+            Answer::InFlight | Answer::Mismatch | Answer::Expired => Ok(()),
+        }
+    }
+
+    /// Checks the answers of two begins that ran at the same time: some order of the two must explain
+    /// both. Returns that order.
+    ///
+    /// With the same payload, the later of the two may be told "in flight" and change nothing: it met
+    /// the earlier one's Redis marker, or lost the race to mark the record indeterminate. That is the one
+    /// round trip of "in flight" the protocol allows without a lease.
+    pub fn begin_together(&mut self, first: (Call, &Answer), second: (Call, &Answer)) -> Result<Order, String> {
+        let as_called = self.in_order(first, second);
+        let reversed = self.in_order(second, first);
+        match (as_called, reversed) {
+            (Ok(model), _) => {
+                *self = model;
+                Ok(Order::AsCalled)
+            }
+            (_, Ok(model)) => {
+                *self = model;
+                Ok(Order::Reversed)
+            }
+            (Err(as_called), Err(reversed)) => Err(format!(
+                "no order of the two concurrent begins explains their answers.\n  \
+                 first, then second: {as_called}\n  second, then first: {reversed}"
+            )),
+        }
+    }
+
+    fn in_order(&self, earlier: (Call, &Answer), later: (Call, &Answer)) -> Result<Model, String> {
+        let mut model = self.clone();
+        model.begin(earlier.0, earlier.1)?;
+        let met_the_earlier = earlier.0.payload == later.0.payload && *later.1 == Answer::InFlight;
+        if !met_the_earlier {
+            model.begin(later.0, later.1)?;
+        }
+        Ok(model)
+    }
+
+    /// Checks how an owner's write under `fence` ended, and follows it.
+    pub fn write(&mut self, fence: i64, write: &Write, outcome: Outcome) -> Verdict {
+        use Outcome::{Done, LeaseLost};
+        let owned = self.record.as_mut().filter(|record| record.fence == fence);
+        let (allowed, why): (&[Outcome], &str) = match (owned.as_ref().map(|record| &record.phase), write) {
+            (Some(Phase::InProgress { live: true }), _) => {
+                (&[Done], "its lease is live and nobody took over, so it must succeed (invariant 4)")
+            }
+            (Some(Phase::InProgress { live: false }), _) => {
+                (&[Done, LeaseLost], "its lease ran out, but nobody took over")
+            }
+            (Some(Phase::Indeterminate), Write::Extend) => {
+                (&[LeaseLost], "an indeterminate record has no lease to extend")
+            }
+            (Some(Phase::Indeterminate), _) => (&[Done], "the owner of an indeterminate record may still settle it"),
+            (Some(Phase::Completed(_) | Phase::Released), _) => (&[LeaseLost], "its owner already finished"),
+            (None, _) => (&[LeaseLost], "a later owner took the key over, or its record was purged (invariant 4)"),
+        };
+        if !allowed.contains(&outcome) {
+            return Err(format!("{write} under fence {fence} ended {outcome:?}, but {why}"));
+        }
+        if let (Done, Some(record)) = (outcome, owned) {
+            record.phase = match write {
+                Write::Complete(response) => {
+                    record.retention_passed = false;
+                    Phase::Completed(response.clone())
+                }
+                Write::Release => Phase::Released,
+                Write::Extend => Phase::InProgress { live: true },
+            };
+        }
+        Ok(())
+    }
+
+    /// Checks whether `resolve` acted, and follows it.
+    pub fn resolve(&mut self, settle: &Settle, resolved: bool) -> Verdict {
+        let indeterminate = self.record.as_ref().is_some_and(|record| record.phase == Phase::Indeterminate);
+        if resolved != indeterminate {
+            return Err(format!(
+                "resolve answered {resolved}, but the model holds {:?}: resolve settles indeterminate records, \
+                 and only them",
+                self.record
+            ));
+        }
+        if let Some(record) = self.record.as_mut().filter(|_| resolved) {
+            record.phase = match settle {
+                Settle::Completed(response) => {
+                    record.retention_passed = false;
+                    Phase::Completed(response.clone())
+                }
+                Settle::Released => Phase::Released,
+            };
+        }
+        Ok(())
+    }
+
+    /// The owner's lease ran out (it stopped extending).
+    pub fn expire_lease(&mut self) {
+        if let Some(Record { phase: Phase::InProgress { live }, .. }) = &mut self.record {
+            *live = false;
+        }
+    }
+
+    /// The record's retention passed (for a live lease: its owner kept extending past it).
+    pub fn pass_retention(&mut self) {
+        if let Some(record) = &mut self.record {
+            record.retention_passed = true;
+        }
+    }
+
+    /// The tombstone's horizon passed: the key may be new again.
+    pub fn pass_horizon(&mut self) {
+        if let Some(tombstone) = &mut self.tombstone {
+            tombstone.horizon_passed = true;
+        }
+    }
+
+    /// A purge: a completed record past its retention becomes a tombstone, a released one goes, and a
+    /// tombstone past its horizon goes. In-progress records (a live lease outlives any retention; a lease
+    /// that ran out awaits its rule) and indeterminate ones (they await their resolution) stay.
+    pub fn purge(&mut self) {
+        if self.tombstone.as_ref().is_some_and(|tombstone| tombstone.horizon_passed) {
+            self.tombstone = None;
+        }
+        let purgeable = self.record.as_ref().is_some_and(|record| {
+            record.retention_passed && matches!(record.phase, Phase::Completed(_) | Phase::Released)
+        });
+        if !purgeable {
+            return;
+        }
+        if let Some(record) = self.record.take()
+            && matches!(record.phase, Phase::Completed(_))
+        {
+            self.tombstone = Some(Tombstone { payload: record.payload, fence: record.fence, horizon_passed: false });
+        }
+    }
+
+    /// A recovery of stale leases: the rule stored with the record decides.
+    pub fn recover_stale(&mut self) {
+        if let Some(record) = &mut self.record
+            && record.phase == (Phase::InProgress { live: false })
+        {
+            record.phase = match record.rule {
+                Rule::TakeOver => Phase::Released,
+                Rule::MarkIndeterminate => Phase::Indeterminate,
+            };
+        }
+    }
+
+    /// Compares what Postgres holds after a step with the model.
+    pub fn observe(&mut self, seen: &Seen) -> Verdict {
+        let Some(record) = &mut self.record else {
+            return self.agree_without_record(seen);
+        };
+        match seen {
+            Seen::Record(seen) => record.agree(seen),
+            _ => Err(format!("Postgres holds {seen:?}, but the model holds the record {record:?}")),
+        }
+    }
+
+    fn agree_without_record(&self, seen: &Seen) -> Verdict {
+        // Postgres shows a tombstone only within its horizon.
+        let standing = self.tombstone.as_ref().filter(|tombstone| !tombstone.horizon_passed);
+        match (standing, seen) {
+            (_, Seen::Record(_)) => Err(format!("Postgres holds {seen:?}, but the model holds no record")),
+            (None, Seen::Nothing) => Ok(()),
+            (Some(tombstone), Seen::Tombstone { payload, fence })
+                if *payload == Some(tombstone.payload) && *fence == tombstone.fence =>
+            {
+                Ok(())
+            }
+            (Some(tombstone), _) => Err(format!(
+                "Postgres holds {seen:?}, but the model holds the tombstone {tombstone:?}: a purged completion \
+                 leaves a tombstone with its payload and last fence until its horizon (invariant 6)"
+            )),
+            (None, _) => Err(format!("Postgres holds {seen:?}, but the model holds nothing for the key")),
+        }
+    }
+
+    /// The answers a begin with `payload` may get now.
+    fn allowed(&self, payload: Payload) -> Allowed {
+        use Kind::{Acquired, Completed, Expired, InFlight, Indeterminate, Mismatch};
+        let Some(record) = &self.record else {
+            return self.allowed_without_record(payload);
+        };
+        if record.payload != payload {
+            let spent = match record.phase {
+                Phase::Released => true,
+                Phase::InProgress { live: false } => record.rule == Rule::TakeOver,
+                _ => false,
+            };
+            return if record.retention_passed && spent {
+                answers(&[Mismatch, Acquired], "the key's record, of another payload, expired without a result")
+            } else {
+                answers(&[Mismatch], "the key belongs to another payload (invariant 2)")
+            };
+        }
+        match (&record.phase, record.rule) {
+            (Phase::Completed(_), _) if record.retention_passed => answers(
+                &[Expired],
+                "the key completed and its retention passed: the request never runs again (invariant 6)",
+            ),
+            (Phase::Completed(_), _) => {
+                answers(&[Completed], "the key completed: its response is replayed, never \"in flight\" (invariant 5)")
+            }
+            (Phase::Released, _) => answers(&[Acquired], "the key was released: the next request executes"),
+            (Phase::Indeterminate, _) => {
+                answers(&[Indeterminate], "the key is indeterminate: nothing runs until it is resolved (invariant 7)")
+            }
+            (Phase::InProgress { live: true }, _) => answers(
+                &[InFlight],
+                "a live lease holds the key, retention or not: nobody else acquires it (invariant 1)",
+            ),
+            (Phase::InProgress { live: false }, Rule::TakeOver) => answers(
+                &[Acquired],
+                "the lease ran out under the record's TakeOver rule: the next request takes over, and \"in \
+                 flight\" needs a live lease (invariant 8)",
+            ),
+            (Phase::InProgress { live: false }, Rule::MarkIndeterminate) => answers(
+                &[Indeterminate],
+                "the lease ran out under the record's MarkIndeterminate rule, whatever the caller's rule: the \
+                 record turns indeterminate and nobody acquires it (invariant 7)",
+            ),
+        }
+    }
+
+    fn allowed_without_record(&self, payload: Payload) -> Allowed {
+        use Kind::{Acquired, Expired, Mismatch};
+        match &self.tombstone {
+            None => answers(&[Acquired], "the key is new"),
+            Some(tombstone) if tombstone.horizon_passed && tombstone.payload == payload => {
+                answers(&[Acquired, Expired], HORIZON_PASSED)
+            }
+            Some(tombstone) if tombstone.horizon_passed => answers(&[Acquired, Mismatch], HORIZON_PASSED),
+            Some(tombstone) if tombstone.payload == payload => answers(
+                &[Expired],
+                "the response was purged after its retention and the tombstone stands: the request never runs \
+                 again (invariant 6)",
+            ),
+            Some(_) => answers(&[Mismatch], "the tombstone of another payload stands (invariant 6)"),
+        }
+    }
+
+    fn acquired(&mut self, call: Call, fence: i64) -> Verdict {
+        if let Some(highest) = self.highest_fence
+            && fence <= highest
+        {
+            return Err(format!(
+                "{call} acquired under fence {fence}, but fence {highest} was given before: fences only increase \
+                 over a key's whole life, purges included (invariant 3)"
+            ));
+        }
+        self.highest_fence = Some(fence);
+        let rule = self.record.as_ref().map_or(call.rule, |record| record.rule);
+        let phase = Phase::InProgress { live: true };
+        self.record = Some(Record { payload: call.payload, fence, rule, phase, retention_passed: false });
+        // A tombstone past its horizon belongs to an earlier life of the key, which this owner ended.
+        self.tombstone = None;
+        Ok(())
+    }
+
+    fn replayed(&self, response: &str) -> Verdict {
+        match self.record.as_ref().map(|record| &record.phase) {
+            Some(Phase::Completed(stored)) if stored == response => Ok(()),
+            stored => {
+                Err(format!("replayed {response:?}, but the key's one completion stored {stored:?} (invariant 2)"))
+            }
+        }
+    }
+}
+
+impl Record {
+    /// Compares what Postgres holds with the record. When a record's retention restarts outside a
+    /// completion (a claim, an extension past it) is the store's choice: the model follows it.
+    fn agree(&mut self, seen: &SeenRecord) -> Verdict {
+        let disagree = |what: &str| Err(format!("Postgres holds {seen:?}, but the model holds {self:?}: {what}"));
+        if (seen.stage, seen.payload, seen.fence) != (self.phase.stage(), Some(self.payload), self.fence) {
+            return disagree("state, payload or fence differ");
+        }
+        if seen.rule.is_some_and(|rule| rule != self.rule) {
+            return disagree("the rule a record was first claimed under stays with it");
+        }
+        match &self.phase {
+            Phase::InProgress { live } if *live != seen.lease_live => disagree("the lease differs"),
+            Phase::Completed(response) if seen.response.as_ref() != Some(response) => {
+                disagree("the stored response is not the one completion's (invariant 2)")
+            }
+            Phase::Completed(_) if seen.retention_passed != self.retention_passed => {
+                disagree("a completion keeps its response for the whole retention")
+            }
+            Phase::Completed(_) => Ok(()),
+            Phase::InProgress { .. } | Phase::Released | Phase::Indeterminate => {
+                self.retention_passed = seen.retention_passed;
+                Ok(())
+            }
+        }
+    }
+}
