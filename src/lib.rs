@@ -74,6 +74,8 @@
 //! - `testkit` (feature): throwaway Redis and Postgres servers for tests, examples and benchmarks.
 
 #![forbid(unsafe_code)]
+// docs.rs (nightly, `--cfg docsrs`) badges each feature-gated item with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations, unreachable_pub)]
 
@@ -102,7 +104,9 @@ pub use outbox::{Drained, Message, Outbox, TopicBacklog};
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use record::{Begin, Lease, Record, State, StoredResponse};
 pub use run_once::{Heartbeat, RunError, RunOptions, RunOutcome, TxFuture};
-pub use store::{Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder};
+pub use store::{
+    Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder, server_bounded,
+};
 
 /// Compiles the README's examples as doc tests.
 #[cfg(doctest)]

@@ -245,6 +245,10 @@ async fn redis_never_answers_in_flight_after_postgres_settled(mode: Mode) {
         answer = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     }
     assert!(matches!(answer, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{answer:?}");
+    if mode == Mode::TwoTier {
+        let misses = h.counter("idemstore_redis_lookups_total", &[("result", "miss")]);
+        assert!(misses > 1.0, "Redis answered again (a miss: the stale marker was gone): {misses}");
+    }
     let again = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     assert!(matches!(again, Begin::Completed(_)), "Redis was repaired: {again:?}");
 }
@@ -307,14 +311,18 @@ async fn a_claim_that_lost_a_race_asks_again(mode: Mode) {
         let (store, scope, k) = (h.store.clone(), scope.clone(), k.clone());
         tokio::spawn(async move { store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await })
     };
-    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%claimed AS%'";
-    for _ in 0..500 {
-        let blocked: i64 = sqlx::query_scalar(waiting).fetch_one(&h.pool).await.expect("pg_stat_activity");
-        if blocked == 1 {
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                   WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%claimed AS%'";
+    let mut blocked: i64 = 0;
+    // Well within the loser's lock timeout (half the harness's 2 s Postgres timeout).
+    for _ in 0..100 {
+        blocked = sqlx::query_scalar(waiting).fetch_one(&h.pool).await.expect("pg_stat_activity");
+        if blocked >= 1 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    assert!(blocked >= 1, "the loser's claim waits on the winner's row lock");
     winner.commit().await.expect("the winner commits");
     let answer = loser.await.expect("join").expect("begin");
     assert!(matches!(answer, Begin::Mismatch), "the key now belongs to another payload: {answer:?}");

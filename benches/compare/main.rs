@@ -44,7 +44,8 @@ struct Args {
     /// Rewrites the table and plot from a saved `compare.json` instead of measuring.
     #[arg(long)]
     replot: Option<std::path::PathBuf>,
-    /// Passed by `cargo bench`; ignored.
+    /// Passed by `cargo bench`. Without it (`cargo test --all-targets` runs this binary too) the run is a
+    /// quick smoke run, as with `--quick`.
     #[arg(long, hide = true)]
     bench: bool,
 }
@@ -61,7 +62,7 @@ pub struct Plan {
 
 impl From<Args> for Plan {
     fn from(args: Args) -> Self {
-        let quick = args.quick;
+        let quick = args.quick || !args.bench;
         Plan {
             quick,
             concurrency: args.concurrency.unwrap_or_else(|| if quick { vec![1, 16] } else { vec![1, 16, 64] }),

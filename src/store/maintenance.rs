@@ -93,6 +93,15 @@ const COUNTS: &str = "
 
 const INDETERMINATE: &str = "SELECT count(*) FROM idempotency_records WHERE state = 'indeterminate'";
 
+/// The two purge statements, each run in batches.
+#[derive(Clone, Copy)]
+enum Purge {
+    /// Expired records (completed ones leave a tombstone).
+    Records,
+    /// Tombstones past their horizon.
+    Tombstones,
+}
+
 /// What [`Store::recover_stale`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -153,13 +162,16 @@ impl Store {
     /// [`StoreError::StoreUnavailable`] if Postgres failed (batches already purged stay purged).
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         let mut purged = 0;
-        loop {
-            let deleted = self.purge_expired_batch(batch).await?;
-            purged += deleted;
-            if deleted < u64::from(batch) {
-                return Ok(purged);
+        for statement in [Purge::Records, Purge::Tombstones] {
+            loop {
+                let deleted = self.purge(statement, batch).await?;
+                purged += deleted;
+                if deleted < u64::from(batch.max(1)) {
+                    break;
+                }
             }
         }
+        Ok(purged)
     }
 
     /// Purges one batch of at most `batch` expired records and one of at most `batch` tombstones whose
@@ -168,16 +180,26 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn purge_expired_batch(&self, batch: u32) -> Result<u64, StoreError> {
+        Ok(self.purge(Purge::Records, batch).await? + self.purge(Purge::Tombstones, batch).await?)
+    }
+
+    async fn purge(&self, statement: Purge, batch: u32) -> Result<u64, StoreError> {
         let limit = i64::from(batch.max(1));
-        let horizon = self.inner.default_policy.tombstone.map(|t| millis(t) as f64);
-        telemetry::postgres_statement("purge");
-        let records = sqlx::query_scalar::<_, i64>(PURGE_BATCH).bind(limit).bind(horizon).fetch_one(self.pg_pool());
-        let records = u64::try_from(self.bounded("purge", records).await?).unwrap_or(0);
-        telemetry::postgres_statement("purge_tombstones");
-        let tombstones = sqlx::query(PURGE_TOMBSTONES).bind(limit).execute(self.pg_pool());
-        let tombstones = self.bounded("purge", tombstones).await?.rows_affected();
-        telemetry::purged(records + tombstones);
-        Ok(records + tombstones)
+        let purged = match statement {
+            Purge::Records => {
+                let horizon = self.inner.default_policy.tombstone.map(|t| millis(t) as f64);
+                telemetry::postgres_statement("purge");
+                let query = sqlx::query_scalar::<_, i64>(PURGE_BATCH).bind(limit).bind(horizon);
+                u64::try_from(self.bounded("purge", query.fetch_one(self.pg_pool())).await?).unwrap_or(0)
+            }
+            Purge::Tombstones => {
+                telemetry::postgres_statement("purge_tombstones");
+                let query = sqlx::query(PURGE_TOMBSTONES).bind(limit).execute(self.pg_pool());
+                self.bounded("purge tombstones", query).await?.rows_affected()
+            }
+        };
+        telemetry::purged(purged);
+        Ok(purged)
     }
 
     /// How many records have expired and await purging.

@@ -1,5 +1,6 @@
 //! The store: configuration and lifecycle here, the claim protocol in [`protocol`](self) submodules.
 
+mod lagging;
 mod maintenance;
 mod postgres_tier;
 mod protocol;
@@ -128,8 +129,26 @@ impl Store {
     }
 }
 
-/// `options` with the server-side timeouts of a store whose client-side timeout is `timeout`.
-fn server_bounded(options: PgConnectOptions, timeout: Duration) -> PgConnectOptions {
+/// `options` with the server-side bounds of a store whose Postgres timeout is `timeout`: a
+/// `statement_timeout` of four fifths of it and a `lock_timeout` of half of it, so the server cancels what
+/// the store gave up on. For a pool you build yourself and pass to [`StoreBuilder::postgres`]; the
+/// application's own queries on that pool get the same bounds.
+///
+/// ```no_run
+/// # use std::time::Duration;
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let options: sqlx::postgres::PgConnectOptions = "postgres://localhost/app".parse()?;
+/// let timeout = Duration::from_secs(5);
+/// let pool = sqlx::postgres::PgPoolOptions::new()
+///     .max_connections(8)
+///     .connect_with(idemstore::server_bounded(options, timeout))
+///     .await?;
+/// let store = idemstore::Store::builder().postgres(pool).postgres_timeout(timeout).build()?;
+/// # drop(store);
+/// # Ok(())
+/// # }
+/// ```
+pub fn server_bounded(options: PgConnectOptions, timeout: Duration) -> PgConnectOptions {
     let ms = |d: Duration| format!("{}ms", millis(d).max(1));
     options.options([("statement_timeout", ms(timeout * 4 / 5)), ("lock_timeout", ms(timeout / 2))])
 }
@@ -145,6 +164,7 @@ pub struct StoreBuilder {
     redis_budget: Option<Duration>,
     redis_cooldown: Option<Duration>,
     postgres_timeout: Option<Duration>,
+    server_timeouts: Option<bool>,
     default_policy: Option<Policy>,
     policies: HashMap<String, Policy>,
 }
@@ -159,16 +179,17 @@ impl fmt::Debug for StoreBuilder {
 }
 
 impl StoreBuilder {
-    /// Connects like an existing Postgres pool: the store opens its own connections (up to the pool's
-    /// maximum) with the pool's connect options plus server-side statement and lock timeouts (see
-    /// [`StoreBuilder::postgres_timeout`]), which the application's own queries should not inherit. Keep
-    /// the acquire timeout short: a caller waits that long before getting [`StoreError::StoreUnavailable`].
+    /// Uses an existing Postgres pool, as it is. The server-side bounds of
+    /// [`StoreBuilder::postgres_timeout`] are then yours to set on its connections (build it with
+    /// [`server_bounded`](crate::server_bounded)), or the store's timeout stays client-side only. Keep its
+    /// acquire timeout short: a caller waits that long before getting [`StoreError::StoreUnavailable`].
     pub fn postgres(mut self, pool: PgPool) -> Self {
         self.pg_pool = Some(pool);
         self
     }
 
-    /// Connects lazily to Postgres at `url` with a pool of 16 connections and a 5 s acquire timeout.
+    /// Connects lazily to Postgres at `url` with a pool of 16 connections, a 5 s acquire timeout and the
+    /// server-side bounds of [`StoreBuilder::postgres_timeout`].
     pub fn database_url(mut self, url: impl Into<String>) -> Self {
         self.database_url = Some(url.into());
         self
@@ -207,15 +228,22 @@ impl StoreBuilder {
     /// Longest wait for one Postgres statement before the call fails closed with
     /// [`StoreError::StoreUnavailable`] (default 5 s). Guards against a partitioned or stalled server.
     ///
-    /// The server enforces it too, with room to spare: the store's connections run with a
-    /// `statement_timeout` of four fifths of it and a `lock_timeout` of half of it. A statement the
-    /// store gave up on has been cancelled by the server by then, so a claim answered "unavailable"
-    /// never commits afterwards, and no abandoned statement holds a connection past the timeout. (This
-    /// includes the statements of [`Store::run_once_in_tx`]'s work, which runs on the store's
-    /// connection; `SET LOCAL statement_timeout` there to give it longer. Poolers in transaction mode
-    /// drop startup options: set both timeouts on their side.)
+    /// The server enforces it too, with room to spare, on the connections the store opens from
+    /// [`StoreBuilder::database_url`] (see [`server_bounded`](crate::server_bounded)): a statement the store
+    /// gave up on has been cancelled by the server by then, so a claim answered "unavailable" never
+    /// commits afterwards, and no abandoned statement holds a connection past the timeout. This includes
+    /// the statements of [`Store::run_once_in_tx`]'s work, which runs on the store's connection
+    /// (`SET LOCAL statement_timeout` there to give it longer).
     pub fn postgres_timeout(mut self, timeout: Duration) -> Self {
         self.postgres_timeout = Some(timeout);
+        self
+    }
+
+    /// Whether the connections opened from [`StoreBuilder::database_url`] carry the server-side bounds
+    /// (default `true`). Turn it off behind a pooler that refuses startup parameters (PgBouncer unless
+    /// `ignore_startup_parameters` lists `options`), and set `statement_timeout` and `lock_timeout` there.
+    pub fn server_timeouts(mut self, enabled: bool) -> Self {
+        self.server_timeouts = Some(enabled);
         self
     }
 
@@ -247,21 +275,20 @@ impl StoreBuilder {
     /// [`StoreError::RedisConfig`] when the Redis pool cannot be created.
     pub fn build(self) -> Result<Store, StoreError> {
         let timeout = self.postgres_timeout.unwrap_or(Duration::from_secs(5));
-        let (connect, pool_options) = match (self.pg_pool, self.database_url) {
-            (Some(pool), _) => {
-                let options = pool.options();
-                let pool_options = PgPoolOptions::new()
-                    .max_connections(options.get_max_connections())
-                    .acquire_timeout(options.get_acquire_timeout());
-                (PgConnectOptions::clone(&pool.connect_options()), pool_options)
-            }
+        let pg_pool = match (self.pg_pool, self.database_url) {
+            (Some(pool), _) => pool,
             (None, Some(url)) => {
-                let connect = url.parse().map_err(|e| StoreError::Config(format!("invalid DATABASE_URL: {e}")))?;
-                (connect, PgPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(5)))
+                let connect: PgConnectOptions =
+                    url.parse().map_err(|e| StoreError::Config(format!("invalid DATABASE_URL: {e}")))?;
+                let connect =
+                    if self.server_timeouts.unwrap_or(true) { server_bounded(connect, timeout) } else { connect };
+                PgPoolOptions::new()
+                    .max_connections(16)
+                    .acquire_timeout(Duration::from_secs(5))
+                    .connect_lazy_with(connect)
             }
             (None, None) => return Err(StoreError::Config("a Postgres pool or URL is required".into())),
         };
-        let pg_pool = pool_options.connect_lazy_with(server_bounded(connect, timeout));
         let redis_pool = match (self.redis_pool, self.redis_url) {
             (Some(pool), _) => Some(pool),
             (None, Some(url)) => Some(

@@ -59,7 +59,8 @@ macro_rules! in_progress_expiry {
     };
 }
 
-/// The claim, in one round trip. Inserts a fresh record, or re-acquires (under a new fence) one that was
+/// The claim, in one round trip. Inserts a fresh record, or re-acquires (under a new fence: the next of
+/// the sequence, and above the record's own even if a binary older than the sequence wrote it) one that was
 /// released, or whose owner's lease ran out under the record's own `take_over` rule (`$8`, the caller's,
 /// only for records older than stored rules); another payload re-acquires only once the record expired.
 /// Completed and indeterminate records, live leases and tombstones are never written: the statement
@@ -89,7 +90,8 @@ const CLAIM: &str = concat!(
                                                  OR (state = 'in_progress' AND (lease_expires_at > now()
                                                      OR on_lease_expiry = 'mark_indeterminate')))
         ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
-        SET fingerprint = EXCLUDED.fingerprint, state = 'in_progress', fence = nextval('idempotency_fences'),
+        SET fingerprint = EXCLUDED.fingerprint, state = 'in_progress',
+            fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
             owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
             expires_at = ",
     in_progress_expiry!(kept_retention!()),
@@ -209,6 +211,12 @@ impl PostgresTier {
             Ok(result) => result,
             Err(_) => Err(sqlx::Error::Io(io::Error::new(io::ErrorKind::TimedOut, "Postgres did not answer in time"))),
         }
+    }
+
+    /// How long a claim waits for a row lock on the store's own connections: a fair time for a caller
+    /// told "in flight" after that wait to come back.
+    pub(crate) fn lock_wait(&self) -> Duration {
+        self.timeout / 2
     }
 
     pub(crate) fn pool(&self) -> &PgPool {

@@ -218,7 +218,7 @@ impl Store {
                 // The row is locked past the lock timeout: an owner is working on it inside its own
                 // transaction (`run_once_in_tx`), which is what "in flight" means.
                 if is_lock_timeout(&source) {
-                    return Ok(Begin::InFlight { retry_after: Duration::ZERO });
+                    return Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() });
                 }
                 return Err(StoreError::StoreUnavailable { step: "claim", source });
             }

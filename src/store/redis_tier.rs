@@ -1,22 +1,19 @@
 //! The Redis hot path: script calls under a latency budget, with a circuit breaker so that a Redis
 //! outage costs one budget per cool-down instead of one per request.
 
-use std::collections::VecDeque;
+use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use deadpool_redis::Pool;
 use redis::aio::MultiplexedConnection;
 use redis::{Script, Value};
 
+use super::lagging::LaggingKeys;
 use super::scripts::{self, RedisBegin};
 use crate::key::{IdempotencyKey, Scope};
 use crate::record::State;
 use crate::telemetry;
-
-/// How many keys left behind are remembered (about 10 MB at most).
-const MAX_BEHIND: usize = 100_000;
 
 /// Why a Redis call was not answered; every one degrades the call to the Postgres path.
 #[derive(Debug, thiserror::Error)]
@@ -65,8 +62,8 @@ pub(crate) struct RedisTier {
     prefix: String,
     budget: Duration,
     cooldown: Duration,
-    /// Keys whose copy may be behind Postgres, deleted before Redis answers again.
-    behind: Mutex<VecDeque<String>>,
+    /// Keys whose copy may lag behind Postgres, deleted before Redis answers again.
+    lagging: LaggingKeys,
     /// Milliseconds since `epoch` until which Redis is skipped; 0 when closed.
     open_until: AtomicU64,
     epoch: Instant,
@@ -77,7 +74,7 @@ impl RedisTier {
         Self {
             pool,
             shared: RwLock::new(None),
-            behind: Mutex::new(VecDeque::new()),
+            lagging: LaggingKeys::default(),
             prefix,
             budget,
             cooldown,
@@ -185,42 +182,13 @@ impl RedisTier {
         Ok(deleted == 1)
     }
 
-    /// Remembers a key whose Redis copy may now be behind Postgres: a write that settles it failed or was
-    /// skipped (circuit open), or a claim marker may have been written by a call that timed out. The key
-    /// is deleted before Redis answers anything again ([`RedisTier::invoke`]), so a stale "in flight"
-    /// never outlives Postgres's answer once Redis is back. Bounded: beyond it the oldest keys are
-    /// forgotten, and their markers expire with their lease.
+    /// Remembers a key whose Redis copy may now lag behind Postgres ([`LaggingKeys`]).
     fn left_behind(&self, record_key: &str) {
-        if let Ok(mut behind) = self.behind.lock() {
-            if behind.len() == MAX_BEHIND {
-                behind.pop_front();
-            }
-            behind.push_back(record_key.to_owned());
-        }
-    }
-
-    /// Deletes the keys left behind, first thing once Redis answers again; on failure they wait for the
-    /// next attempt.
-    async fn catch_up(&self, conn: &mut MultiplexedConnection) -> Result<(), RedisUnavailable> {
-        let keys: Vec<String> = match self.behind.lock() {
-            Ok(mut behind) if !behind.is_empty() => behind.drain(..).collect(),
-            _ => return Ok(()),
-        };
-        let mut pipe = redis::pipe();
-        for key in &keys {
-            pipe.del(key).ignore();
-        }
-        if let Err(error) = pipe.query_async::<()>(conn).await {
-            if let Ok(mut behind) = self.behind.lock() {
-                behind.extend(keys);
-            }
-            return Err(RedisUnavailable::Failed(Box::new(error)));
-        }
-        Ok(())
+        self.lagging.push(record_key, &self.pool, self.cooldown, self.budget);
     }
 
     /// Runs one script with EVALSHA (reloaded on NOSCRIPT by `Script::invoke_async`), bounded by the
-    /// budget, after catching up on keys left behind; a failure opens the circuit for the cool-down.
+    /// budget, after deleting the keys that lag behind Postgres; a failure opens the circuit for the cool-down.
     async fn invoke(
         &self,
         name: &'static str,
@@ -234,7 +202,7 @@ impl RedisTier {
         telemetry::redis_call(name);
         let call = async {
             let mut conn = self.connection().await?;
-            self.catch_up(&mut conn).await?;
+            self.lagging.delete_all(&mut conn).await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
             let mut invocation = script.key(record_key);
             for arg in args {
                 invocation.arg(*arg);

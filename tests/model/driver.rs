@@ -25,10 +25,10 @@ const REDIS_TTL: Duration = Duration::from_secs(600);
 const RETENTION: Duration = Duration::from_secs(3600);
 /// A paused Redis costs a call this much before it degrades to Postgres, and is then skipped for the
 /// cool-down: short, so that pauses keep cases fast.
-const REDIS_BUDGET: Duration = Duration::from_millis(50);
+const REDIS_BUDGET: Duration = Duration::from_millis(100);
 const REDIS_COOLDOWN: Duration = Duration::from_millis(20);
 /// Longer than the budget, so that the calls of the step during the pause degrade.
-const REDIS_PAUSE_MS: u64 = 150;
+const REDIS_PAUSE_MS: u64 = 250;
 /// After a pause ends, the commands Redis queued meanwhile run and the stores' cool-down ends; the next
 /// step waits for both.
 const AFTER_PAUSE: Duration = Duration::from_millis(50);
@@ -128,7 +128,7 @@ fn policy(expiry: LeaseExpiry) -> Policy {
 /// A store on the harness's servers and Redis prefix, with a short Redis budget and cool-down.
 fn store(h: &Harness, expiry: LeaseExpiry) -> Store {
     let mut builder = Store::builder()
-        .postgres(h.pool.clone())
+        .database_url(&h.store_url)
         .key_prefix(&h.prefix)
         .redis_budget(REDIS_BUDGET)
         .redis_cooldown(REDIS_COOLDOWN)
@@ -275,7 +275,10 @@ impl<'w> Case<'w> {
     ) -> Result<(), String> {
         let (a, b) = tokio::join!(self.send_begin(first.0, first.1), self.send_begin(second.0, second.1));
         let verdict = match (&a.read, &b.read) {
-            (Ok((x, _)), Ok((y, _))) => self.model.begin_together((a.call, x), (b.call, y)),
+            (Ok((x, _)), Ok((y, _))) => {
+                let redis_in_front = self.world.mode() == Mode::TwoTier;
+                self.model.begin_together((a.call, x), (b.call, y), redis_in_front)
+            }
             (Err(error), _) | (_, Err(error)) => Err(error.clone()),
         };
         // In the order the model found, which is the order the history's checks must read them in.

@@ -247,11 +247,17 @@ impl Model {
     /// both. Returns that order.
     ///
     /// With the same payload, the later of the two may be told "in flight" and change nothing: it met
-    /// the earlier one's Redis marker, or lost the race to mark the record indeterminate. That is the one
-    /// round trip of "in flight" the protocol allows without a lease.
-    pub fn begin_together(&mut self, first: (Call, &Answer), second: (Call, &Answer)) -> Result<Order, String> {
-        let as_called = self.in_order(first, second);
-        let reversed = self.in_order(second, first);
+    /// the earlier one's Redis marker (`redis_in_front`), waited on the earlier one's fresh claim, or lost
+    /// the race to mark the record indeterminate. That is the one round trip of "in flight" the protocol
+    /// allows without a lease.
+    pub fn begin_together(
+        &mut self,
+        first: (Call, &Answer),
+        second: (Call, &Answer),
+        redis_in_front: bool,
+    ) -> Result<Order, String> {
+        let as_called = self.in_order(first, second, redis_in_front);
+        let reversed = self.in_order(second, first, redis_in_front);
         match (as_called, reversed) {
             (Ok(model), _) => {
                 *self = model;
@@ -268,10 +274,17 @@ impl Model {
         }
     }
 
-    fn in_order(&self, earlier: (Call, &Answer), later: (Call, &Answer)) -> Result<Model, String> {
+    fn in_order(
+        &self,
+        earlier: (Call, &Answer),
+        later: (Call, &Answer),
+        redis_in_front: bool,
+    ) -> Result<Model, String> {
         let mut model = self.clone();
         model.begin(earlier.0, earlier.1)?;
-        let met_the_earlier = earlier.0.payload == later.0.payload && *later.1 == Answer::InFlight;
+        let earlier_wrote = matches!(earlier.1, Answer::Acquired { .. } | Answer::Indeterminate);
+        let met_the_earlier =
+            earlier.0.payload == later.0.payload && *later.1 == Answer::InFlight && (redis_in_front || earlier_wrote);
         if !met_the_earlier {
             model.begin(later.0, later.1)?;
         }

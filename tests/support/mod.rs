@@ -54,6 +54,8 @@ pub struct Harness {
     pub postgres_proxy: Option<Proxy>,
     pub redis_url: Option<String>,
     pub database_url: String,
+    /// Where the store connects: `database_url`, or the Postgres proxy's address with `Servers::Proxied`.
+    pub store_url: String,
     pub prefix: String,
     pub operation: String,
 }
@@ -103,17 +105,12 @@ impl Harness {
         let prefix = format!("t{id}");
         let operation = format!("charge-{id}");
         let (mut redis_proxy, mut postgres_proxy) = (None, None);
-        let (mut store_pool, mut store_redis_url) = (pool.clone(), redis_url.clone());
+        let (mut store_url, mut store_redis_url) = (database_url.clone(), redis_url.clone());
         if servers == Servers::Proxied {
             let loopback = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
             let pg_port = postgres.as_ref().expect("owned Postgres").port();
             let proxy = Proxy::start(loopback(pg_port)).await.expect("Postgres proxy");
-            store_pool = PgPoolOptions::new()
-                .max_connections(16)
-                .acquire_timeout(Duration::from_secs(3))
-                .connect(&format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port()))
-                .await
-                .expect("connect through the proxy");
+            store_url = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port());
             postgres_proxy = Some(proxy);
             if let Some(server) = &redis {
                 let proxy = Proxy::start(loopback(server.port())).await.expect("Redis proxy");
@@ -121,7 +118,7 @@ impl Harness {
                 redis_proxy = Some(proxy);
             }
         }
-        let store = build_store(&store_pool, &prefix, &operation, store_redis_url.as_deref(), policy);
+        let store = build_store(&store_url, &prefix, &operation, store_redis_url.as_deref(), policy);
         store.migrate().await.expect("migrate");
         recorder();
         Self {
@@ -134,6 +131,7 @@ impl Harness {
             postgres_proxy,
             redis_url,
             database_url,
+            store_url,
             prefix,
             operation,
         }
@@ -149,7 +147,7 @@ impl Harness {
             .await
             .expect("connect to Postgres");
         let (prefix, operation) = (format!("t{id}"), format!("charge-{id}"));
-        let store = build_store(&pool, &prefix, &operation, redis_url.as_deref(), policy);
+        let store = build_store(&database_url, &prefix, &operation, redis_url.as_deref(), policy);
         recorder();
         Self {
             mode,
@@ -160,6 +158,7 @@ impl Harness {
             redis_proxy: None,
             postgres_proxy: None,
             redis_url,
+            store_url: database_url.clone(),
             database_url,
             prefix,
             operation,
@@ -173,7 +172,7 @@ impl Harness {
 
     /// Another store on the same servers, as a second process would have.
     pub fn new_store(&self, policy: Policy) -> Store {
-        build_store(&self.pool, &self.prefix, &self.operation, self.redis_url.as_deref(), policy)
+        build_store(&self.store_url, &self.prefix, &self.operation, self.redis_url.as_deref(), policy)
     }
 
     pub fn scope(&self, tenant: &str) -> Scope {
@@ -298,9 +297,11 @@ pub fn labelled(name: &str, labels: &[(&str, &str)]) -> f64 {
         .fold(0.0, |sum, value| sum + value)
 }
 
-fn build_store(pool: &PgPool, prefix: &str, operation: &str, redis_url: Option<&str>, policy: Policy) -> Store {
+/// A store connecting to `database_url` (directly or through the test's proxy) with pool connections of
+/// its own, as an application's store would, carrying the server-side bounds.
+fn build_store(database_url: &str, prefix: &str, operation: &str, redis_url: Option<&str>, policy: Policy) -> Store {
     let mut builder = Store::builder()
-        .postgres(pool.clone())
+        .database_url(database_url)
         .key_prefix(prefix)
         .redis_cooldown(Duration::from_millis(50))
         .postgres_timeout(Duration::from_secs(2))
@@ -350,6 +351,24 @@ pub fn short_lease(expiry: LeaseExpiry) -> Policy {
         .lease_expiry(expiry)
         .build()
         .expect("policy")
+}
+
+/// Under `cargo test` every test of a file shares one process, so one metrics recorder: a test that reads
+/// absolute counters runs itself again in a process of its own (nextest gives each test one already).
+/// Returns `true` when this call only supervised that child, which passed; the caller then returns.
+pub fn rerun_alone(mode: Mode, test: &str) -> bool {
+    let own_process = std::env::var("NEXTEST_EXECUTION_MODE").is_ok_and(|m| m == "process-per-test");
+    if own_process || std::env::var_os("IDEMSTORE_ALONE").is_some() {
+        return false;
+    }
+    let module = if mode == Mode::TwoTier { "two_tier" } else { "postgres_only" };
+    let status = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", &format!("{module}::{test}"), "--nocapture"])
+        .env("IDEMSTORE_ALONE", "1")
+        .status()
+        .expect("run the test in a process of its own");
+    assert!(status.success(), "{module}::{test} failed in its own process");
+    true
 }
 
 /// This test binary, run again as a child process that joins this test's servers.
