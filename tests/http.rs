@@ -31,7 +31,11 @@ suite!(
     oversized_request_body_gets_413,
     concurrent_retry_gets_409_with_retry_after,
     replay_keeps_allowed_headers_only,
-    oversized_response_is_passed_through_unstored,
+    oversized_response_is_never_run_again,
+    streamed_response_keeps_its_lease_and_runs_once,
+    client_gone_mid_body_still_settles_the_record,
+    transient_and_permission_answers_are_not_stored,
+    a_known_length_response_is_settled_before_the_client_has_it,
     handler_panic_releases_the_key,
     dropped_request_releases_the_key,
     store_unavailable_answers_503_and_runs_nothing,
@@ -294,18 +298,154 @@ async fn replay_keeps_allowed_headers_only(mode: Mode) {
 }
 
 /// A response larger than the capture limit reaches the client whole but is not stored: the key is
-/// released and a retry executes again.
-async fn oversized_response_is_passed_through_unstored(mode: Mode) {
+/// A response over the capture limit (5 MB against the default 1 MiB), served over a real connection
+/// with its `Content-Length`, is sent whole but stored only as "completed, not replayable", before the
+/// client has its last byte: the retry gets 409 `not-replayable` and never runs the handler again
+/// (before: the key was released, and the retry ran the payment a second time).
+async fn oversized_response_is_never_run_again(mode: Mode) {
     let h = Harness::start(mode).await;
-    let (router, runs) = counting(layer(&h).with_operation("big-response").with_max_response_body(16), |_| {
-        "x".repeat(100).into_response()
-    });
-    let (status, _, body) = send(&router, payment(Some("r1"), "acme", &charge(1))).await;
-    assert_eq!((status, body.len()), (StatusCode::OK, 100));
+    let (router, runs) = counting(layer(&h).with_operation("big-response"), |_| "x".repeat(5 << 20).into_response());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = reqwest::Client::new();
+    let post = || {
+        let request = client.post(format!("{base}/payments")).bearer_auth("acme").header("idempotency-key", "r1");
+        request.json(&charge(1)).send()
+    };
+    let first = post().await.expect("HTTP");
+    assert_eq!(first.status(), reqwest::StatusCode::OK);
+    assert_eq!(first.bytes().await.expect("body").len(), 5 << 20);
     let record = h.store.lookup(&Scope::new("acme", "big-response").expect("scope"), &support::key("r1")).await;
-    assert_eq!(record.expect("lookup").expect("record").state, State::Released);
-    send(&router, payment(Some("r1"), "acme", &charge(1))).await;
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(record.expect("lookup").expect("record").state, State::Completed, "settled before the last byte");
+    let retry = post().await.expect("HTTP");
+    assert_eq!(retry.status(), reqwest::StatusCode::CONFLICT);
+    assert_eq!(problem_type(&retry.bytes().await.expect("body")), problem_types::NOT_REPLAYABLE);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A body that sends its first chunk, then waits for the test to open a gate before the other four,
+/// under a 1 s lease: more than a lease passes while it streams, so only the heartbeat keeps the owner's
+/// key, and a retry then is told "in flight" (before: the body was buffered without a heartbeat, and the
+/// retry took a live owner over). Once the body ended, the retry replays all of it. One execution.
+async fn streamed_response_keeps_its_lease_and_runs_once(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let lease = Policy::builder().lease(Duration::from_secs(1)).build().expect("policy");
+    let gate = Gate::default();
+    let opened = gate.clone();
+    let (router, runs) = counting(layer(&h).with_operation(PAYMENTS).with_policy(lease), move |_| opened.body());
+    let first = tokio::spawn(send_owned(router.clone(), payment(Some("s1"), "acme", &charge(1))));
+    wait_for_state(&h, "s1", State::InProgress).await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // A retry that took the key over would run the handler again, and wait at the gate with it.
+    let retry = send(&router, payment(Some("s1"), "acme", &charge(1)));
+    let (status, _, body) = tokio::time::timeout(Duration::from_secs(5), retry).await.expect("answered at once");
+    assert_eq!((status, problem_type(&body)), (StatusCode::CONFLICT, problem_types::IN_FLIGHT.to_owned()));
+    gate.open();
+    let (status, _, streamed) = first.await.expect("join");
+    assert_eq!((status, streamed.as_ref()), (StatusCode::OK, b"0 1 2 3 4 ".as_ref()));
+    let (status, headers, replayed) = send(&router, payment(Some("s1"), "acme", &charge(1))).await;
+    assert_eq!((status, replayed), (StatusCode::OK, streamed));
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The client reads the first chunk and goes away while the body waits at the gate: once the gate
+/// opens, the rest is drained and the record settled with all of it (before: the layer buffered the
+/// whole body before answering, so the client got nothing and its dropped request left the record in
+/// progress until its lease ran out); the retry replays it.
+async fn client_gone_mid_body_still_settles_the_record(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let gate = Gate::default();
+    let opened = gate.clone();
+    let (router, runs) = counting(layer(&h).with_operation(PAYMENTS), move |_| opened.body());
+    let request = router.clone().oneshot(payment(Some("g1"), "acme", &charge(1)));
+    let response = tokio::time::timeout(Duration::from_secs(5), request).await.expect("the head comes at once");
+    let mut body = response.expect("infallible").into_body();
+    let first = body.frame().await.expect("a frame").expect("no error").into_data().expect("data");
+    assert_eq!(first, Bytes::from_static(b"0 "));
+    drop(body);
+    gate.open();
+    wait_for_state(&h, "g1", State::Completed).await;
+    // Redis hears of the completion one round trip after Postgres: a retry in between is told "in flight".
+    assert_eq!(retry_while_in_flight(&router, "g1").await, StatusCode::OK);
+    let (status, _, replayed) = send(&router, payment(Some("g1"), "acme", &charge(1))).await;
+    assert_eq!((status, replayed.as_ref()), (StatusCode::OK, b"0 1 2 3 4 ".as_ref()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Over a real connection, a response of known length (the demo's JSON) is settled before the client has
+/// its last byte: hyper stops polling a body once `Content-Length` bytes are out, so the layer holds the
+/// last frame back until the record is stored. A retry right after the answer replays it.
+async fn a_known_length_response_is_settled_before_the_client_has_it(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    for n in 0..5 {
+        let key = format!("known-{n}");
+        let first = post_payment(&client, &base, &key, "acme", &charge(1), 0).await;
+        assert_eq!(first.status(), reqwest::StatusCode::CREATED);
+        first.bytes().await.expect("body");
+        let scope = Scope::new("acme", PAYMENTS).expect("scope");
+        let record = h.store.lookup(&scope, &IdempotencyKey::new(key.clone()).expect("key")).await.expect("lookup");
+        assert_eq!(record.map(|r| r.state), Some(State::Completed), "settled before the client had the body");
+        let retry = post_payment(&client, &base, &key, "acme", &charge(1), 0).await;
+        assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    }
+}
+
+/// 429 and 403 answers depend on the moment or on the caller's rights: they are not stored, and the
+/// retry runs the handler (before: they were replayed to every retry).
+async fn transient_and_permission_answers_are_not_stored(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (router, runs) = counting(layer(&h).with_operation(PAYMENTS), |n| match n {
+        1 => StatusCode::TOO_MANY_REQUESTS.into_response(),
+        2 => StatusCode::FORBIDDEN.into_response(),
+        _ => StatusCode::CREATED.into_response(),
+    });
+    for expected in [StatusCode::TOO_MANY_REQUESTS, StatusCode::FORBIDDEN, StatusCode::CREATED, StatusCode::CREATED] {
+        assert_eq!(send(&router, payment(Some("t1"), "acme", &charge(1))).await.0, expected);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "the 201 was stored and replayed");
+}
+
+/// Holds a streamed body after its first chunk until the test opens it.
+#[derive(Clone, Default)]
+struct Gate(Arc<tokio::sync::Notify>, Arc<std::sync::atomic::AtomicBool>);
+
+impl Gate {
+    fn open(&self) {
+        self.1.store(true, Ordering::SeqCst);
+        self.0.notify_waiters();
+    }
+
+    /// Five chunks, "0 " to "4 "; the last four once the gate is open.
+    fn body(&self) -> axum::response::Response {
+        let gate = self.clone();
+        let chunks = futures::stream::unfold(0, move |n| {
+            let gate = gate.clone();
+            async move {
+                if n == 5 {
+                    return None;
+                }
+                if n == 1 {
+                    let opened = gate.0.notified();
+                    tokio::pin!(opened);
+                    // Registered before the check, so an `open` in between is not missed.
+                    opened.as_mut().enable();
+                    if !gate.1.load(Ordering::SeqCst) {
+                        opened.await;
+                    }
+                }
+                Some((Ok::<_, std::io::Error>(Bytes::from(format!("{n} "))), n + 1))
+            }
+        });
+        Body::from_stream(chunks).into_response()
+    }
+}
+
+async fn send_owned(router: Router, request: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
+    send(&router, request).await
 }
 
 /// A handler that panics does not leave its key stuck: it is released and the retry executes.

@@ -50,7 +50,9 @@ impl MismatchStatus {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoredStatuses {
-    /// Successes and client errors (2xx, 3xx, 4xx); server errors (5xx) release the key (the default).
+    /// Successes, redirects and the client errors a retry would get again (2xx, 3xx, 4xx); not the
+    /// answers that are transient or depend on the caller's rights (401, 403, 407, 408, 425, 429), nor
+    /// server errors (5xx): those release the key (the default).
     #[default]
     SuccessesAndClientErrors,
     /// Every response once the handler ran, as Stripe does.
@@ -59,7 +61,8 @@ pub enum StoredStatuses {
 
 impl StoredStatuses {
     pub(crate) fn stores(self, status: StatusCode) -> bool {
-        self == StoredStatuses::All || !status.is_server_error()
+        let transient = matches!(status.as_u16(), 401 | 403 | 407 | 408 | 425 | 429);
+        self == StoredStatuses::All || !(status.is_server_error() || transient)
     }
 }
 
@@ -195,8 +198,8 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
         self
     }
 
-    /// Largest response body stored, in bytes; larger responses are passed through unstored and the key
-    /// is released.
+    /// Largest response body stored, in bytes (default 1 MiB). A larger response is sent as it streams,
+    /// but only its size is stored: retries get 409 `not-replayable` and never run the handler again.
     pub fn with_max_response_body(mut self, bytes: usize) -> Self {
         self.config.max_response_body = bytes;
         self

@@ -23,7 +23,9 @@
 //! |---|---|
 //! | first request with a key | the handler runs; its response is stored (see [`StoredStatuses`]) |
 //! | retry after completion | the stored response, byte-identical, with `Idempotent-Replayed: true` |
-//! | retry while the first is running | 409, `Retry-After` |
+//! | retry while the first is running (its body still streaming included) | 409, `Retry-After` |
+//! | retry after a response too large to store | 409 `not-replayable`; the handler does not run again |
+//! | retry after the retention | 410 `expired`, until the tombstone's horizon ends |
 //! | same key, different payload | 422 (or 400, or 409 with the original: [`MismatchStatus`]) |
 //! | missing key on a required route; invalid or repeated key | 400 |
 //! | request body over the limit | 413 |
@@ -31,11 +33,14 @@
 //! | record awaiting an operator (indeterminate) | 409 |
 //!
 //! Errors are `application/problem+json` with a stable `type` per case (see [`problem_types`]).
-//! A response body larger than the capture limit is passed through but not stored, and the key is
-//! released. A handler that panics or is cancelled (the client went away) releases its key when the
+//! The response body streams to the client as the handler produces it, with a copy kept up to the
+//! capture limit and the lease extended until it ends; the record is settled before the client sees the
+//! end. A larger response is stored as "completed, not replayable" (retries never run it again), and a
+//! client that goes away mid-body leaves a settled record. A handler that panics or is cancelled (the client went away) releases its key when the
 //! operation's policy is [`crate::LeaseExpiry::TakeOver`]; under `MarkIndeterminate` its lease runs out
 //! and the record goes indeterminate.
 
+mod body;
 mod capture;
 mod layer;
 mod problem;

@@ -23,6 +23,9 @@ pub mod problem_types {
     pub const KEY_REUSED: &str = "urn:idemstore:problem:key-reused";
     /// 409: an earlier attempt ended without an answer; an operator must resolve the key.
     pub const INDETERMINATE: &str = "urn:idemstore:problem:indeterminate";
+    /// 409: the request completed, but its response was not stored (larger than the capture limit); it
+    /// is not executed again.
+    pub const NOT_REPLAYABLE: &str = "urn:idemstore:problem:not-replayable";
     /// 410: the request completed, but its stored response was purged after the retention; it is not
     /// executed again.
     pub const EXPIRED: &str = "urn:idemstore:problem:expired";

@@ -16,7 +16,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::{BoxError, Service, ServiceExt};
 
 use super::TenantResolver;
-use super::capture::Captured;
+use super::body::{Settlement, SettlingBody, fits, settle_whole};
+use super::capture::Stored;
 use super::layer::Config;
 use super::problem::{Problem, problem_types as types};
 use crate::error::InputError;
@@ -164,18 +165,19 @@ where
     let Ok(response) = store.with_heartbeat(&lease, Heartbeat::Auto, inner.oneshot(request)).await;
     guard.disarm();
     let (head, body) = response.into_parts();
-    let body = match Body::new(body).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(_) => {
-            settle(store, &lease, None).await;
-            return Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::UNAVAILABLE, "Response failed", "")
-                .into_response();
+    let stored = config.stored.stores(head.status);
+    let capture = (config.max_response_body, config.replayed_headers.as_slice());
+    let settlement = Settlement::new(store.clone(), lease, head.status, &head.headers, stored, capture);
+    let body = Body::new(body);
+    if !fits(&body, config.max_response_body) {
+        return Response::from_parts(head, Body::new(SettlingBody::new(body, settlement)));
+    }
+    match settle_whole(settlement, body).await {
+        Some(bytes) => Response::from_parts(head, Body::from(bytes)),
+        None => {
+            Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::UNAVAILABLE, "Response failed", "").into_response()
         }
-    };
-    let keep = config.stored.stores(head.status) && body.len() <= config.max_response_body;
-    let captured = keep.then(|| Captured::new(head.status, &head.headers, &body, &config.replayed_headers));
-    settle(store, &lease, captured).await;
-    Response::from_parts(head, Body::from(body))
+    }
 }
 
 async fn pass_through<S, ResBody>(inner: S, request: Request<Body>) -> Response<Body>
@@ -186,18 +188,6 @@ where
 {
     let Ok(response) = inner.oneshot(request).await;
     response.map(Body::new)
-}
-
-/// Stores the captured response, or releases the key when there is nothing to store. A failure here
-/// cannot change what the client gets (the handler already ran): it is logged, and the lease runs out.
-async fn settle(store: &Store, lease: &Lease, captured: Option<Captured>) {
-    let settled = match captured {
-        Some(captured) => store.complete(lease, &captured.encode()).await,
-        None => store.release(lease).await,
-    };
-    if let Err(error) = settled {
-        tracing::warn!(%error, key = %lease.key(), "could not settle the idempotency record");
-    }
 }
 
 /// Releases the key if the handler panicked or its future was dropped (the client went away), so a
@@ -222,7 +212,11 @@ impl Drop for ReleaseOnDrop {
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let store = self.store.clone();
-            runtime.spawn(async move { settle(&store, &lease, None).await });
+            runtime.spawn(async move {
+                if let Err(error) = store.release(&lease).await {
+                    tracing::warn!(%error, fence = lease.fence(), "could not release the key of a dropped request");
+                }
+            });
         }
     }
 }
@@ -292,19 +286,34 @@ fn fingerprint(parts: &Parts, body: &[u8], options: &crate::FingerprintOptions) 
 }
 
 fn replay(stored: &crate::StoredResponse, status: Option<StatusCode>) -> Response<Body> {
-    match Captured::decode(stored.as_bytes()) {
-        Some(captured) => captured.replay(status),
-        None => unavailable(),
+    match Stored::decode(stored.as_bytes()) {
+        Some(Stored::Response(captured)) => captured.replay(status),
+        Some(Stored::Withheld(withheld)) => not_replayable(format!(
+            "a request with this key completed with status {}, but its {}-byte response was not stored for \
+             replay (larger than the capture limit, or cut short); it is not executed again",
+            withheld.status, withheld.bytes
+        )),
+        // Completed by another writer of the key (an operator's raw bytes): done, but not replayable here.
+        None => not_replayable(
+            "a request with this key completed; its stored result is not an HTTP response this \
+             layer can replay; it is not executed again"
+                .into(),
+        ),
     }
+}
+
+/// The answer to a retry of a request that ran but whose response cannot be replayed: it runs no more.
+fn not_replayable(detail: String) -> Response<Body> {
+    Problem::new(StatusCode::CONFLICT, types::NOT_REPLAYABLE, "Response not replayable", detail).into_response()
 }
 
 async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey) -> Response<Body> {
     let status = config.mismatch.status();
     if config.mismatch == super::MismatchStatus::ConflictWithOriginal
         && let Ok(Some(record)) = config.store.lookup(scope, key).await
-        && let Some(original) = record.response
+        && let Some(Stored::Response(original)) = record.response.and_then(|r| Stored::decode(r.as_bytes()))
     {
-        return replay(&original, Some(status));
+        return original.replay(Some(status));
     }
     let detail = "this Idempotency-Key was used with a different request payload";
     Problem::new(status, types::KEY_REUSED, "Idempotency-Key reused", detail).into_response()

@@ -1,0 +1,275 @@
+//! The owner's response body: the handler's frames go to the client as they come, a copy is kept up to
+//! the capture limit, the lease is extended while the body streams, and the record is settled when the
+//! body ends, before the client sees its end. A response larger than the limit is settled as completed
+//! but not replayable, so a retry never runs the work again; a client that goes away mid-body does not
+//! leave the record unsettled either.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, StatusCode};
+use http_body::{Frame, SizeHint};
+use http_body_util::BodyExt;
+use tower::BoxError;
+
+use super::capture::{Captured, Stored, Withheld};
+use crate::error::StoreError;
+use crate::record::Lease;
+use crate::store::Store;
+
+/// What an owner's response leaves in the store once its body ended.
+pub(crate) struct Settlement {
+    store: Store,
+    lease: Lease,
+    status: StatusCode,
+    /// The response's headers that are replayed.
+    headers: HeaderMap,
+    /// Whether the status is stored at all; if not, the key is released so a retry runs again.
+    stored: bool,
+    limit: usize,
+    body: Vec<u8>,
+    /// Body bytes produced so far.
+    sent: u64,
+    /// The handler's body failed (or panicked) before its end: what was sent is not a response to replay.
+    broken: bool,
+    heartbeat: tokio::task::JoinHandle<()>,
+}
+
+impl Settlement {
+    /// Starts extending `lease` until the settlement is made (or dropped).
+    pub(crate) fn new(
+        store: Store,
+        lease: Lease,
+        status: StatusCode,
+        headers: &HeaderMap,
+        stored: bool,
+        (limit, replayed): (usize, &[HeaderName]),
+    ) -> Self {
+        let headers = headers.iter().filter(|(name, _)| replayed.contains(name));
+        let headers = headers.map(|(name, value)| (name.clone(), value.clone())).collect();
+        let heartbeat = tokio::spawn(keep_alive(store.clone(), lease.clone()));
+        let body = Vec::new();
+        Self { store, lease, status, headers, stored, limit, body, sent: 0, broken: false, heartbeat }
+    }
+
+    /// Keeps a copy of `data` while the body stays within the limit; past it, none (and frees the copy).
+    fn record(&mut self, data: &Bytes) {
+        self.sent += data.len() as u64;
+        if !self.stored || self.over_limit() {
+            self.body = Vec::new();
+        } else {
+            self.body.extend_from_slice(data);
+        }
+    }
+
+    fn over_limit(&self) -> bool {
+        self.sent > self.limit as u64
+    }
+
+    /// Whether the rest of the body can change the settlement: only a stored status within the limit
+    /// still needs the rest (to store it).
+    fn needs_the_rest(&self) -> bool {
+        self.stored && !self.over_limit() && !self.broken
+    }
+
+    /// Stores the response (or that it was sent but cannot be replayed), or releases the key for a status
+    /// that is not stored. A failure cannot change what the client got (the handler ran): it is logged,
+    /// and the lease runs out under the record's rule.
+    pub(crate) async fn settle(mut self) {
+        self.heartbeat.abort();
+        let body = std::mem::take(&mut self.body);
+        let (store, lease) = (&self.store, &self.lease);
+        let settled = if !self.stored {
+            store.release(lease).await
+        } else if self.over_limit() || self.broken {
+            store.complete(lease, &Stored::Withheld(Withheld::new(self.status, self.sent)).encode()).await
+        } else {
+            let names: Vec<HeaderName> = self.headers.keys().cloned().collect();
+            let captured = Captured::new(self.status, &self.headers, body, &names);
+            store.complete(lease, &Stored::Response(captured).encode()).await
+        };
+        if let Err(error) = settled {
+            tracing::warn!(%error, fence = lease.fence(), "could not settle the idempotency record");
+        }
+    }
+}
+
+/// Settles with the whole of a body known to fit the capture limit (or empty), before the client gets
+/// anything: the record is stored by the time the client sees the status. Returns the body, or `None` if
+/// it failed (the record then says the response cannot be replayed).
+pub(crate) async fn settle_whole(mut settlement: Settlement, body: Body) -> Option<Bytes> {
+    let collected = body.collect().await.map(http_body_util::Collected::to_bytes);
+    match &collected {
+        Ok(bytes) => settlement.record(bytes),
+        Err(_) => settlement.broken = true,
+    }
+    settlement.settle().await;
+    collected.ok()
+}
+
+/// Whether a body is small enough to be settled whole before the response starts: empty, or of a known
+/// length within the capture limit.
+pub(crate) fn fits(body: &Body, limit: usize) -> bool {
+    http_body::Body::is_end_stream(body) || http_body::Body::size_hint(body).exact().is_some_and(|n| n <= limit as u64)
+}
+
+impl Drop for Settlement {
+    /// However the settlement ends (made, or dropped with its body), the lease stops being extended.
+    fn drop(&mut self) {
+        self.heartbeat.abort();
+    }
+}
+
+/// Extends the lease every third of its length until aborted, or until the lease is lost.
+async fn keep_alive(store: Store, lease: Lease) {
+    let period = lease.policy().lease() / 3;
+    loop {
+        tokio::time::sleep(period).await;
+        if let Err(StoreError::LeaseLost { .. }) = store.extend(&lease).await {
+            return;
+        }
+    }
+}
+
+type Settling = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// The body handed to the client in place of the handler's.
+pub(crate) struct SettlingBody {
+    inner: Option<Body>,
+    /// The handler body's exact length, when it said so: reaching it is its end (a server that sent
+    /// `Content-Length` stops polling after the last byte, so the end would never be seen otherwise).
+    expected: Option<u64>,
+    settlement: Option<Settlement>,
+    settling: Option<Settling>,
+    /// The last frame, held back until the record is settled.
+    last: Option<Frame<Bytes>>,
+    /// The handler body's error, returned once the record is settled.
+    failed: Option<BoxError>,
+}
+
+impl SettlingBody {
+    pub(crate) fn new(inner: Body, settlement: Settlement) -> Self {
+        let expected = http_body::Body::size_hint(&inner).exact();
+        let (settling, last, failed) = (None, None, None);
+        Self { inner: Some(inner), expected, settlement: Some(settlement), settling, last, failed }
+    }
+
+    /// The handler's body ended (or failed): settle before the client gets the end.
+    fn end(&mut self) {
+        self.inner = None;
+        if let Some(settlement) = self.settlement.take() {
+            self.settling = Some(Box::pin(settlement.settle()));
+        }
+    }
+
+    fn at_end(&self, inner: &Body) -> bool {
+        http_body::Body::is_end_stream(inner)
+            || self.settlement.as_ref().is_some_and(|s| self.expected.is_some_and(|length| s.sent >= length))
+    }
+}
+
+impl http_body::Body for SettlingBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        loop {
+            if let Some(settling) = &mut this.settling {
+                ready!(settling.as_mut().poll(cx));
+                this.settling = None;
+                if let Some(error) = this.failed.take() {
+                    return Poll::Ready(Some(Err(error)));
+                }
+                return Poll::Ready(this.last.take().map(Ok));
+            }
+            let Some(inner) = &mut this.inner else { return Poll::Ready(None) };
+            match ready!(Pin::new(inner).poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    if let (Some(data), Some(settlement)) = (frame.data_ref(), &mut this.settlement) {
+                        settlement.record(data);
+                    }
+                    if this.inner.as_ref().is_some_and(|inner| this.at_end(inner)) {
+                        this.last = Some(frame);
+                        this.end();
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Some(Err(error)) => {
+                    if let Some(settlement) = &mut this.settlement {
+                        settlement.broken = true;
+                    }
+                    this.failed = Some(error.into());
+                    this.end();
+                }
+                None => this.end(),
+            }
+        }
+    }
+
+    /// Never "ended" before the record is settled and the last frame handed over.
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_none() && self.settling.is_none() && self.last.is_none() && self.failed.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match (&self.inner, &self.last) {
+            (Some(inner), _) => http_body::Body::size_hint(inner),
+            (None, Some(last)) => SizeHint::with_exact(last.data_ref().map_or(0, |data| data.len() as u64)),
+            (None, None) => SizeHint::with_exact(0),
+        }
+    }
+}
+
+impl Drop for SettlingBody {
+    /// The body was dropped before its end: the client went away, or the server gave up on it. The work
+    /// ran, so the record must still be settled; that takes I/O, which `Drop` cannot wait for, and nothing
+    /// else runs after a dropped body. So a task settles it (or finishes a settlement under way). If the
+    /// rest of the body can still change what is stored, the task first drains it, within the capture
+    /// limit and one lease: an endless stream (server-sent events) is then settled as not replayable.
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        if let Some(settling) = self.settling.take() {
+            runtime.spawn(settling);
+            return;
+        }
+        let Some(settlement) = self.settlement.take() else { return };
+        let inner = self.inner.take().filter(|_| settlement.needs_the_rest());
+        runtime.spawn(drain_and_settle(inner, settlement));
+    }
+}
+
+/// Drains what is left of the handler's body into `settlement` (bounded: the capture limit and one
+/// lease; a panicking body counts as broken), then settles.
+async fn drain_and_settle(inner: Option<Body>, mut settlement: Settlement) {
+    if let Some(mut inner) = inner {
+        let (limit, deadline) = (settlement.limit as u64, settlement.lease.policy().lease());
+        // Its own task, so that a body that panics fails that task, not the settlement.
+        let mut drained = tokio::spawn(async move {
+            let mut frames = Vec::new();
+            let mut size = 0u64;
+            while let Some(frame) = inner.frame().await {
+                let data = frame.map_err(|_| ())?.into_data().unwrap_or_default();
+                size += data.len() as u64;
+                frames.push(data);
+                if size > limit {
+                    break;
+                }
+            }
+            Ok::<_, ()>(frames)
+        });
+        match tokio::time::timeout(deadline, &mut drained).await {
+            Ok(Ok(Ok(frames))) => frames.iter().for_each(|data| settlement.record(data)),
+            // Failed, panicked, or endless (stopped here): what the client got cannot be replayed.
+            _ => {
+                drained.abort();
+                settlement.broken = true;
+            }
+        }
+    }
+    settlement.settle().await;
+}
