@@ -28,6 +28,8 @@ suite!(
     a_malformed_redis_record_is_a_miss,
     a_claim_that_lost_a_race_asks_again,
     releasing_an_indeterminate_record_clears_its_redis_copy,
+    another_process_stops_reading_a_stale_marker_once_redis_is_back,
+    a_settlement_reaches_redis_while_the_circuit_is_open,
 );
 
 fn fingerprint(payload: &str) -> Fingerprint {
@@ -340,5 +342,82 @@ async fn releasing_an_indeterminate_record_clears_its_redis_copy(mode: Mode) {
     assert!(matches!(seen, Begin::Indeterminate), "{seen:?}");
     h.store.release(&owner).await.expect("the owner still releases under its fence");
     let next = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
+}
+
+/// A store behind the harness's Redis proxy, with a cool-down of 10 s: its circuit, once open, stays open
+/// for the whole test.
+fn proxied_store(h: &Harness, policy: Policy) -> idemstore::Store {
+    let proxy = h.redis_proxy.as_ref().expect("a Redis proxy");
+    idemstore::Store::builder()
+        .database_url(&h.store_url)
+        .redis_url(format!("redis://127.0.0.1:{}/", proxy.port()))
+        .key_prefix(&h.prefix)
+        .redis_cooldown(Duration::from_secs(10))
+        .policy(&h.operation, policy)
+        .build()
+        .expect("store")
+}
+
+/// Found by a 3,000-case model campaign: a store completed while Redis was unreachable to it (its marker
+/// stayed behind), and another process on the same Redis read that marker as "in flight" once Redis was
+/// back, for up to a lease, because only the first store's next call would delete it. Now a background
+/// task deletes it as soon as Redis answers: the other process replays within a bound.
+async fn another_process_stops_reading_a_stale_marker_once_redis_is_back(mode: Mode) {
+    if mode == Mode::PostgresOnly {
+        return;
+    }
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let (scope, k, payload) = (h.scope("acme"), key("partitioned"), r#"{"a":1}"#);
+    let (proxied, other) =
+        (proxied_store(&h, policy(LeaseExpiry::TakeOver)), h.new_store(policy(LeaseExpiry::TakeOver)));
+    let Begin::Acquired(owner) = proxied.begin(&scope, &k, &fingerprint(payload)).await.expect("begin") else {
+        panic!("acquire")
+    };
+    let proxy = h.redis_proxy.as_ref().expect("proxy");
+    proxy.set(ProxyMode::Blackhole);
+    proxied.complete(&owner, b"\"done\"").await.expect("Postgres completes while Redis is unreachable");
+    proxy.cut();
+    proxy.set(ProxyMode::Pass);
+    let started = std::time::Instant::now();
+    let answer = loop {
+        match other.begin(&scope, &k, &fingerprint(payload)).await.expect("begin") {
+            Begin::InFlight { .. } if started.elapsed() < Duration::from_secs(20) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            answer => break answer,
+        }
+    };
+    assert!(matches!(answer, Begin::Completed(_)), "{answer:?}");
+    // The background task tries every cool-down (10 s here); the lease is 30 s.
+    assert!(started.elapsed() < Duration::from_secs(15), "stale for {:?}", started.elapsed());
+}
+
+/// Found by the model campaign: an owner released its indeterminate record while its store's circuit
+/// was open (Redis reachable again, the cool-down not over); the release's Redis write was skipped, and
+/// another process kept reading "indeterminate" for a key Postgres had released. Settling writes are
+/// now tried whatever the circuit says.
+async fn a_settlement_reaches_redis_while_the_circuit_is_open(mode: Mode) {
+    if mode == Mode::PostgresOnly {
+        return;
+    }
+    let strict = policy(LeaseExpiry::MarkIndeterminate);
+    let h = Harness::with(mode, strict.clone(), Servers::Proxied).await;
+    let (scope, k, payload) = (h.scope("acme"), key("released-late"), r#"{"a":1}"#);
+    let (proxied, other) = (proxied_store(&h, strict.clone()), h.new_store(strict));
+    let Begin::Acquired(owner) = proxied.begin(&scope, &k, &fingerprint(payload)).await.expect("begin") else {
+        panic!("acquire")
+    };
+    h.pass_lease(&scope, &k).await;
+    let seen = other.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
+    assert!(matches!(seen, Begin::Indeterminate), "{seen:?}");
+    // Open the owner's circuit: one call that misses its budget, then Redis is reachable again.
+    let proxy = h.redis_proxy.as_ref().expect("proxy");
+    proxy.set(ProxyMode::Blackhole);
+    let _ = proxied.begin(&scope, &key("elsewhere"), &fingerprint(payload)).await;
+    proxy.cut();
+    proxy.set(ProxyMode::Pass);
+    proxied.release(&owner).await.expect("the owner releases under its fence");
+    let next = other.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
     assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
 }

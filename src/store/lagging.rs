@@ -1,9 +1,9 @@
-//! Keys whose Redis copy may lag behind Postgres: a write that settles a key failed or was skipped while
-//! the circuit was open, or a claim marker may have been written by a call that timed out. Such a copy
-//! could answer "in flight" for a key Postgres already settled, to this process and to every other one,
-//! for up to a lease. So each key is remembered and deleted as soon as Redis answers again: by a
-//! background task that tries every cool-down (for the other processes' sake), and before this process's
-//! next script call (for its own). Deleting is always safe: Redis is a cache, and a miss asks Postgres.
+//! Keys whose Redis copy may lag behind Postgres: a write that settles a key failed, or a claim marker
+//! may have been written by a call that timed out. Such a copy could answer "in flight" for a key
+//! Postgres already settled, to this process and to every other one, for up to a lease. So each key is
+//! remembered and deleted as soon as Redis answers again: by a background task that tries every
+//! cool-down (for the other processes' sake), and before this process's next script call (for its own).
+//! Deleting is always safe: Redis is a cache, and a miss asks Postgres.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};

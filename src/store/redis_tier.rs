@@ -15,6 +15,18 @@ use crate::key::{IdempotencyKey, Scope};
 use crate::record::State;
 use crate::telemetry;
 
+/// What a script call is for, which decides whether an open circuit skips it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    /// Answering a request (claim, heartbeat): skipped while the circuit is open, so an outage costs one
+    /// budget per cool-down, not one per request.
+    Answer,
+    /// Writing what Postgres just settled (a completion, a release): always tried, within the budget. A
+    /// skipped write would leave another process reading a stale copy until this one catches up;
+    /// during an outage it costs the settling request up to one budget (a refused connection fails fast).
+    Settle,
+}
+
 /// Why a Redis call was not answered; every one degrades the call to the Postgres path.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum RedisUnavailable {
@@ -99,12 +111,13 @@ impl RedisTier {
     ) -> Result<RedisBegin, RedisUnavailable> {
         let lease = lease_ms.to_string();
         let args = [fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes()];
-        let reply = self.invoke("begin", &scripts::BEGIN, record_key, &args).await.inspect_err(|error| {
-            // A call that timed out may still have written its marker.
-            if !matches!(error, RedisUnavailable::CircuitOpen) {
-                self.left_behind(record_key);
-            }
-        })?;
+        let reply =
+            self.invoke("begin", &scripts::BEGIN, record_key, &args, Call::Answer).await.inspect_err(|error| {
+                // A call that timed out may still have written its marker.
+                if !matches!(error, RedisUnavailable::CircuitOpen) {
+                    self.left_behind(record_key);
+                }
+            })?;
         // A reply outside the contract says nothing about the key, but nothing about Redis either: the
         // request asks Postgres, and the circuit stays closed for everyone else.
         Ok(RedisBegin::decode(reply).unwrap_or_else(|error| {
@@ -135,7 +148,7 @@ impl RedisTier {
         };
         let ttl = ttl_ms.max(1).to_string();
         let args = [tag, fingerprint.as_bytes(), owner.as_bytes(), response, ttl.as_bytes()];
-        let put = self.invoke("put", &scripts::PUT, record_key, &args).await;
+        let put = self.invoke("put", &scripts::PUT, record_key, &args, Call::Settle).await;
         put.map(drop).inspect_err(|_| self.left_behind(record_key))
     }
 
@@ -143,13 +156,15 @@ impl RedisTier {
     /// fence), an indeterminate copy too.
     pub(crate) async fn release(&self, record_key: &str, owner: &str, released: bool) -> Result<(), RedisUnavailable> {
         let mode: &[u8] = if released { b"released" } else { b"" };
-        let released = self.invoke("release", &scripts::RELEASE, record_key, &[owner.as_bytes(), mode]).await;
+        let args = [owner.as_bytes(), mode];
+        let released = self.invoke("release", &scripts::RELEASE, record_key, &args, Call::Settle).await;
         released.map(drop).inspect_err(|_| self.left_behind(record_key))
     }
 
     pub(crate) async fn extend(&self, record_key: &str, owner: &str, lease_ms: i64) -> Result<(), RedisUnavailable> {
         let lease = lease_ms.to_string();
-        self.invoke("extend", &scripts::EXTEND, record_key, &[owner.as_bytes(), lease.as_bytes()]).await.map(drop)
+        let args = [owner.as_bytes(), lease.as_bytes()];
+        self.invoke("extend", &scripts::EXTEND, record_key, &args, Call::Answer).await.map(drop)
     }
 
     /// Reads a record's copy (not budgeted: an operator command).
@@ -188,15 +203,17 @@ impl RedisTier {
     }
 
     /// Runs one script with EVALSHA (reloaded on NOSCRIPT by `Script::invoke_async`), bounded by the
-    /// budget, after deleting the keys that lag behind Postgres; a failure opens the circuit for the cool-down.
+    /// budget, after deleting the keys that lag behind Postgres; a failure opens the circuit for the
+    /// cool-down. An open circuit skips answers, not settlements (see [`Call`]).
     async fn invoke(
         &self,
         name: &'static str,
         script: &Script,
         record_key: &str,
         args: &[&[u8]],
+        call: Call,
     ) -> Result<Value, RedisUnavailable> {
-        if self.now_ms() < self.open_until.load(Ordering::Relaxed) {
+        if call == Call::Answer && self.now_ms() < self.open_until.load(Ordering::Relaxed) {
             return Err(RedisUnavailable::CircuitOpen);
         }
         telemetry::redis_call(name);
