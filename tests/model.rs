@@ -51,6 +51,8 @@ async fn every_answer_is_one_the_model_allows(mode: Mode) {
     if let Err(report) = verdict {
         panic!("{report}");
     }
+    let (cases, steps, faults) = world.counts();
+    eprintln!("model check, {mode:?}: {cases} cases, {steps} steps, {faults} Redis faults, 0 violations");
 }
 
 /// How many cases of how many steps, drawn from which seed.

@@ -48,6 +48,9 @@ pub struct World {
     fingerprints: [(Payload, Fingerprint); 2],
     /// Cases run so far, shrinking included: the next case's tenant.
     cases: AtomicU64,
+    /// Steps run so far, and how many of them were Redis faults, for the campaign's report.
+    steps: AtomicU64,
+    faults: AtomicU64,
 }
 
 impl World {
@@ -64,7 +67,15 @@ impl World {
             harness,
             fingerprints,
             cases: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            faults: AtomicU64::new(0),
         }
+    }
+
+    /// Cases, steps and Redis faults run so far.
+    pub fn counts(&self) -> (u64, u64, u64) {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        (load(&self.cases), load(&self.steps), load(&self.faults))
     }
 
     pub fn mode(&self) -> Mode {
@@ -73,6 +84,10 @@ impl World {
 
     /// Runs one case; `Err` says what the store did that the model does not allow, with the history.
     pub async fn run_case(&self, steps: &[Step]) -> Result<(), String> {
+        let faults =
+            steps.iter().filter(|step| matches!(step, Step::RedisFlush | Step::RedisRestart | Step::RedisPause));
+        self.faults.fetch_add(faults.count() as u64, Ordering::Relaxed);
+        self.steps.fetch_add(steps.len() as u64, Ordering::Relaxed);
         let mut case = Case::new(self, self.cases.fetch_add(1, Ordering::Relaxed));
         let verdict = case.run(steps).await;
         case.settle().await;
