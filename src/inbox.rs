@@ -2,7 +2,6 @@
 //! handler once per event, however often the provider re-delivers it.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -10,8 +9,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{InputError, StoreError};
 use crate::key::{IdempotencyKey, Scope};
+use crate::options::RunOptions;
 use crate::policy::{Policy, Tier};
-use crate::run_once::{RunError, RunOptions, RunOutcome};
+use crate::run_once::{RunError, RunOutcome};
 use crate::store::Store;
 
 /// One consumer's inbox (for example `"stripe"`), on the same store as everything else.
@@ -19,7 +19,8 @@ use crate::store::Store;
 pub struct Inbox {
     store: Store,
     scope: Scope,
-    policy: Option<Policy>,
+    /// The webhook tier, unless [`Inbox::with_policy`] says otherwise.
+    options: RunOptions,
 }
 
 /// What [`Inbox::receive`] did with a delivery.
@@ -64,14 +65,15 @@ impl Store {
     /// # Errors
     /// [`InputError::InvalidScope`] if `consumer` is not a valid tenant name.
     pub fn inbox(&self, consumer: impl Into<String>) -> Result<Inbox, InputError> {
-        Ok(Inbox { store: self.clone(), scope: Scope::new(consumer, "inbox")?, policy: None })
+        let options = RunOptions::default().policy(Policy::tier(Tier::Webhook));
+        Ok(Inbox { store: self.clone(), scope: Scope::new(consumer, "inbox")?, options })
     }
 }
 
 impl Inbox {
     /// Uses `policy` instead of the webhook tier.
     pub fn with_policy(mut self, policy: Policy) -> Self {
-        self.policy = Some(policy);
+        self.options = self.options.policy(policy);
         self
     }
 
@@ -95,12 +97,8 @@ impl Inbox {
         Fut: Future<Output = Result<T, E>>,
     {
         let key = IdempotencyKey::new(event_id).map_err(StoreError::from)?;
-        let policy = self.policy.clone().unwrap_or_else(|| Policy::tier(Tier::Webhook));
         let work = || async move { handler().await.map(|outcome| Entry { sequence, outcome }) };
-        let outcome = self
-            .store
-            .run_once_under(&self.scope, &key, payload, &RunOptions::default(), Arc::new(policy), work)
-            .await?;
+        let outcome = self.store.run_once_with(&self.scope, &key, payload, &self.options, work).await?;
         Ok(match outcome {
             RunOutcome::Executed(entry) => Received::Handled(entry.outcome),
             RunOutcome::Replayed(entry) => Received::Duplicate { outcome: entry.outcome, sequence: entry.sequence },

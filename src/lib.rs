@@ -62,10 +62,13 @@
 //! - [`key`](IdempotencyKey), [`Scope`], [`Fingerprint`]: what identifies a request, validated.
 //! - [`Policy`]: lease, Redis TTL, Postgres retention and lease-expiry rule, per operation; [`config`]
 //!   loads tiers and operation patterns from TOML.
-//! - [`Store`]: the protocol (`begin` / `complete` / `release` / `extend` / `lookup`) on both tiers, and
-//!   the operator jobs (`purge_expired`, `recover_stale`, `resolve`, `stats`, `inspect`, `evict`).
+//! - [`Store`]: the protocol (`begin`, `lookup`) on both tiers, and the operator jobs (`purge_expired`,
+//!   `recover_stale`, `resolve`, `stats`, `inspect`, `evict`).
+//! - [`Owner`]: the one owner lifecycle every entry point shares: `begin` -> [`Begin::Acquired`] ->
+//!   `owner.run(work)` (heartbeat) -> `owner.complete(bytes)` or `owner.release()`; a dropped owner is
+//!   settled by its rule. [`RunOptions`] is the one way to change a claim (policy, wait, heartbeat).
 //! - [`Store::run_once`] and [`Store::run_once_in_tx`]: the generic APIs on top; derived downstream keys
-//!   with [`IdempotencyKey::derive`].
+//!   with [`Owner::derive_key`].
 //! - [`Inbox`] (`Store::inbox`): webhook and message consumers handle each event once.
 //! - [`Outbox`] (`Store::outbox`): rows written in the application's transaction, delivered after the
 //!   commit by a relay the application schedules.
@@ -86,7 +89,9 @@ mod fingerprint;
 pub mod http;
 mod inbox;
 mod key;
+mod options;
 mod outbox;
+mod owner;
 mod policy;
 mod record;
 mod run_once;
@@ -100,10 +105,12 @@ pub use error::{InputError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
 pub use inbox::{Inbox, Received};
 pub use key::{IdempotencyKey, Scope};
+pub use options::{Heartbeat, RunOptions};
 pub use outbox::{Drained, Message, Outbox, TopicBacklog};
+pub use owner::{KeepAlive, Owner};
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
-pub use record::{Begin, Lease, Record, State, StoredResponse};
-pub use run_once::{Heartbeat, RunError, RunOptions, RunOutcome, TxFuture};
+pub use record::{Begin, Record, State, StoredResponse};
+pub use run_once::{RunError, RunOutcome, TxFuture};
 pub use store::{
     Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder, server_bounded,
 };

@@ -1,4 +1,4 @@
-//! The record state machine and what the store hands back: [`Begin`] answers, the [`Lease`] an owner
+//! The record state machine and what the store hands back: [`Begin`] answers, the lease an [`Owner`]
 //! holds while it works, and the [`StoredResponse`] replayed to retries.
 
 use std::fmt;
@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
+use crate::owner::Owner;
 use crate::policy::{LeaseExpiry, Policy};
 
 /// Where a record is in its life.
@@ -96,8 +97,8 @@ impl fmt::Debug for StoredResponse {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Begin {
-    /// The caller owns the key: execute the work, then `complete` or `release`.
-    Acquired(Lease),
+    /// The caller owns the key: run the work, then complete or release (see [`Owner`]).
+    Acquired(Owner),
     /// Another owner is executing this request now; retry after roughly `retry_after`.
     InFlight {
         /// Time left on the owner's lease.
@@ -116,57 +117,17 @@ pub enum Begin {
     Expired,
 }
 
-/// Proof of ownership of one key, valid until the lease runs out or another owner takes over.
-///
-/// The `fence` increases on every takeover; completions and releases carry it, so an owner whose lease
-/// was taken over can no longer write (they get [`crate::StoreError::LeaseLost`]).
+/// What an [`Owner`] holds: proof of ownership of one key, valid until the lease runs out or another
+/// owner takes over. The `fence` increases on every takeover; completions and releases carry it, so an
+/// owner whose lease was taken over can no longer write.
 #[derive(Clone)]
-pub struct Lease {
+pub(crate) struct Lease {
     pub(crate) scope: Scope,
     pub(crate) key: IdempotencyKey,
     pub(crate) fingerprint: Fingerprint,
     pub(crate) fence: i64,
     pub(crate) owner: String,
     pub(crate) policy: Arc<Policy>,
-}
-
-impl Lease {
-    /// The scope of the owned key.
-    pub fn scope(&self) -> &Scope {
-        &self.scope
-    }
-
-    /// The owned key.
-    pub fn key(&self) -> &IdempotencyKey {
-        &self.key
-    }
-
-    /// The fencing token: higher than that of every earlier owner of this key. Pass it to downstream
-    /// systems that accept a fencing token.
-    pub fn fence(&self) -> i64 {
-        self.fence
-    }
-
-    /// The derived key for one downstream call ([`IdempotencyKey::derive`]); the same for every owner of
-    /// this key, so a takeover repeats the downstream call under the same key.
-    pub fn derive_key(&self, label: &str) -> IdempotencyKey {
-        self.key.derive(&self.scope, label)
-    }
-
-    /// The policy the key was claimed under.
-    pub fn policy(&self) -> &Policy {
-        &self.policy
-    }
-}
-
-impl fmt::Debug for Lease {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease")
-            .field("scope", &self.scope)
-            .field("key", &self.key)
-            .field("fence", &self.fence)
-            .finish_non_exhaustive()
-    }
 }
 
 /// A record as Postgres holds it, for operators and tests ([`crate::Store::lookup`]).

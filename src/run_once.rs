@@ -3,19 +3,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::postgres::PgConnection;
-use tokio::time::Instant;
 
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
-use crate::policy::Policy;
-use crate::record::{Begin, Lease};
+use crate::options::RunOptions;
+use crate::owner::Owner;
+use crate::record::Begin;
 use crate::store::Store;
 
 /// What [`Store::run_once`] did.
@@ -65,13 +64,13 @@ pub type TxFuture<'c, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send +
 
 /// What a claim answered: ownership, or the outcome to return.
 enum Claimed<T> {
-    Owner(Lease),
+    Owner(Owner),
     Answered(RunOutcome<T>),
 }
 
 fn claimed<T: DeserializeOwned, E>(answer: Begin) -> Result<Claimed<T>, RunError<E>> {
     Ok(match answer {
-        Begin::Acquired(lease) => Claimed::Owner(lease),
+        Begin::Acquired(owner) => Claimed::Owner(owner),
         Begin::Completed(stored) => Claimed::Answered(RunOutcome::Replayed(
             serde_json::from_slice(stored.as_bytes()).map_err(RunError::Decode)?,
         )),
@@ -87,39 +86,6 @@ fn encode<T: Serialize, E>(result: Result<T, E>) -> Result<(T, Vec<u8>), RunErro
     match result {
         Ok(value) => serde_json::to_vec(&value).map(|bytes| (value, bytes)).map_err(RunError::Encode),
         Err(error) => Err(RunError::Work(error)),
-    }
-}
-
-/// Keeps a live owner's lease from running out while its work takes longer than the lease.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Heartbeat {
-    /// Extend the lease every third of its length while the work runs.
-    #[default]
-    Auto,
-    /// Never extend: work that outlives the lease may be taken over.
-    Off,
-}
-
-/// Options of one [`Store::run_once_with`] call.
-#[derive(Clone, Debug, Default)]
-pub struct RunOptions {
-    wait: Option<Duration>,
-    heartbeat: Heartbeat,
-}
-
-impl RunOptions {
-    /// Waits up to `wait` for an in-flight duplicate to finish, then replays its result, instead of
-    /// answering [`RunOutcome::InFlight`] at once.
-    pub fn wait_in_flight(mut self, wait: Duration) -> Self {
-        self.wait = Some(wait);
-        self
-    }
-
-    /// Sets the heartbeat (default [`Heartbeat::Auto`]).
-    pub fn heartbeat(mut self, heartbeat: Heartbeat) -> Self {
-        self.heartbeat = heartbeat;
-        self
     }
 }
 
@@ -166,53 +132,20 @@ impl Store {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        self.run_once_under(scope, key, payload, options, self.shared_policy(scope.operation()), work).await
-    }
-
-    /// [`Store::run_once_with`] under `policy` instead of the operation's configured one.
-    pub(crate) async fn run_once_under<P, T, E, F, Fut>(
-        &self,
-        scope: &Scope,
-        key: &IdempotencyKey,
-        payload: &P,
-        options: &RunOptions,
-        policy: Arc<Policy>,
-        work: F,
-    ) -> Result<RunOutcome<T>, RunError<E>>
-    where
-        P: Serialize + ?Sized,
-        T: Serialize + DeserializeOwned,
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
+        let policy = options.policy.as_deref().unwrap_or_else(|| self.policy(scope.operation()));
         let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
-        let deadline = options.wait.map(|wait| Instant::now() + wait);
-        let mut backoff = Duration::from_millis(5);
-        let lease = loop {
-            match claimed(self.begin_under(scope, key, &fingerprint, Arc::clone(&policy)).await?)? {
-                Claimed::Owner(lease) => break lease,
-                Claimed::Answered(RunOutcome::InFlight { retry_after })
-                    if deadline.is_some_and(|deadline| Instant::now() < deadline) =>
-                {
-                    // Poll with a growing interval, never past the deadline or the owner's lease.
-                    let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
-                    let deadline = deadline.unwrap_or_else(Instant::now);
-                    tokio::time::sleep_until((Instant::now() + pause).min(deadline)).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
-                }
-                Claimed::Answered(outcome) => return Ok(outcome),
-            }
+        let owner = match claimed(self.begin_with(scope, key, &fingerprint, options).await?)? {
+            Claimed::Owner(owner) => owner,
+            Claimed::Answered(outcome) => return Ok(outcome),
         };
-
-        let result = self.with_heartbeat(&lease, options.heartbeat, work()).await;
-        match encode(result) {
+        match encode(owner.run(work()).await) {
             Ok((value, bytes)) => {
-                self.complete(&lease, &bytes).await?;
+                owner.complete(&bytes).await?;
                 Ok(RunOutcome::Executed(value))
             }
             Err(error) => {
-                if let Err(release) = self.release(&lease).await {
-                    // The lease runs out instead, and the policy decides what the next request does.
+                if let Err(release) = owner.release().await {
+                    // The lease runs out instead, and the record's rule decides what the next request does.
                     tracing::warn!(error = %release, "could not release the key after a failure");
                 }
                 Err(error)
@@ -263,8 +196,8 @@ impl Store {
         let policy = self.policy(scope.operation());
         let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
         let mut tx = self.bounded("begin transaction", self.pg_pool().begin()).await?;
-        let lease = match claimed(self.begin_in(scope, key, &fingerprint, &mut tx).await?)? {
-            Claimed::Owner(lease) => lease,
+        let owner = match claimed(self.begin_in(scope, key, &fingerprint, &mut tx).await?)? {
+            Claimed::Owner(owner) => owner,
             Claimed::Answered(outcome) => {
                 // The answer may have marked the record indeterminate, in this transaction: keep it.
                 if let Err(error) = self.bounded("commit", tx.commit()).await {
@@ -273,47 +206,17 @@ impl Store {
                 return Ok(outcome);
             }
         };
-        let finished = match encode(work(&mut tx).await) {
-            Ok((value, bytes)) => match self.complete_in(&mut tx, &lease, &bytes).await {
-                Ok(retained) => {
-                    let committed = self.bounded("commit", tx.commit()).await;
-                    committed.map(|()| (value, bytes, retained)).map_err(RunError::from)
-                }
-                Err(error) => Err(error.into()),
-            },
-            Err(error) => Err(error),
-        };
-        match finished {
-            Ok((value, bytes, retained)) => {
-                self.cache_completion(&lease, &bytes, &retained).await;
+        match encode(work(&mut tx).await) {
+            Ok((value, bytes)) => {
+                owner.complete_in(tx, &bytes).await?;
                 Ok(RunOutcome::Executed(value))
             }
             Err(error) => {
                 // Rolled back (the transaction is dropped): no claim was ever durable, so no retry may be
                 // told "in flight" for it.
-                self.release_marker(&lease).await;
+                drop(tx);
+                let _ = owner.release().await;
                 Err(error)
-            }
-        }
-    }
-
-    /// Runs `work`, extending the lease every third of its length until it finishes.
-    pub(crate) async fn with_heartbeat<F: Future>(&self, lease: &Lease, heartbeat: Heartbeat, work: F) -> F::Output {
-        if heartbeat == Heartbeat::Off {
-            return work.await;
-        }
-        let period = lease.policy().lease() / 3;
-        let mut ticks = tokio::time::interval_at(Instant::now() + period, period);
-        tokio::pin!(work);
-        let mut beating = true;
-        loop {
-            tokio::select! {
-                output = &mut work => return output,
-                _ = ticks.tick(), if beating => match self.extend(lease).await {
-                    Ok(()) => {}
-                    Err(StoreError::LeaseLost { .. }) => beating = false,
-                    Err(error) => tracing::warn!(%error, "lease heartbeat failed; retrying at the next tick"),
-                },
             }
         }
     }

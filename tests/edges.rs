@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use idemstore::testkit::ProxyMode;
 use idemstore::{
-    Begin, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Policy, RunOutcome, Scope, State,
-    StoreError,
+    Begin, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Policy, RunOptions, RunOutcome, Scope,
+    State, StoreError,
 };
 use serde_json::{Value, json};
 use support::{Harness, Servers, key};
@@ -40,7 +40,7 @@ fn policy(expiry: LeaseExpiry) -> Policy {
     Policy::builder().lease_expiry(expiry).build().expect("policy")
 }
 
-async fn acquire(h: &Harness, scope: &Scope, k: &IdempotencyKey, payload: &str) -> idemstore::Lease {
+async fn acquire(h: &Harness, scope: &Scope, k: &IdempotencyKey, payload: &str) -> idemstore::Owner {
     match h.store.begin(scope, k, &fingerprint(payload)).await.expect("begin") {
         Begin::Acquired(lease) => lease,
         other => panic!("expected to acquire, got {other:?}"),
@@ -55,13 +55,13 @@ async fn a_live_lease_outlives_the_retention(mode: Mode) {
     let (scope, k) = (h.scope("acme"), key("long-job"));
     let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
     h.pass_retention(&scope, &k).await;
-    h.store.extend(&owner).await.expect("the owner extends");
+    owner.extend().await.expect("the owner extends");
     let other = h.store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await.expect("begin");
     assert!(matches!(other, Begin::InFlight { .. } | Begin::Mismatch), "{other:?}");
     let same = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     assert!(matches!(same, Begin::InFlight { .. }), "{same:?}");
     assert_eq!(h.store.purge_expired(100).await.expect("purge"), 0, "a live lease is never purged");
-    h.store.complete(&owner, b"\"done\"").await.expect("the owner completes");
+    owner.complete(b"\"done\"").await.expect("the owner completes");
     let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     assert!(matches!(replay, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{replay:?}");
 }
@@ -80,8 +80,8 @@ async fn fences_never_repeat_across_a_purge(mode: Mode) {
     assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1, "the released record went");
     let new = acquire(&h, &scope, &k, r#"{"b":2}"#).await;
     assert!(new.fence() > old.fence(), "fences {} then {}", old.fence(), new.fence());
-    assert!(matches!(h.store.complete(&old, b"\"old\"").await, Err(StoreError::LeaseLost { .. })));
-    h.store.complete(&new, b"\"new\"").await.expect("the new owner completes");
+    assert!(matches!(old.complete(b"\"old\"").await, Err(StoreError::LeaseLost { .. })));
+    new.complete(b"\"new\"").await.expect("the new owner completes");
     let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await.expect("begin");
     assert!(matches!(replay, Begin::Completed(ref r) if r.as_bytes() == b"\"new\""), "{replay:?}");
 }
@@ -94,7 +94,9 @@ async fn the_records_rule_wins_over_the_callers(mode: Mode) {
     let (scope, payout) = (h.scope("acme"), key("payout"));
     let fp = fingerprint(r#"{"amount":100}"#);
     let strict = policy(LeaseExpiry::MarkIndeterminate);
-    let Begin::Acquired(first) = h.store.begin_with_policy(&scope, &payout, &fp, &strict).await.expect("begin") else {
+    let Begin::Acquired(first) =
+        h.store.begin_with(&scope, &payout, &fp, &RunOptions::default().policy(strict.clone())).await.expect("begin")
+    else {
         panic!("first claim")
     };
     assert_eq!(first.policy().lease_expiry(), LeaseExpiry::MarkIndeterminate);
@@ -106,7 +108,8 @@ async fn the_records_rule_wins_over_the_callers(mode: Mode) {
     let retried = key("retried");
     let Begin::Acquired(first) = h.store.begin(&scope, &retried, &fp).await.expect("begin") else { panic!() };
     h.pass_lease(&scope, &retried).await;
-    let Begin::Acquired(second) = h.store.begin_with_policy(&scope, &retried, &fp, &strict).await.expect("begin")
+    let Begin::Acquired(second) =
+        h.store.begin_with(&scope, &retried, &fp, &RunOptions::default().policy(strict.clone())).await.expect("begin")
     else {
         panic!("a TakeOver record is taken over, whatever the caller's rule")
     };
@@ -122,13 +125,14 @@ async fn a_completed_key_expires_into_a_tombstone(mode: Mode) {
     let (scope, k) = (h.scope("acme"), key("old-order"));
     let (mine, other) = (r#"{"a":1}"#, r#"{"a":2}"#);
     let owner = acquire(&h, &scope, &k, mine).await;
-    h.store.complete(&owner, b"\"done\"").await.expect("complete");
+    let first_fence = owner.fence();
+    owner.complete(b"\"done\"").await.expect("complete");
     h.pass_retention(&scope, &k).await;
     for purge in [false, true] {
         if purge {
             assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1);
             let tombstone = h.store.lookup(&scope, &k).await.expect("lookup").expect("tombstone");
-            assert_eq!((tombstone.state, tombstone.fence), (State::Expired, owner.fence()));
+            assert_eq!((tombstone.state, tombstone.fence), (State::Expired, first_fence));
         }
         let again = h.store.begin(&scope, &k, &fingerprint(mine)).await.expect("begin");
         assert!(matches!(again, Begin::Expired), "purged: {purge}: {again:?}");
@@ -142,7 +146,7 @@ async fn a_completed_key_expires_into_a_tombstone(mode: Mode) {
 
     h.pass_tombstone_horizon(&scope, &k).await;
     let reborn = acquire(&h, &scope, &k, other).await;
-    assert!(reborn.fence() > owner.fence());
+    assert!(reborn.fence() > first_fence);
     assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1, "the tombstone went");
 }
 
@@ -231,7 +235,7 @@ async fn redis_never_answers_in_flight_after_postgres_settled(mode: Mode) {
     if let Some(proxy) = &h.redis_proxy {
         proxy.set(ProxyMode::Blackhole);
     }
-    h.store.complete(&owner, b"\"done\"").await.expect("Postgres completes");
+    owner.complete(b"\"done\"").await.expect("Postgres completes");
     if let Some(proxy) = &h.redis_proxy {
         proxy.cut();
         proxy.set(ProxyMode::Pass);
@@ -270,7 +274,7 @@ async fn a_malformed_redis_record_is_a_miss(mode: Mode) {
     {
         let k = key(name);
         let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
-        h.store.complete(&owner, b"\"done\"").await.expect("complete");
+        owner.complete(b"\"done\"").await.expect("complete");
         let record_key = h.redis_key(&scope, &k);
         let fp = fingerprint(r#"{"a":1}"#);
         let mut hash = redis::cmd("HSET");
@@ -300,7 +304,7 @@ async fn a_claim_that_lost_a_race_asks_again(mode: Mode) {
     let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
     let (scope, k) = (h.scope("acme"), key("raced"));
     let first = acquire(&h, &scope, &k, r#"{"b":2}"#).await;
-    h.store.release(&first).await.expect("release");
+    first.release().await.expect("release");
     let mut winner = h.pool.begin().await.expect("begin");
     let take = "UPDATE idempotency_records
                 SET state = 'in_progress', fingerprint = $4, fence = nextval('idempotency_fences'),
@@ -340,7 +344,7 @@ async fn releasing_an_indeterminate_record_clears_its_redis_copy(mode: Mode) {
     h.pass_lease(&scope, &k).await;
     let seen = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     assert!(matches!(seen, Begin::Indeterminate), "{seen:?}");
-    h.store.release(&owner).await.expect("the owner still releases under its fence");
+    owner.release().await.expect("the owner still releases under its fence");
     let next = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
 }
@@ -376,7 +380,7 @@ async fn another_process_stops_reading_a_stale_marker_once_redis_is_back(mode: M
     };
     let proxy = h.redis_proxy.as_ref().expect("proxy");
     proxy.set(ProxyMode::Blackhole);
-    proxied.complete(&owner, b"\"done\"").await.expect("Postgres completes while Redis is unreachable");
+    owner.complete(b"\"done\"").await.expect("Postgres completes while Redis is unreachable");
     proxy.cut();
     proxy.set(ProxyMode::Pass);
     let started = std::time::Instant::now();
@@ -417,7 +421,7 @@ async fn a_settlement_reaches_redis_while_the_circuit_is_open(mode: Mode) {
     let _ = proxied.begin(&scope, &key("elsewhere"), &fingerprint(payload)).await;
     proxy.cut();
     proxy.set(ProxyMode::Pass);
-    proxied.release(&owner).await.expect("the owner releases under its fence");
+    owner.release().await.expect("the owner releases under its fence");
     let next = other.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
     assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
 }

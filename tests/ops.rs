@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use idemstore::{
-    Begin, Fingerprint, LeaseExpiry, Mode, Policy, PolicyConfig, Resolution, RunOutcome, State, Store, Tier,
+    Begin, Fingerprint, LeaseExpiry, Mode, Policy, PolicyConfig, Resolution, RunOptions, RunOutcome, State, Store, Tier,
 };
 use serde_json::{Value, json};
 use support::{Harness, Servers, key};
@@ -91,19 +91,19 @@ async fn recover_stale_spares_live_owners(mode: Mode) {
     let Ok(Begin::Acquired(_dead)) = h.store.begin(&scope, &key("dead"), &fp).await else { panic!() };
     let Ok(Begin::Acquired(live)) = h.store.begin(&scope, &key("live"), &fp).await else { panic!() };
     let strict = policy(300, 60_000, 600_000, LeaseExpiry::MarkIndeterminate);
-    let Ok(Begin::Acquired(_strict)) = h.store.begin_with_policy(&scope, &key("strict"), &fp, &strict).await else {
+    let Ok(Begin::Acquired(_strict)) =
+        h.store.begin_with(&scope, &key("strict"), &fp, &RunOptions::default().policy(strict.clone())).await
+    else {
         panic!()
     };
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
-    let heartbeat = {
-        let (store, live) = (h.store.clone(), live.clone());
-        tokio::spawn(async move {
-            while stopped.try_recv().is_err() {
-                store.extend(&live).await.expect("the live owner keeps its lease");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let heartbeat = tokio::spawn(async move {
+        while stopped.try_recv().is_err() {
+            live.extend().await.expect("the live owner keeps its lease");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        live
+    });
     eventually("the dead and strict leases ran out", async || {
         let mut ran_out = true;
         for name in ["dead", "strict"] {
@@ -122,8 +122,8 @@ async fn recover_stale_spares_live_owners(mode: Mode) {
     assert_eq!(state("strict").await, State::Indeterminate);
     assert_eq!(state("live").await, State::InProgress);
     stop.send(()).expect("stop the heartbeat");
-    heartbeat.await.expect("heartbeat");
-    h.store.complete(&live, b"\"done\"").await.expect("the live owner completes");
+    let live = heartbeat.await.expect("heartbeat");
+    live.complete(b"\"done\"").await.expect("the live owner completes");
     assert_eq!(support::total("idemstore_recovered_records_total"), 2.0);
     assert_eq!(support::total("idemstore_indeterminate_records"), 1.0);
 }

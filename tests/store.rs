@@ -213,7 +213,7 @@ async fn tenants_are_isolated(mode: Mode) {
     let fp = Fingerprint::of_json(b"1", &FingerprintOptions::default()).expect("fp");
     let (first, second) = (Scope::new("t", "a:b").expect("scope"), Scope::new("t:a", "b").expect("scope"));
     let Begin::Acquired(lease) = h.store.begin(&first, &k, &fp).await.expect("begin") else { panic!() };
-    h.store.complete(&lease, b"1").await.expect("complete");
+    lease.complete(b"1").await.expect("complete");
     assert!(matches!(h.store.begin(&second, &k, &fp).await.expect("begin"), Begin::Acquired(_)));
     assert_eq!(h.effects("tenant-a", &k).await, 1);
     assert_eq!(h.effects("tenant-b", &k).await, 1);
@@ -307,15 +307,16 @@ async fn stale_owner_is_fenced_after_takeover(mode: Mode) {
     let (scope, k) = (h.scope("acme"), key("order-6"));
     let fp = Fingerprint::of_json(br#"{"amount":1}"#, &FingerprintOptions::default()).expect("fp");
     let Begin::Acquired(stale) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
+    let Begin::Acquired(staler) = begin_after_lease(&h, &scope, &k, &fp).await else { panic!("takeover") };
     let Begin::Acquired(fresh) = begin_after_lease(&h, &scope, &k, &fp).await else { panic!("takeover") };
-    assert!(fresh.fence() > stale.fence());
+    assert!(fresh.fence() > staler.fence() && staler.fence() > stale.fence());
     assert_eq!(fresh.derive_key("psp.charge"), stale.derive_key("psp.charge"), "downstream keys survive takeovers");
-    assert!(matches!(h.store.complete(&stale, b"\"stale\"").await, Err(StoreError::LeaseLost { .. })));
-    assert!(matches!(h.store.release(&stale).await, Err(StoreError::LeaseLost { .. })));
-    h.store.complete(&fresh, b"\"fresh\"").await.expect("the new owner completes");
+    assert!(matches!(stale.complete(b"\"stale\"").await, Err(StoreError::LeaseLost { .. })));
+    assert!(matches!(staler.release().await, Err(StoreError::LeaseLost { .. })));
+    fresh.complete(b"\"fresh\"").await.expect("the new owner completes");
     let Begin::Completed(stored) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
     assert_eq!(stored.as_bytes(), b"\"fresh\"");
-    assert_eq!(h.counter("idemstore_lease_takeovers_total", &[]), 1.0);
+    assert_eq!(h.counter("idemstore_lease_takeovers_total", &[]), 2.0);
     assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "lease_lost")]), 2.0);
 }
 
@@ -335,7 +336,7 @@ async fn expired_lease_marks_indeterminate_under_that_policy(mode: Mode) {
     assert!(matches!(h.store.begin(&scope, &k, &fp).await.expect("begin"), Begin::Indeterminate));
     let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("a record");
     assert_eq!(record.state, State::Indeterminate);
-    h.store.complete(&owner, b"\"late\"").await.expect("the owner settles its own record");
+    owner.complete(b"\"late\"").await.expect("the owner settles its own record");
     let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("a record");
     assert_eq!(record.state, State::Completed);
 }
@@ -485,6 +486,9 @@ async fn in_flight_duplicate_waits_for_the_result(mode: Mode) {
     let Ok(RunOutcome::Executed(value)) = owner.await.expect("join") else { panic!("owner executes") };
     assert_eq!(waiter.await.expect("join").expect("answer"), RunOutcome::Replayed(value));
     assert_eq!(h.effects("acme", &k).await, 1);
+    // One outcome per call: the waiter's polls are not each an "in flight" (only the probe above is).
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "in_flight")]), 1.0);
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "replayed")]), 1.0);
 }
 
 /// With Postgres down nothing executes: the caller gets a transient StoreUnavailable and no Redis marker

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use idemstore::{Begin, Fingerprint, IdempotencyKey, Lease, Outbox, RunOutcome, Scope, Store, TxFuture};
+use idemstore::{Begin, Fingerprint, IdempotencyKey, Outbox, Owner, RunOutcome, Scope, Store, TxFuture};
 use redis::Script;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -89,7 +89,7 @@ pub enum Fixture {
         cell: String,
         next: AtomicU64,
         completed: Vec<IdempotencyKey>,
-        held: Vec<(IdempotencyKey, Lease)>,
+        held: Vec<(IdempotencyKey, Owner)>,
     },
     Evalsha {
         conn: redis::aio::MultiplexedConnection,

@@ -16,14 +16,11 @@ use http_body_util::BodyExt;
 use tower::BoxError;
 
 use super::capture::{Captured, Stored, Withheld};
-use crate::error::StoreError;
-use crate::record::Lease;
-use crate::store::Store;
+use crate::owner::{KeepAlive, Owner};
 
 /// What an owner's response leaves in the store once its body ended.
 pub(crate) struct Settlement {
-    store: Store,
-    lease: Lease,
+    owner: Owner,
     status: StatusCode,
     /// The response's headers that are replayed.
     headers: HeaderMap,
@@ -35,14 +32,14 @@ pub(crate) struct Settlement {
     sent: u64,
     /// The handler's body failed (or panicked) before its end: what was sent is not a response to replay.
     broken: bool,
-    heartbeat: tokio::task::JoinHandle<()>,
+    /// Extends the lease while the body streams; dropped with the settlement.
+    _keep_alive: KeepAlive,
 }
 
 impl Settlement {
-    /// Starts extending `lease` until the settlement is made (or dropped).
+    /// Starts extending the owner's lease until the settlement is made (or dropped).
     pub(crate) fn new(
-        store: Store,
-        lease: Lease,
+        owner: Owner,
         status: StatusCode,
         headers: &HeaderMap,
         stored: bool,
@@ -50,9 +47,9 @@ impl Settlement {
     ) -> Self {
         let headers = headers.iter().filter(|(name, _)| replayed.contains(name));
         let headers = headers.map(|(name, value)| (name.clone(), value.clone())).collect();
-        let heartbeat = tokio::spawn(keep_alive(store.clone(), lease.clone()));
+        let _keep_alive = owner.keep_alive();
         let body = Vec::new();
-        Self { store, lease, status, headers, stored, limit, body, sent: 0, broken: false, heartbeat }
+        Self { owner, status, headers, stored, limit, body, sent: 0, broken: false, _keep_alive }
     }
 
     /// Keeps a copy of `data` while the body stays within the limit; past it, none (and frees the copy).
@@ -78,21 +75,20 @@ impl Settlement {
     /// Stores the response (or that it was sent but cannot be replayed), or releases the key for a status
     /// that is not stored. A failure cannot change what the client got (the handler ran): it is logged,
     /// and the lease runs out under the record's rule.
-    pub(crate) async fn settle(mut self) {
-        self.heartbeat.abort();
-        let body = std::mem::take(&mut self.body);
-        let (store, lease) = (&self.store, &self.lease);
-        let settled = if !self.stored {
-            store.release(lease).await
-        } else if self.over_limit() || self.broken {
-            store.complete(lease, &Stored::Withheld(Withheld::new(self.status, self.sent)).encode()).await
+    pub(crate) async fn settle(self) {
+        let Settlement { owner, status, headers, stored, body, sent, _keep_alive, .. } = self;
+        drop(_keep_alive);
+        let fence = owner.fence();
+        let settled = if !stored {
+            owner.release().await
+        } else if sent > self.limit as u64 || self.broken {
+            owner.complete(&Stored::Withheld(Withheld::new(status, sent)).encode()).await
         } else {
-            let names: Vec<HeaderName> = self.headers.keys().cloned().collect();
-            let captured = Captured::new(self.status, &self.headers, body, &names);
-            store.complete(lease, &Stored::Response(captured).encode()).await
+            let names: Vec<HeaderName> = headers.keys().cloned().collect();
+            owner.complete(&Stored::Response(Captured::new(status, &headers, body, &names)).encode()).await
         };
         if let Err(error) = settled {
-            tracing::warn!(%error, fence = lease.fence(), "could not settle the idempotency record");
+            tracing::warn!(%error, fence, "could not settle the idempotency record");
         }
     }
 }
@@ -114,24 +110,6 @@ pub(crate) async fn settle_whole(mut settlement: Settlement, body: Body) -> Opti
 /// length within the capture limit.
 pub(crate) fn fits(body: &Body, limit: usize) -> bool {
     http_body::Body::is_end_stream(body) || http_body::Body::size_hint(body).exact().is_some_and(|n| n <= limit as u64)
-}
-
-impl Drop for Settlement {
-    /// However the settlement ends (made, or dropped with its body), the lease stops being extended.
-    fn drop(&mut self) {
-        self.heartbeat.abort();
-    }
-}
-
-/// Extends the lease every third of its length until aborted, or until the lease is lost.
-async fn keep_alive(store: Store, lease: Lease) {
-    let period = lease.policy().lease() / 3;
-    loop {
-        tokio::time::sleep(period).await;
-        if let Err(StoreError::LeaseLost { .. }) = store.extend(&lease).await {
-            return;
-        }
-    }
 }
 
 type Settling = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -247,7 +225,7 @@ impl Drop for SettlingBody {
 /// lease; a panicking body counts as broken), then settles.
 async fn drain_and_settle(inner: Option<Body>, mut settlement: Settlement) {
     if let Some(mut inner) = inner {
-        let (limit, deadline) = (settlement.limit as u64, settlement.lease.policy().lease());
+        let (limit, deadline) = (settlement.limit as u64, settlement.owner.policy().lease());
         // Its own task, so that a body that panics fails that task, not the settlement.
         let mut drained = tokio::spawn(async move {
             let mut frames = Vec::new();

@@ -9,6 +9,7 @@ use tower::Layer;
 use super::TenantResolver;
 use super::capture::DEFAULT_REPLAYED_HEADERS;
 use super::service::IdempotencyService;
+use crate::options::RunOptions;
 use crate::policy::Policy;
 use crate::store::Store;
 
@@ -81,7 +82,8 @@ pub(crate) struct Config<T> {
     pub(crate) methods: Vec<Method>,
     pub(crate) key: KeyRequirement,
     pub(crate) operation: Option<String>,
-    pub(crate) policy: Option<Arc<Policy>>,
+    /// The layer's policy, if it has one; the owner's heartbeat is always on.
+    pub(crate) options: RunOptions,
     pub(crate) mismatch: MismatchStatus,
     pub(crate) stored: StoredStatuses,
     pub(crate) max_request_body: usize,
@@ -97,7 +99,7 @@ impl<T> Clone for Config<T> {
             methods: self.methods.clone(),
             key: self.key,
             operation: self.operation.clone(),
-            policy: self.policy.clone(),
+            options: self.options.clone(),
             mismatch: self.mismatch,
             stored: self.stored,
             max_request_body: self.max_request_body,
@@ -139,7 +141,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
                 methods: vec![Method::POST, Method::PATCH],
                 key: KeyRequirement::Optional,
                 operation: None,
-                policy: None,
+                options: RunOptions::default(),
                 mismatch: MismatchStatus::default(),
                 stored: StoredStatuses::default(),
                 max_request_body: 1 << 20,
@@ -176,7 +178,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// The policy (tier, lease, fingerprint rules) for requests through this layer, instead of the
     /// store's policy for the operation.
     pub fn with_policy(mut self, policy: Policy) -> Self {
-        self.config.policy = Some(Arc::new(policy));
+        self.config.options = self.config.options.policy(policy);
         self
     }
 

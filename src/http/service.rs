@@ -23,10 +23,7 @@ use super::problem::{Problem, problem_types as types};
 use crate::error::InputError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
-use crate::policy::LeaseExpiry;
-use crate::record::{Begin, Lease};
-use crate::run_once::Heartbeat;
-use crate::store::Store;
+use crate::record::Begin;
 
 /// The middleware service made by [`super::IdempotencyLayer`].
 pub struct IdempotencyService<S, T> {
@@ -122,7 +119,7 @@ where
         Ok(scope) => scope,
         Err(error) => return invalid_body(error),
     };
-    let policy = config.policy.clone().unwrap_or_else(|| config.store.shared_policy(scope.operation()));
+    let policy = config.options.policy.as_deref().unwrap_or_else(|| config.store.policy(scope.operation()));
 
     let body = match Limited::new(Body::new(body), config.max_request_body).collect().await {
         Ok(collected) => collected.to_bytes(),
@@ -138,8 +135,8 @@ where
     };
 
     let store = &config.store;
-    let lease = match store.begin_under(&scope, &key, &fingerprint, policy).await {
-        Ok(Begin::Acquired(lease)) => lease,
+    let owner = match store.begin_with(&scope, &key, &fingerprint, &config.options).await {
+        Ok(Begin::Acquired(owner)) => owner,
         Ok(Begin::Completed(stored)) => return replay(&stored, None),
         Ok(Begin::InFlight { retry_after }) => {
             let detail = "a request with this Idempotency-Key is being processed; retry later";
@@ -160,14 +157,13 @@ where
         Err(_) => return unavailable(),
     };
 
-    let guard = ReleaseOnDrop { store: store.clone(), lease: Some(lease.clone()) };
+    // Cancelled or panicking, the handler drops the owner, which gives the key up under its rule.
     let request = Request::from_parts(parts, Body::from(body));
-    let Ok(response) = store.with_heartbeat(&lease, Heartbeat::Auto, inner.oneshot(request)).await;
-    guard.disarm();
+    let Ok(response) = owner.run(inner.oneshot(request)).await;
     let (head, body) = response.into_parts();
     let stored = config.stored.stores(head.status);
     let capture = (config.max_response_body, config.replayed_headers.as_slice());
-    let settlement = Settlement::new(store.clone(), lease, head.status, &head.headers, stored, capture);
+    let settlement = Settlement::new(owner, head.status, &head.headers, stored, capture);
     let body = Body::new(body);
     if !fits(&body, config.max_response_body) {
         return Response::from_parts(head, Body::new(SettlingBody::new(body, settlement)));
@@ -188,37 +184,6 @@ where
 {
     let Ok(response) = inner.oneshot(request).await;
     response.map(Body::new)
-}
-
-/// Releases the key if the handler panicked or its future was dropped (the client went away), so a
-/// retry is not locked out for a lease; only under `TakeOver`, which already allows a re-execution.
-struct ReleaseOnDrop {
-    store: Store,
-    lease: Option<Lease>,
-}
-
-impl ReleaseOnDrop {
-    /// The handler finished: the caller settles the lease itself.
-    fn disarm(mut self) {
-        self.lease = None;
-    }
-}
-
-impl Drop for ReleaseOnDrop {
-    fn drop(&mut self) {
-        let Some(lease) = self.lease.take() else { return };
-        if lease.policy().lease_expiry() != LeaseExpiry::TakeOver {
-            return;
-        }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let store = self.store.clone();
-            runtime.spawn(async move {
-                if let Err(error) = store.release(&lease).await {
-                    tracing::warn!(%error, fence = lease.fence(), "could not release the key of a dropped request");
-                }
-            });
-        }
-    }
 }
 
 /// Reads `Idempotency-Key` in the draft's structured-field string form (`"abc"`) or bare (`abc`).

@@ -14,6 +14,8 @@ use super::scripts::RedisBegin;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
+use crate::options::{Heartbeat, RunOptions};
+use crate::owner::Owner;
 use crate::policy::{LeaseExpiry, Policy, millis};
 use crate::record::{Begin, Lease, Record, State, StoredResponse};
 use crate::telemetry;
@@ -22,7 +24,7 @@ impl Store {
     /// Claims `key` for a request with this `fingerprint`, or answers from what the key already holds.
     ///
     /// Work may run only on [`Begin::Acquired`], and then only after this returned: the claim is durable
-    /// in Postgres by then. Finish with [`Store::complete`] or [`Store::release`].
+    /// in Postgres by then. Finish with [`Owner::complete`] or [`Owner::release`].
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] when Postgres could not be asked; nothing may run then.
@@ -32,31 +34,38 @@ impl Store {
         key: &IdempotencyKey,
         fingerprint: &Fingerprint,
     ) -> Result<Begin, StoreError> {
-        self.begin_under(scope, key, fingerprint, self.shared_policy(scope.operation())).await
+        self.begin_with(scope, key, fingerprint, &RunOptions::default()).await
     }
 
-    /// [`Store::begin`] under `policy` instead of the operation's configured one.
+    /// [`Store::begin`] with options: another policy, a wait for an in-flight duplicate to finish (polled
+    /// with a growing interval, never past the wait or the owner's lease), the owner's heartbeat.
     ///
     /// # Errors
     /// As [`Store::begin`].
-    pub async fn begin_with_policy(
+    pub async fn begin_with(
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
         fingerprint: &Fingerprint,
-        policy: &Policy,
+        options: &RunOptions,
     ) -> Result<Begin, StoreError> {
-        self.begin_under(scope, key, fingerprint, Arc::new(policy.clone())).await
-    }
-
-    pub(crate) async fn begin_under(
-        &self,
-        scope: &Scope,
-        key: &IdempotencyKey,
-        fingerprint: &Fingerprint,
-        policy: Arc<Policy>,
-    ) -> Result<Begin, StoreError> {
-        let answer = self.claim(self.candidate(scope, key, fingerprint, policy), None).await;
+        let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
+        let deadline = options.wait.map(|wait| tokio::time::Instant::now() + wait);
+        let mut backoff = Duration::from_millis(5);
+        let answer = loop {
+            let candidate = self.candidate(scope, key, fingerprint, Arc::clone(&policy));
+            match self.claim(candidate, options.heartbeat, None).await {
+                Ok(Begin::InFlight { retry_after })
+                    if deadline.is_some_and(|deadline| tokio::time::Instant::now() < deadline) =>
+                {
+                    let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
+                    let deadline = deadline.unwrap_or_else(tokio::time::Instant::now);
+                    tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(deadline)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                }
+                answer => break answer,
+            }
+        };
         record_outcome(scope.operation(), &answer);
         answer
     }
@@ -70,8 +79,8 @@ impl Store {
         fingerprint: &Fingerprint,
         tx: &mut PgConnection,
     ) -> Result<Begin, StoreError> {
-        let answer =
-            self.claim(self.candidate(scope, key, fingerprint, self.shared_policy(scope.operation())), Some(tx)).await;
+        let candidate = self.candidate(scope, key, fingerprint, self.shared_policy(scope.operation()));
+        let answer = self.claim(candidate, Heartbeat::Off, Some(tx)).await;
         record_outcome(scope.operation(), &answer);
         answer
     }
@@ -117,12 +126,8 @@ impl Store {
         }
     }
 
-    /// Stores `response` as the result of the leased key, for replay to every retry.
-    ///
-    /// # Errors
-    /// [`StoreError::LeaseLost`] if another owner took the key over (the response is not stored);
-    /// [`StoreError::StoreUnavailable`] if Postgres failed (the lease runs out, then policy applies).
-    pub async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
+    /// Stores `response` as the result of the leased key ([`Owner::complete`]).
+    pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
         let stored = self.inner.postgres.complete(lease, response, None).await;
         let retained = self.fenced_step(lease, "complete", stored)?;
         // Fault tests: the process "dies" after the commit, before Redis hears of it.
@@ -131,11 +136,8 @@ impl Store {
         Ok(())
     }
 
-    /// Gives the key up after a failure that a retry may repair, so that the next request executes.
-    ///
-    /// # Errors
-    /// As [`Store::complete`].
-    pub async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+    /// Gives the key up ([`Owner::release`]).
+    pub(crate) async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         let released = self.inner.postgres.release(lease).await;
         self.fenced_step(lease, "release", released.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
@@ -145,11 +147,8 @@ impl Store {
         Ok(())
     }
 
-    /// Extends the lease by the policy's lease duration from now: the heartbeat of a long-running owner.
-    ///
-    /// # Errors
-    /// As [`Store::complete`].
-    pub async fn extend(&self, lease: &Lease) -> Result<(), StoreError> {
+    /// Extends the lease by the policy's lease duration from now ([`Owner::extend`]).
+    pub(crate) async fn extend(&self, lease: &Lease) -> Result<(), StoreError> {
         let extended = self.inner.postgres.extend(lease).await;
         self.fenced_step(lease, "extend", extended.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
@@ -169,7 +168,12 @@ impl Store {
         found.map_err(|source| StoreError::StoreUnavailable { step: "lookup", source })
     }
 
-    async fn claim(&self, candidate: Lease, tx: Option<&mut PgConnection>) -> Result<Begin, StoreError> {
+    async fn claim(
+        &self,
+        candidate: Lease,
+        heartbeat: Heartbeat,
+        tx: Option<&mut PgConnection>,
+    ) -> Result<Begin, StoreError> {
         let operation = candidate.scope.operation();
         // Set when our marker is in Redis: Postgres then arbitrates, and Redis is repaired if it had lost
         // what Postgres holds.
@@ -236,7 +240,8 @@ impl Store {
                 }
                 _ => Arc::clone(&candidate.policy),
             };
-            return Ok(Begin::Acquired(Lease { fence: claim.record.fence, policy, ..candidate }));
+            let lease = Lease { fence: claim.record.fence, policy, ..candidate };
+            return Ok(Begin::Acquired(Owner::new(self.clone(), lease, heartbeat, tx.is_some())));
         }
         let answer = self.answer_from(&candidate, &claim.record, tx).await;
         if let Some((redis, record_key)) = &marked {

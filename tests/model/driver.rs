@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use idemstore::{
-    Begin, Fingerprint, FingerprintOptions, IdempotencyKey, Lease, LeaseExpiry, Mode, Policy, Record, Resolution,
+    Begin, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Owner, Policy, Record, Resolution,
     Scope, State, Store, StoreError,
 };
 use serde_json::json;
@@ -169,12 +169,12 @@ struct Begun {
     client: usize,
     call: Call,
     span: Span,
-    read: Result<(Answer, Option<Lease>), String>,
+    read: Result<(Answer, Option<Owner>), String>,
 }
 
-fn read(begun: Result<Begin, StoreError>) -> Result<(Answer, Option<Lease>), String> {
+fn read(begun: Result<Begin, StoreError>) -> Result<(Answer, Option<Owner>), String> {
     let answer = match begun {
-        Ok(Begin::Acquired(lease)) => return Ok((Answer::Acquired { fence: lease.fence() }, Some(lease))),
+        Ok(Begin::Acquired(owner)) => return Ok((Answer::Acquired { fence: owner.fence() }, Some(owner))),
         Ok(Begin::InFlight { .. }) => Answer::InFlight,
         Ok(Begin::Completed(response)) => Answer::Completed(text(response.as_bytes())),
         Ok(Begin::Mismatch) => Answer::Mismatch,
@@ -193,8 +193,8 @@ struct Case<'w> {
     scope: Scope,
     key: IdempotencyKey,
     model: Model,
-    /// The lease each client holds, with the payload it was acquired for.
-    leases: [Option<(Lease, Payload)>; CLIENTS],
+    /// The owner each client is, with the payload it acquired the key for.
+    leases: [Option<(Owner, Payload)>; CLIENTS],
     history: History,
     /// Whether Postgres held anything for the key (a record or a standing tombstone) after the last step.
     key_held: bool,
@@ -245,7 +245,7 @@ impl<'w> Case<'w> {
             Step::RecoverStale => return self.recover_stale(index).await,
             Step::Resolve { completed } => return self.resolve(index, completed).await,
             Step::Drop { client } => {
-                let dropped = self.leases[client].take().map(|(lease, _)| lease.fence());
+                let dropped = self.abandon(client);
                 self.history.note(index, format!("c{client} forgets its lease"), format!("{dropped:?}"));
             }
             Step::ExpireLease => {
@@ -330,9 +330,19 @@ impl<'w> Case<'w> {
         self.history.record(index, begun.span, format!("c{} {}", begun.client, begun.call), answer, effect);
     }
 
+    /// The client forgets its owner, as a crashed process would: the lease is left to run out.
+    fn abandon(&mut self, client: usize) -> Option<i64> {
+        self.leases[client].take().map(|(owner, _)| {
+            let fence = owner.fence();
+            owner.abandon();
+            fence
+        })
+    }
+
     fn keep(&mut self, begun: Begun) {
-        if let Ok((_, Some(lease))) = begun.read {
-            self.leases[begun.client] = Some((lease, begun.call.payload));
+        if let Ok((_, Some(owner))) = begun.read {
+            self.abandon(begun.client);
+            self.leases[begun.client] = Some((owner, begun.call.payload));
         }
     }
 
@@ -346,18 +356,23 @@ impl<'w> Case<'w> {
     }
 
     async fn fenced(&mut self, index: usize, client: usize, write: Write) -> Result<(), String> {
-        let Some((lease, _)) = self.leases[client].clone() else {
+        // Completing or releasing spends the owner (a second try is not expressible); extending keeps it.
+        let owner = match write {
+            Write::Extend => None,
+            _ => self.leases[client].take().map(|(owner, _)| owner),
+        };
+        let Some(fence) = owner.as_ref().or(self.leases[client].as_ref().map(|(owner, _)| owner)).map(Owner::fence)
+        else {
             self.history.note(index, format!("c{client} {write}"), "holds no lease: nothing sent");
             return Ok(());
         };
-        let store = self.world.store(rule_of(lease.policy().lease_expiry()));
         let (written, span) = self
             .history
             .timed(async {
-                match &write {
-                    Write::Complete(response) => store.complete(&lease, response.as_bytes()).await,
-                    Write::Release => store.release(&lease).await,
-                    Write::Extend => store.extend(&lease).await,
+                match (&write, owner) {
+                    (Write::Complete(response), Some(owner)) => owner.complete(response.as_bytes()).await,
+                    (Write::Release, Some(owner)) => owner.release().await,
+                    _ => self.leases[client].as_ref().map(|(owner, _)| owner).expect("held").extend().await,
                 }
             })
             .await;
@@ -371,9 +386,9 @@ impl<'w> Case<'w> {
             (Ok(outcome), _) => (format!("{outcome:?}"), Effect::None),
             (Err(error), _) => (error.clone(), Effect::None),
         };
-        let call = format!("c{client} {write} (fence {})", lease.fence());
+        let call = format!("c{client} {write} (fence {fence})");
         self.history.record(index, span, call, answer, effect);
-        self.model.write(lease.fence(), &write, outcome?)
+        self.model.write(fence, &write, outcome?)
     }
 
     async fn purge(&mut self, index: usize) -> Result<(), String> {
@@ -464,7 +479,10 @@ impl<'w> Case<'w> {
 
     /// Removes what the case left in both tiers, so that later cases' purges and recoveries meet only
     /// their own key.
-    async fn forget(&self) {
+    async fn forget(&mut self) {
+        for client in 0..CLIENTS {
+            self.abandon(client);
+        }
         let h = &self.world.harness;
         let records = sqlx::query(FORGET_RECORDS).bind(&self.tenant).execute(&h.pool);
         records.await.expect("delete the case's records");
