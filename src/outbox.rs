@@ -23,13 +23,16 @@ use sqlx::postgres::{PgConnection, PgRow};
 use crate::error::{InputError, StoreError};
 use crate::key::{IdempotencyKey, validate_name};
 use crate::policy::millis;
-use crate::store::Store;
+use crate::store::{BEGIN, COMMIT, Statement, Store};
 use crate::telemetry;
 
-const ENQUEUE: &str = "INSERT INTO idempotency_outbox (topic, payload) VALUES ($1, $2::json) RETURNING id";
+const ENQUEUE: Statement = Statement::new(
+    "outbox_enqueue",
+    "INSERT INTO idempotency_outbox (topic, payload) VALUES ($1, $2::json) RETURNING id",
+);
 
 /// The newest row when a drain starts: it delivers nothing newer, so it ends even while producers write.
-const HORIZON: &str = "SELECT COALESCE(max(id), 0) FROM idempotency_outbox";
+const HORIZON: Statement = Statement::new("outbox_horizon", "SELECT COALESCE(max(id), 0) FROM idempotency_outbox");
 
 /// One batch, locked for this relay's transaction, of rows up to the drain's horizon (`$3`). A topic's
 /// head (its oldest row) is the topic's lock: relays skip heads that another relay holds, and take the
@@ -37,7 +40,9 @@ const HORIZON: &str = "SELECT COALESCE(max(id), 0) FROM idempotency_outbox";
 /// order. Topics are found by a loose index
 /// scan (one probe per topic), so a long backlog in one topic costs no scan. A head that is backing off
 /// holds its whole topic back: order before progress.
-const LOCK_BATCH: &str = "
+const LOCK_BATCH: Statement = Statement::new(
+    "outbox_lock",
+    "
     WITH RECURSIVE topics(topic) AS (
         (SELECT topic FROM idempotency_outbox
          WHERE $2::text[] IS NULL OR topic = ANY($2) ORDER BY topic LIMIT 1)
@@ -60,38 +65,52 @@ const LOCK_BATCH: &str = "
     WHERE o.id <= $3
     ORDER BY o.id
     LIMIT $1
-    FOR UPDATE OF o";
+    FOR UPDATE OF o",
+);
 
 /// The batch's outcome in one round trip: delivered rows are deleted, failed ones back off. The backoff
 /// counts from now (`clock_timestamp`), not from the batch's start (`now()`), which may be long past.
-const SETTLE: &str = "
+const SETTLE: Statement = Statement::new(
+    "outbox_settle",
+    "
     WITH delivered AS (DELETE FROM idempotency_outbox WHERE id = ANY($1))
     UPDATE idempotency_outbox o
     SET attempts = o.attempts + 1, last_error = f.error,
         next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond'
     FROM unnest($2::bigint[], $3::text[], $4::float8[]) AS f(id, error, delay_ms)
-    WHERE o.id = f.id";
+    WHERE o.id = f.id",
+);
 
 /// Skips the rest of a topic's backoff: its head goes out at the next drain.
-const RETRY: &str =
-    "UPDATE idempotency_outbox SET next_attempt_at = now() WHERE topic = $1 AND next_attempt_at > now()";
+const RETRY: Statement = Statement::new(
+    "outbox_retry",
+    "UPDATE idempotency_outbox SET next_attempt_at = now() WHERE topic = $1 AND next_attempt_at > now()",
+);
 
 /// Deletes one undelivered row (a poison message holding its topic back), returning it for the record.
-const DISCARD: &str =
-    "DELETE FROM idempotency_outbox WHERE id = $1 RETURNING id, topic, payload::text AS payload, attempts";
+const DISCARD: Statement = Statement::new(
+    "outbox_discard",
+    "DELETE FROM idempotency_outbox WHERE id = $1 RETURNING id, topic, payload::text AS payload, attempts",
+);
 
-const GAUGES: &str = "
-    SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(enqueued_at))::float8, 0) FROM idempotency_outbox";
+const GAUGES: Statement = Statement::new(
+    "outbox_gauges",
+    "
+    SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(enqueued_at))::float8, 0) FROM idempotency_outbox",
+);
 
 /// Window functions run before `DISTINCT ON`, so each topic's row is its head with the topic's totals.
-const BACKLOG: &str = "
+const BACKLOG: Statement = Statement::new(
+    "outbox_backlog",
+    "
     SELECT DISTINCT ON (topic) topic, id AS head_id,
            count(*) OVER (PARTITION BY topic) AS pending,
            EXTRACT(EPOCH FROM now() - min(enqueued_at) OVER (PARTITION BY topic))::float8 AS oldest_seconds,
            attempts, last_error,
            GREATEST(0, EXTRACT(EPOCH FROM next_attempt_at - now()))::float8 AS retry_in_seconds
     FROM idempotency_outbox
-    ORDER BY topic, id";
+    ORDER BY topic, id",
+);
 
 /// The outbox of a store's database. Cheap to clone; configure a relay with the `with_*` setters.
 #[derive(Clone, Debug)]
@@ -264,9 +283,8 @@ impl Outbox {
         if json.len() > self.max_payload {
             return Err(InputError::PayloadTooLarge { len: json.len(), limit: self.max_payload }.into());
         }
-        telemetry::postgres_statement("outbox_enqueue");
-        let insert = sqlx::query_scalar(ENQUEUE).bind(topic).bind(json).fetch_one(conn);
-        self.store.bounded("outbox enqueue", insert).await
+        let insert = sqlx::query_scalar(ENQUEUE.sql).bind(topic).bind(json).fetch_one(conn);
+        self.store.bounded(&ENQUEUE, insert).await
     }
 
     /// Delivers the rows that are due to `sink`, topic by topic in id order, one batch per transaction,
@@ -286,9 +304,8 @@ impl Outbox {
         Fut: Future<Output = Result<(), E>>,
         E: Display,
     {
-        telemetry::postgres_statement("outbox_horizon");
-        let horizon: i64 =
-            self.store.bounded("outbox horizon", sqlx::query_scalar(HORIZON).fetch_one(self.store.pg_pool())).await?;
+        let horizon = sqlx::query_scalar(HORIZON.sql).fetch_one(self.store.pg_pool());
+        let horizon: i64 = self.store.bounded(&HORIZON, horizon).await?;
         let mut drained = Drained::default();
         loop {
             let (batch, full) = self.drain_batch(&mut sink, horizon).await?;
@@ -308,9 +325,8 @@ impl Outbox {
 
     /// The pending-rows and oldest-age gauges, from one aggregate (cheaper than [`Outbox::backlog`]).
     async fn refresh_gauges(&self) -> Result<(), StoreError> {
-        telemetry::postgres_statement("outbox_gauges");
-        let gauges = sqlx::query_as::<_, (i64, f64)>(GAUGES).fetch_one(self.store.pg_pool());
-        let (pending, oldest) = self.store.bounded("outbox gauges", gauges).await?;
+        let gauges = sqlx::query_as::<_, (i64, f64)>(GAUGES.sql).fetch_one(self.store.pg_pool());
+        let (pending, oldest) = self.store.bounded(&GAUGES, gauges).await?;
         telemetry::outbox_backlog(
             u64::try_from(pending).unwrap_or(0),
             Duration::try_from_secs_f64(oldest).unwrap_or_default(),
@@ -326,26 +342,25 @@ impl Outbox {
         E: Display,
     {
         let store = &self.store;
-        let mut tx = store.bounded("outbox lock", store.pg_pool().begin()).await?;
-        telemetry::postgres_statement("outbox_lock");
-        let lock = sqlx::query(LOCK_BATCH).bind(i64::from(self.batch_size)).bind(self.topics.as_deref()).bind(horizon);
-        let rows = store.bounded("outbox lock", lock.fetch_all(&mut *tx)).await?;
+        let mut tx = store.bounded(&BEGIN, store.pg_pool().begin()).await?;
+        let lock =
+            sqlx::query(LOCK_BATCH.sql).bind(i64::from(self.batch_size)).bind(self.topics.as_deref()).bind(horizon);
+        let rows = store.bounded(&LOCK_BATCH, lock.fetch_all(&mut *tx)).await?;
         if rows.is_empty() {
             return Ok((Drained::default(), false));
         }
         let full = rows.len() == self.batch_size as usize;
         let messages = rows.iter().map(Message::from_row).collect::<Result<Vec<_>, _>>();
-        let messages = messages.map_err(|source| StoreError::StoreUnavailable { step: "outbox lock", source })?;
+        let messages = messages.map_err(|source| LOCK_BATCH.failed(source))?;
         let settlement = self.deliver(sink, messages).await;
-        telemetry::postgres_statement("outbox_settle");
         let drained = Drained { delivered: settlement.delivered.len() as u64, failed: settlement.failed.len() as u64 };
-        let settle = sqlx::query(SETTLE)
+        let settle = sqlx::query(SETTLE.sql)
             .bind(settlement.delivered)
             .bind(settlement.failed)
             .bind(settlement.errors)
             .bind(settlement.delays_ms);
-        store.bounded("outbox settle", settle.execute(&mut *tx)).await?;
-        store.bounded("outbox settle", tx.commit()).await?;
+        store.bounded(&SETTLE, settle.execute(&mut *tx)).await?;
+        store.bounded(&COMMIT, tx.commit()).await?;
         Ok((drained, full))
     }
 
@@ -423,9 +438,8 @@ impl Outbox {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn retry(&self, topic: &str) -> Result<u64, StoreError> {
-        telemetry::postgres_statement("outbox_retry");
-        let query = sqlx::query(RETRY).bind(topic).execute(self.store.pg_pool());
-        Ok(self.store.bounded("outbox retry", query).await?.rows_affected())
+        let query = sqlx::query(RETRY.sql).bind(topic).execute(self.store.pg_pool());
+        Ok(self.store.bounded(&RETRY, query).await?.rows_affected())
     }
 
     /// Deletes the undelivered row `id` without delivering it, and returns it (to keep, or to replay by
@@ -436,11 +450,9 @@ impl Outbox {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn discard(&self, id: i64) -> Result<Option<Message>, StoreError> {
-        telemetry::postgres_statement("outbox_discard");
-        let query = sqlx::query(DISCARD).bind(id).fetch_optional(self.store.pg_pool());
-        let row = self.store.bounded("outbox discard", query).await?;
-        let message = row.as_ref().map(Message::from_row).transpose();
-        let message = message.map_err(|source| StoreError::StoreUnavailable { step: "outbox discard", source })?;
+        let query = sqlx::query(DISCARD.sql).bind(id).fetch_optional(self.store.pg_pool());
+        let row = self.store.bounded(&DISCARD, query).await?;
+        let message = row.as_ref().map(Message::from_row).transpose().map_err(|source| DISCARD.failed(source))?;
         if let Some(message) = &message {
             tracing::warn!(id, topic = message.topic, payload = message.payload, "outbox row discarded");
         }
@@ -452,13 +464,9 @@ impl Outbox {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn backlog(&self) -> Result<Vec<TopicBacklog>, StoreError> {
-        telemetry::postgres_statement("outbox_backlog");
-        let rows = self.store.bounded("outbox backlog", sqlx::query(BACKLOG).fetch_all(self.store.pg_pool())).await?;
-        let backlog = rows
-            .iter()
-            .map(topic_backlog)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|source| StoreError::StoreUnavailable { step: "outbox backlog", source })?;
+        let rows = self.store.bounded(&BACKLOG, sqlx::query(BACKLOG.sql).fetch_all(self.store.pg_pool())).await?;
+        let backlog =
+            rows.iter().map(topic_backlog).collect::<Result<Vec<_>, _>>().map_err(|source| BACKLOG.failed(source))?;
         let oldest = backlog.iter().map(|t| t.oldest).max().unwrap_or_default();
         telemetry::outbox_backlog(backlog.iter().map(|t| t.pending).sum(), oldest);
         Ok(backlog)

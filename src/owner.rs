@@ -12,6 +12,7 @@ use crate::key::{IdempotencyKey, Scope};
 use crate::options::Heartbeat;
 use crate::policy::{LeaseExpiry, Policy};
 use crate::record::Lease;
+use crate::store::COMMIT;
 use crate::store::Store;
 
 /// The caller owns a key ([`Begin::Acquired`](crate::Begin::Acquired)): run the work, then
@@ -139,7 +140,7 @@ impl Owner {
         self.settled = true;
         let (store, lease) = (&self.store, &self.lease);
         let committed = match store.complete_in(&mut tx, lease, response).await {
-            Ok(retained) => store.bounded("commit", tx.commit()).await.map(|()| retained),
+            Ok(retained) => store.bounded(&COMMIT, tx.commit()).await.map(|()| retained),
             Err(error) => Err(error),
         };
         match committed {

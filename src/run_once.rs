@@ -15,7 +15,7 @@ use crate::key::{IdempotencyKey, Scope};
 use crate::options::RunOptions;
 use crate::owner::Owner;
 use crate::record::Begin;
-use crate::store::Store;
+use crate::store::{BEGIN, COMMIT, Store};
 
 /// What [`Store::run_once`] did.
 #[derive(Debug, PartialEq, Eq)]
@@ -195,12 +195,12 @@ impl Store {
     {
         let policy = self.policy(scope.operation());
         let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
-        let mut tx = self.bounded("begin transaction", self.pg_pool().begin()).await?;
+        let mut tx = self.bounded(&BEGIN, self.pg_pool().begin()).await?;
         let owner = match claimed(self.begin_in(scope, key, &fingerprint, &mut tx).await?)? {
             Claimed::Owner(owner) => owner,
             Claimed::Answered(outcome) => {
                 // The answer may have marked the record indeterminate, in this transaction: keep it.
-                if let Err(error) = self.bounded("commit", tx.commit()).await {
+                if let Err(error) = self.bounded(&COMMIT, tx.commit()).await {
                     tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
                 }
                 return Ok(outcome);

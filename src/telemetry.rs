@@ -22,8 +22,10 @@ pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
 pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
 /// Statements sent to Postgres; label `statement`: claim, complete, release, extend, mark_indeterminate,
-/// lookup, the operator jobs' statements, and outbox_enqueue, outbox_horizon, outbox_lock, outbox_settle,
-/// outbox_backlog, outbox_gauges, outbox_retry, outbox_discard.
+/// lookup, the jobs' purge, purge_tombstones, count_expired, stale, release_stale, resolve, stats,
+/// count_indeterminate, and outbox_enqueue, outbox_horizon, outbox_lock, outbox_settle, outbox_backlog,
+/// outbox_gauges, outbox_retry, outbox_discard. The same name is the `step` of a
+/// `StoreError::StoreUnavailable` it caused.
 /// With `idemstore_redis_calls_total`, the cost of each answer in round trips.
 pub const POSTGRES_STATEMENTS: &str = "idemstore_postgres_statements_total";
 /// Scripts run on Redis, answered or not; label `script`: begin, put, release, extend.

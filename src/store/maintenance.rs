@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use sqlx::Row as _;
 
-use super::Store;
 use super::redis_tier::RedisView;
+use super::{Statement, Store};
 use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::{LeaseExpiry, millis};
@@ -20,7 +20,8 @@ use crate::telemetry;
 /// LOCKED` lets several purgers run at once and never waits on a record being claimed; the condition is
 /// checked again on the locked row. Records are matched by primary key (ctids repeat across partitions).
 /// `$2`: the tombstone horizon of records older than stored horizons.
-const PURGE_BATCH: &str = "
+const PURGE_BATCH: Statement = Statement::new(
+    "purge", "
     WITH doomed AS (
         SELECT tenant, operation, idempotency_key FROM idempotency_records
         WHERE expires_at <= now() AND state IN ('completed', 'released')
@@ -42,56 +43,77 @@ const PURGE_BATCH: &str = "
         ON CONFLICT (digest) DO UPDATE
         SET fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at
     )
-    SELECT count(*) FROM gone";
+    SELECT count(*) FROM gone");
 
 /// One bounded batch of tombstones whose horizon ended: their keys are new again.
-const PURGE_TOMBSTONES: &str = "
+const PURGE_TOMBSTONES: Statement = Statement::new(
+    "purge_tombstones",
+    "
     DELETE FROM idempotency_tombstones
     WHERE digest IN (
         SELECT digest FROM idempotency_tombstones
         WHERE expires_at <= now()
         LIMIT $1
         FOR UPDATE SKIP LOCKED)
-      AND expires_at <= now()";
+      AND expires_at <= now()",
+);
 
-const COUNT_EXPIRED: &str =
-    "SELECT count(*) FROM idempotency_records WHERE expires_at <= now() AND state IN ('completed', 'released')";
+const COUNT_EXPIRED: Statement = Statement::new(
+    "count_expired",
+    "SELECT count(*) FROM idempotency_records WHERE expires_at <= now() AND state IN ('completed', 'released')",
+);
 
-const STALE: &str = "
+const STALE: Statement = Statement::new(
+    "stale",
+    "
     SELECT tenant, operation, idempotency_key, fingerprint, fence, owner, on_lease_expiry
     FROM idempotency_records
     WHERE state = 'in_progress' AND lease_expires_at <= now()
     ORDER BY lease_expires_at
-    LIMIT $1";
+    LIMIT $1",
+);
 
 /// Fenced like every write: an owner that extended its lease or finished since it was read is untouched.
-const RELEASE_STALE: &str = "
+const RELEASE_STALE: Statement = Statement::new(
+    "release_stale",
+    "
     UPDATE idempotency_records
     SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state = 'in_progress' AND lease_expires_at <= now()";
+      AND state = 'in_progress' AND lease_expires_at <= now()",
+);
 
 /// Kept for the retention the record was claimed under (NULL: forever); records claimed before tiers were
 /// recorded (no `tier`) get the resolver's configured retention.
-const RESOLVE_COMPLETED: &str = "
+const RESOLVE_COMPLETED: Statement = Statement::new(
+    "resolve",
+    "
     UPDATE idempotency_records
     SET state = 'completed', response = $4, owner = NULL, lease_expires_at = NULL,
         expires_at = now() + (CASE WHEN tier IS NOT NULL THEN retention_ms::float8 ELSE $5::float8 END)
                              * interval '1 millisecond',
         updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'indeterminate'";
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'indeterminate'",
+);
 
-const RESOLVE_RELEASED: &str = "
+const RESOLVE_RELEASED: Statement = Statement::new(
+    "resolve",
+    "
     UPDATE idempotency_records
     SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'indeterminate'";
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'indeterminate'",
+);
 
-const COUNTS: &str = "
+const COUNTS: Statement = Statement::new(
+    "stats",
+    "
     SELECT operation, state, COALESCE(tier, '') AS tier, count(*) AS records,
            count(*) FILTER (WHERE expires_at <= now() + $1::float8 * interval '1 millisecond') AS expiring
-    FROM idempotency_records GROUP BY 1, 2, 3 ORDER BY 1, 2, 3";
+    FROM idempotency_records GROUP BY 1, 2, 3 ORDER BY 1, 2, 3",
+);
 
-const INDETERMINATE: &str = "SELECT count(*) FROM idempotency_records WHERE state = 'indeterminate'";
+const INDETERMINATE: Statement =
+    Statement::new("count_indeterminate", "SELECT count(*) FROM idempotency_records WHERE state = 'indeterminate'");
 
 /// The two purge statements, each run in batches.
 #[derive(Clone, Copy)]
@@ -188,14 +210,12 @@ impl Store {
         let purged = match statement {
             Purge::Records => {
                 let horizon = self.inner.default_policy.tombstone.map(|t| millis(t) as f64);
-                telemetry::postgres_statement("purge");
-                let query = sqlx::query_scalar::<_, i64>(PURGE_BATCH).bind(limit).bind(horizon);
-                u64::try_from(self.bounded("purge", query.fetch_one(self.pg_pool())).await?).unwrap_or(0)
+                let query = sqlx::query_scalar::<_, i64>(PURGE_BATCH.sql).bind(limit).bind(horizon);
+                u64::try_from(self.bounded(&PURGE_BATCH, query.fetch_one(self.pg_pool())).await?).unwrap_or(0)
             }
             Purge::Tombstones => {
-                telemetry::postgres_statement("purge_tombstones");
-                let query = sqlx::query(PURGE_TOMBSTONES).bind(limit).execute(self.pg_pool());
-                self.bounded("purge tombstones", query).await?.rows_affected()
+                let query = sqlx::query(PURGE_TOMBSTONES.sql).bind(limit).execute(self.pg_pool());
+                self.bounded(&PURGE_TOMBSTONES, query).await?.rows_affected()
             }
         };
         telemetry::purged(purged);
@@ -207,7 +227,7 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn count_expired(&self) -> Result<u64, StoreError> {
-        count(self, COUNT_EXPIRED, "count expired").await
+        count(self, &COUNT_EXPIRED).await
     }
 
     /// Applies the [`LeaseExpiry`] each record was claimed under to in-progress records whose lease ran out (at most
@@ -217,12 +237,11 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn recover_stale(&self, batch: u32, dry_run: bool) -> Result<Recovery, StoreError> {
-        telemetry::postgres_statement("stale");
-        let rows = sqlx::query(STALE).bind(i64::from(batch.max(1))).fetch_all(self.pg_pool());
-        let rows = self.bounded("recover", rows).await?;
+        let rows = sqlx::query(STALE.sql).bind(i64::from(batch.max(1))).fetch_all(self.pg_pool());
+        let rows = self.bounded(&STALE, rows).await?;
         let mut recovery = Recovery { found: rows.len() as u64, ..Recovery::default() };
         for row in rows {
-            let decode = |e| StoreError::StoreUnavailable { step: "recover", source: e };
+            let decode = |e| STALE.failed(e);
             let scope =
                 Scope::new(row.try_get::<String, _>(0).map_err(decode)?, row.try_get::<String, _>(1).map_err(decode)?)?;
             let key = IdempotencyKey::new(row.try_get::<String, _>(2).map_err(decode)?)?;
@@ -244,19 +263,16 @@ impl Store {
             };
             let (recovered, action) = match rule {
                 LeaseExpiry::TakeOver => {
-                    telemetry::postgres_statement("release_stale");
-                    let released = sqlx::query(RELEASE_STALE)
+                    let released = sqlx::query(RELEASE_STALE.sql)
                         .bind(stale.scope.tenant())
                         .bind(stale.scope.operation())
                         .bind(stale.key.as_str())
                         .bind(stale.fence)
                         .execute(self.pg_pool());
-                    (self.bounded("recover", released).await?.rows_affected() == 1, "released")
+                    (self.bounded(&RELEASE_STALE, released).await?.rows_affected() == 1, "released")
                 }
                 LeaseExpiry::MarkIndeterminate => {
-                    let marked = self.inner.postgres.mark_indeterminate(&stale, None).await;
-                    let marked = marked.map_err(|source| StoreError::StoreUnavailable { step: "recover", source });
-                    (marked?, "marked_indeterminate")
+                    (self.inner.postgres.mark_indeterminate(&stale, None).await?, "marked_indeterminate")
                 }
             };
             if recovered {
@@ -284,19 +300,22 @@ impl Store {
         resolution: Resolution,
     ) -> Result<bool, StoreError> {
         let retention = self.policy(scope.operation()).retention.map(|r| millis(r) as f64);
+        let statement = match &resolution {
+            Resolution::Completed(_) => &RESOLVE_COMPLETED,
+            Resolution::Released => &RESOLVE_RELEASED,
+        };
         let query = match &resolution {
-            Resolution::Completed(response) => sqlx::query(RESOLVE_COMPLETED)
+            Resolution::Completed(response) => sqlx::query(RESOLVE_COMPLETED.sql)
                 .bind(scope.tenant())
                 .bind(scope.operation())
                 .bind(key.as_str())
                 .bind(response.as_slice())
                 .bind(retention),
             Resolution::Released => {
-                sqlx::query(RESOLVE_RELEASED).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str())
+                sqlx::query(RESOLVE_RELEASED.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str())
             }
         };
-        telemetry::postgres_statement("resolve");
-        let resolved = self.bounded("resolve", query.execute(self.pg_pool())).await?.rows_affected() == 1;
+        let resolved = self.bounded(statement, query.execute(self.pg_pool())).await?.rows_affected() == 1;
         if resolved {
             // Redis may still answer "indeterminate": drop its copy so the next request reads Postgres.
             self.evict_redis(scope, key).await;
@@ -310,10 +329,9 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn stats(&self, window: Duration) -> Result<Vec<StatsRow>, StoreError> {
-        telemetry::postgres_statement("stats");
-        let rows = sqlx::query(COUNTS).bind(millis(window) as f64).fetch_all(self.pg_pool());
-        let rows = self.bounded("stats", rows).await?;
-        let decode = |e| StoreError::StoreUnavailable { step: "stats", source: e };
+        let rows = sqlx::query(COUNTS.sql).bind(millis(window) as f64).fetch_all(self.pg_pool());
+        let rows = self.bounded(&COUNTS, rows).await?;
+        let decode = |e| COUNTS.failed(e);
         rows.iter()
             .map(|row| {
                 let state: String = row.try_get("state").map_err(decode)?;
@@ -366,14 +384,13 @@ impl Store {
     }
 
     async fn indeterminate_gauge(&self) -> Result<(), StoreError> {
-        let indeterminate = count(self, INDETERMINATE, "count indeterminate").await?;
+        let indeterminate = count(self, &INDETERMINATE).await?;
         telemetry::indeterminate(indeterminate);
         Ok(())
     }
 }
 
-async fn count(store: &Store, sql: &'static str, step: &'static str) -> Result<u64, StoreError> {
-    telemetry::postgres_statement("count");
-    let count: i64 = store.bounded(step, sqlx::query_scalar(sql).fetch_one(store.pg_pool())).await?;
+async fn count(store: &Store, statement: &Statement) -> Result<u64, StoreError> {
+    let count: i64 = store.bounded(statement, sqlx::query_scalar(statement.sql).fetch_one(store.pg_pool())).await?;
     Ok(u64::try_from(count).unwrap_or(0))
 }

@@ -6,6 +6,7 @@ mod postgres_tier;
 mod protocol;
 mod redis_tier;
 mod scripts;
+mod statement;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,6 +23,7 @@ pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
 use postgres_tier::PostgresTier;
 use redis_tier::RedisTier;
 pub use redis_tier::RedisView;
+pub(crate) use statement::{BEGIN, COMMIT, Statement};
 
 /// The migrations in `migrations/`, embedded at build time. Their bookkeeping lives in its own table,
 /// `_idemstore_migrations`, so they never clash with the application's own sqlx migrations.
@@ -100,15 +102,6 @@ impl Store {
     /// The Postgres pool the store uses (to run the embedded migrations elsewhere, or for your own work).
     pub fn pg_pool(&self) -> &PgPool {
         self.inner.postgres.pool()
-    }
-
-    /// One Postgres call of `step` under the store's statement timeout; an error fails closed.
-    pub(crate) async fn bounded<T>(
-        &self,
-        step: &'static str,
-        call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, StoreError> {
-        self.inner.postgres.bounded(call).await.map_err(|source| StoreError::StoreUnavailable { step, source })
     }
 
     /// Applies the embedded migrations (idempotent; safe from several processes at once), on a

@@ -1,16 +1,16 @@
 //! The source of truth: every statement of the protocol, one round trip each, fenced where it writes.
 
 use std::future::Future;
-use std::io;
 use std::time::Duration;
 
 use sqlx::Row as _;
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
 
+use super::statement::{self, ACQUIRE, Statement};
+use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::{LeaseExpiry, millis};
 use crate::record::{Lease, Record, State, StoredResponse};
-use crate::telemetry;
 
 /// The record columns every read returns, with the lease and retention as milliseconds of server time,
 /// so that application clocks never take part in a lease decision.
@@ -66,14 +66,16 @@ macro_rules! in_progress_expiry {
 /// Completed and indeterminate records, live leases and tombstones are never written: the statement
 /// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
 /// row lock. `prior` also says what was re-acquired (for the takeover metric).
-const CLAIM: &str = concat!(
-    "WITH prior AS (
+const CLAIM: Statement = Statement::new(
+    "claim",
+    concat!(
+        "WITH prior AS (
         SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
         FROM idempotency_records
         WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
     ), buried AS (",
-    tombstone!(),
-    " AND NOT EXISTS (SELECT 1 FROM prior)
+        tombstone!(),
+        " AND NOT EXISTS (SELECT 1 FROM prior)
     ), claimed AS (
         INSERT INTO idempotency_records AS r
             (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
@@ -81,8 +83,8 @@ const CLAIM: &str = concat!(
         SELECT $1, $2, $3, $4, 'in_progress', nextval('idempotency_fences'), $5,
                now() + $6::float8 * interval '1 millisecond',
                ",
-    in_progress_expiry!("$7::float8"),
-    ",
+        in_progress_expiry!("$7::float8"),
+        ",
                $9, CASE WHEN $8 THEN 'take_over' ELSE 'mark_indeterminate' END, $7::float8::bigint,
                $10::float8::bigint
         WHERE NOT EXISTS (SELECT 1 FROM buried)
@@ -94,8 +96,8 @@ const CLAIM: &str = concat!(
             fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
             owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
             expires_at = ",
-    in_progress_expiry!(kept_retention!()),
-    ",
+        in_progress_expiry!(kept_retention!()),
+        ",
             tier = COALESCE(r.tier, EXCLUDED.tier),
             on_lease_expiry = COALESCE(r.on_lease_expiry, EXCLUDED.on_lease_expiry),
             retention_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.retention_ms ELSE r.retention_ms END,
@@ -108,38 +110,44 @@ const CLAIM: &str = concat!(
         RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
     )
     SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, ",
-    record_columns!(),
-    " FROM claimed
+        record_columns!(),
+        " FROM claimed
     UNION ALL
     SELECT false, NULL, ",
-    record_columns!(),
-    " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
+        record_columns!(),
+        " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
     UNION ALL
     SELECT false, NULL, ",
-    record_columns!(),
-    " FROM buried"
+        record_columns!(),
+        " FROM buried"
+    ),
 );
 
 /// A key's record, or its live tombstone once the record was purged.
-const LOOKUP: &str = concat!(
-    "WITH found AS (
+const LOOKUP: Statement = Statement::new(
+    "lookup",
+    concat!(
+        "WITH found AS (
         SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
         FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
     )
     SELECT ",
-    record_columns!(),
-    " FROM found
+        record_columns!(),
+        " FROM found
     UNION ALL
     SELECT ",
-    record_columns!(),
-    " FROM (",
-    tombstone!(),
-    ") AS buried WHERE NOT EXISTS (SELECT 1 FROM found)"
+        record_columns!(),
+        " FROM (",
+        tombstone!(),
+        ") AS buried WHERE NOT EXISTS (SELECT 1 FROM found)"
+    ),
 );
 
 /// Retention counts from completion, under the retention the record was claimed under (`$6`, the
 /// caller's, only for records older than stored tiers).
-const COMPLETE: &str = "
+const COMPLETE: Statement = Statement::new(
+    "complete",
+    "
     UPDATE idempotency_records
     SET state = 'completed', response = $5, owner = NULL, lease_expires_at = NULL,
         expires_at = now() + (CASE WHEN tier IS NULL THEN $6::float8 ELSE retention_ms::float8 END)
@@ -148,30 +156,40 @@ const COMPLETE: &str = "
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
       AND state IN ('in_progress', 'indeterminate')
     RETURNING CASE WHEN expires_at IS NOT NULL
-                   THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms";
+                   THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms",
+);
 
-const RELEASE: &str = "
+const RELEASE: Statement = Statement::new(
+    "release",
+    "
     UPDATE idempotency_records
     SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state IN ('in_progress', 'indeterminate')";
+      AND state IN ('in_progress', 'indeterminate')",
+);
 
 /// A lease extended past the record's expiry pushes the expiry along: retention never cuts a live lease.
-const EXTEND: &str = "
+const EXTEND: Statement = Statement::new(
+    "extend",
+    "
     UPDATE idempotency_records
     SET lease_expires_at = now() + $5::float8 * interval '1 millisecond',
         expires_at = CASE WHEN expires_at IS NOT NULL
                           THEN GREATEST(expires_at, now() + $5::float8 * interval '1 millisecond') END,
         updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state = 'in_progress'";
+      AND state = 'in_progress'",
+);
 
 /// Only a lease that really ran out, and whose owner has not moved on since it was read, is marked.
-const MARK_INDETERMINATE: &str = "
+const MARK_INDETERMINATE: Statement = Statement::new(
+    "mark_indeterminate",
+    "
     UPDATE idempotency_records
     SET state = 'indeterminate', updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state = 'in_progress' AND lease_expires_at <= now()";
+      AND state = 'in_progress' AND lease_expires_at <= now()",
+);
 
 /// How long a completed record is kept.
 #[derive(Debug)]
@@ -202,15 +220,13 @@ impl PostgresTier {
         Self { pool, timeout }
     }
 
-    /// `call`, failing with a timeout error once the statement timeout has passed.
+    /// `call`, sent as `statement` under the store's timeout ([`statement::bounded`]).
     pub(crate) async fn bounded<T>(
         &self,
+        statement: &Statement,
         call: impl Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, sqlx::Error> {
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(sqlx::Error::Io(io::Error::new(io::ErrorKind::TimedOut, "Postgres did not answer in time"))),
-        }
+    ) -> Result<T, StoreError> {
+        statement::bounded(self.timeout, statement, call).await
     }
 
     /// How long a claim waits for a row lock on the store's own connections: a fair time for a caller
@@ -224,12 +240,12 @@ impl PostgresTier {
     }
 
     /// The claim on a pooled connection, or on `conn` (inside the caller's transaction) when given.
-    pub(crate) async fn claim(&self, lease: &Lease, conn: Option<&mut PgConnection>) -> Result<Claim, sqlx::Error> {
+    pub(crate) async fn claim(&self, lease: &Lease, conn: Option<&mut PgConnection>) -> Result<Claim, StoreError> {
         let mut pooled;
         let conn = match conn {
             Some(conn) => conn,
             None => {
-                pooled = self.bounded(self.pool.acquire()).await?;
+                pooled = self.bounded(&ACQUIRE, self.pool.acquire()).await?;
                 &mut *pooled
             }
         };
@@ -240,8 +256,7 @@ impl PostgresTier {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            telemetry::postgres_statement("claim");
-            let claim = sqlx::query(CLAIM)
+            let claim = sqlx::query(CLAIM.sql)
                 .bind(lease.scope.tenant())
                 .bind(lease.scope.operation())
                 .bind(lease.key.as_str())
@@ -253,11 +268,11 @@ impl PostgresTier {
                 .bind(policy.name())
                 .bind(policy.tombstone.map(|t| millis(t) as f64))
                 .fetch_optional(&mut *conn);
-            let row = self.bounded(claim).await?;
+            let row = self.bounded(&CLAIM, claim).await?;
             if let Some(row) = row {
-                let acquired: bool = row.try_get("acquired")?;
-                let prior: Option<String> = row.try_get("prior_state")?;
-                let record = decode_record(&row)?;
+                let decoded = (|| Ok::<_, sqlx::Error>((row.try_get("acquired")?, row.try_get("prior_state")?)))();
+                let (acquired, prior): (bool, Option<String>) = decoded.map_err(|e| CLAIM.failed(e))?;
+                let record = decode_record(&row).map_err(|e| CLAIM.failed(e))?;
                 if !acquired && attempt < MAX_CLAIM_ATTEMPTS && lost_a_race(&record, lease) {
                     continue;
                 }
@@ -270,15 +285,14 @@ impl PostgresTier {
         }
     }
 
-    pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, sqlx::Error> {
-        telemetry::postgres_statement("lookup");
-        let lookup = sqlx::query(LOOKUP)
+    pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let lookup = sqlx::query(LOOKUP.sql)
             .bind(scope.tenant())
             .bind(scope.operation())
             .bind(key.as_str())
             .fetch_optional(&self.pool);
-        let row = self.bounded(lookup).await?;
-        row.as_ref().map(decode_record).transpose()
+        let row = self.bounded(&LOOKUP, lookup).await?;
+        row.as_ref().map(decode_record).transpose().map_err(|e| LOOKUP.failed(e))
     }
 
     /// The fenced completion, on `conn` (inside the caller's transaction, the one that claimed) when
@@ -288,14 +302,15 @@ impl PostgresTier {
         lease: &Lease,
         response: &[u8],
         conn: Option<&mut PgConnection>,
-    ) -> Result<Option<Retained>, sqlx::Error> {
+    ) -> Result<Option<Retained>, StoreError> {
         let retention = lease.policy.retention.map(|r| millis(r) as f64);
-        let query = self.fenced("complete", COMPLETE, lease).bind(response).bind(retention);
+        let query = fenced(&COMPLETE, lease).bind(response).bind(retention);
         let row = match conn {
-            Some(conn) => self.bounded(query.fetch_optional(conn)).await?,
-            None => self.bounded(query.fetch_optional(&self.pool)).await?,
+            Some(conn) => self.bounded(&COMPLETE, query.fetch_optional(conn)).await?,
+            None => self.bounded(&COMPLETE, query.fetch_optional(&self.pool)).await?,
         };
-        row.map(|row| Ok(Retained { expires_in: millis_column(&row, "expires_ms")? })).transpose()
+        let retained = row.map(|row| Ok(Retained { expires_in: millis_column(&row, "expires_ms")? }));
+        retained.transpose().map_err(|e| COMPLETE.failed(e))
     }
 
     /// Marks the record of `stale` (the lease that ran out, as read) indeterminate, on `conn` when given:
@@ -304,38 +319,35 @@ impl PostgresTier {
         &self,
         stale: &Lease,
         conn: Option<&mut PgConnection>,
-    ) -> Result<bool, sqlx::Error> {
-        let query = self.fenced("mark_indeterminate", MARK_INDETERMINATE, stale);
+    ) -> Result<bool, StoreError> {
+        let query = fenced(&MARK_INDETERMINATE, stale);
         let done = match conn {
-            Some(conn) => self.bounded(query.execute(conn)).await,
-            None => self.bounded(query.execute(&self.pool)).await,
+            Some(conn) => self.bounded(&MARK_INDETERMINATE, query.execute(conn)).await,
+            None => self.bounded(&MARK_INDETERMINATE, query.execute(&self.pool)).await,
         };
         done.map(matched)
     }
 
-    pub(crate) async fn release(&self, lease: &Lease) -> Result<bool, sqlx::Error> {
-        self.bounded(self.fenced("release", RELEASE, lease).execute(&self.pool)).await.map(matched)
+    pub(crate) async fn release(&self, lease: &Lease) -> Result<bool, StoreError> {
+        self.bounded(&RELEASE, fenced(&RELEASE, lease).execute(&self.pool)).await.map(matched)
     }
 
-    pub(crate) async fn extend(&self, lease: &Lease) -> Result<bool, sqlx::Error> {
+    pub(crate) async fn extend(&self, lease: &Lease) -> Result<bool, StoreError> {
         let lease_ms = millis(lease.policy.lease) as f64;
-        self.bounded(self.fenced("extend", EXTEND, lease).bind(lease_ms).execute(&self.pool)).await.map(matched)
+        self.bounded(&EXTEND, fenced(&EXTEND, lease).bind(lease_ms).execute(&self.pool)).await.map(matched)
     }
+}
 
-    /// A write keyed by the lease's record and fence (`$1`..`$4`), counted as `statement`.
-    fn fenced<'q>(
-        &self,
-        statement: &'static str,
-        sql: &'static str,
-        lease: &'q Lease,
-    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        telemetry::postgres_statement(statement);
-        sqlx::query(sql)
-            .bind(lease.scope.tenant())
-            .bind(lease.scope.operation())
-            .bind(lease.key.as_str())
-            .bind(lease.fence)
-    }
+/// A write keyed by the lease's record and fence (`$1`..`$4`).
+fn fenced<'q>(
+    statement: &Statement,
+    lease: &'q Lease,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(statement.sql)
+        .bind(lease.scope.tenant())
+        .bind(lease.scope.operation())
+        .bind(lease.key.as_str())
+        .bind(lease.fence)
 }
 
 /// Whether a record the claim did not acquire is one it would have re-acquired as read: another claim

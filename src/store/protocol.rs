@@ -112,7 +112,7 @@ impl Store {
         response: &[u8],
     ) -> Result<Retained, StoreError> {
         let stored = self.inner.postgres.complete(lease, response, Some(tx)).await;
-        self.fenced_step(lease, "complete", stored)
+        self.fenced_step(lease, stored)
     }
 
     fn candidate(&self, scope: &Scope, key: &IdempotencyKey, fingerprint: &Fingerprint, policy: Arc<Policy>) -> Lease {
@@ -129,7 +129,7 @@ impl Store {
     /// Stores `response` as the result of the leased key ([`Owner::complete`]).
     pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
         let stored = self.inner.postgres.complete(lease, response, None).await;
-        let retained = self.fenced_step(lease, "complete", stored)?;
+        let retained = self.fenced_step(lease, stored)?;
         // Fault tests: the process "dies" after the commit, before Redis hears of it.
         fail::fail_point!("complete-before-redis", |_| Ok(()));
         self.cache_completion(lease, response, &retained).await;
@@ -139,7 +139,7 @@ impl Store {
     /// Gives the key up ([`Owner::release`]).
     pub(crate) async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         let released = self.inner.postgres.release(lease).await;
-        self.fenced_step(lease, "release", released.map(|matched| matched.then_some(())))?;
+        self.fenced_step(lease, released.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
             let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, true).await;
             self.degrade(lease.scope.operation(), deleted);
@@ -150,7 +150,7 @@ impl Store {
     /// Extends the lease by the policy's lease duration from now ([`Owner::extend`]).
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<(), StoreError> {
         let extended = self.inner.postgres.extend(lease).await;
-        self.fenced_step(lease, "extend", extended.map(|matched| matched.then_some(())))?;
+        self.fenced_step(lease, extended.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
             let lease_ms = millis(lease.policy.lease);
             let extended = redis.extend(&self.record_key(redis, lease), &lease.owner, lease_ms).await;
@@ -164,8 +164,7 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        let found = self.inner.postgres.lookup(scope, key).await;
-        found.map_err(|source| StoreError::StoreUnavailable { step: "lookup", source })
+        self.inner.postgres.lookup(scope, key).await
     }
 
     async fn claim(
@@ -213,7 +212,7 @@ impl Store {
         let mut tx = tx;
         let claim = match self.inner.postgres.claim(&candidate, tx.as_deref_mut()).await {
             Ok(claim) => claim,
-            Err(source) => {
+            Err(error) => {
                 // Fail closed, and take the marker back so retries are not told "in flight" for work
                 // that never started.
                 if let Some((redis, record_key)) = &marked {
@@ -221,10 +220,10 @@ impl Store {
                 }
                 // The row is locked past the lock timeout: an owner is working on it inside its own
                 // transaction (`run_once_in_tx`), which is what "in flight" means.
-                if is_lock_timeout(&source) {
+                if is_lock_timeout(&error) {
                     return Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() });
                 }
-                return Err(StoreError::StoreUnavailable { step: "claim", source });
+                return Err(error);
             }
         };
         telemetry::claim_duration("postgres", started.elapsed());
@@ -280,7 +279,7 @@ impl Store {
             State::InProgress if remaining.is_zero() && rule == LeaseExpiry::MarkIndeterminate => {
                 let stale = Lease { fence: record.fence, ..candidate.clone() };
                 let marked = self.inner.postgres.mark_indeterminate(&stale, tx).await;
-                match marked.map_err(|source| StoreError::StoreUnavailable { step: "mark indeterminate", source })? {
+                match marked? {
                     true => Begin::Indeterminate,
                     // The owner extended or finished meanwhile: a retry sees which.
                     false => Begin::InFlight { retry_after: Duration::ZERO },
@@ -316,12 +315,7 @@ impl Store {
     }
 
     /// Maps a fenced Postgres write: no row matched means the lease was lost.
-    fn fenced_step<T>(
-        &self,
-        lease: &Lease,
-        step: &'static str,
-        result: Result<Option<T>, sqlx::Error>,
-    ) -> Result<T, StoreError> {
+    fn fenced_step<T>(&self, lease: &Lease, result: Result<Option<T>, StoreError>) -> Result<T, StoreError> {
         let operation = lease.scope.operation();
         match result {
             Ok(Some(done)) => Ok(done),
@@ -329,9 +323,9 @@ impl Store {
                 telemetry::outcome(operation, "lease_lost");
                 Err(StoreError::LeaseLost { fence: lease.fence })
             }
-            Err(source) => {
+            Err(error) => {
                 telemetry::outcome(operation, "error");
-                Err(StoreError::StoreUnavailable { step, source })
+                Err(error)
             }
         }
     }
@@ -349,8 +343,9 @@ impl Store {
 }
 
 /// Whether Postgres gave up waiting for a row lock (`lock_timeout`, SQLSTATE 55P03).
-fn is_lock_timeout(error: &sqlx::Error) -> bool {
-    error.as_database_error().and_then(|e| e.code()).is_some_and(|code| code == "55P03")
+fn is_lock_timeout(error: &StoreError) -> bool {
+    let StoreError::StoreUnavailable { source, .. } = error else { return false };
+    source.as_database_error().and_then(|e| e.code()).is_some_and(|code| code == "55P03")
 }
 
 /// How long Redis may keep a completed record: its TTL, never past the record's expiry in Postgres.

@@ -1,0 +1,71 @@
+//! One bounded path to Postgres. Every statement the store sends is a named [`Statement`]; one function
+//! ([`Store::bounded`]) sends it under the store's timeout, counts it in
+//! `idemstore_postgres_statements_total{statement}` and names it as the failed step of
+//! [`StoreError::StoreUnavailable`]: a metric label and an error always say the same thing.
+
+use std::future::Future;
+use std::io;
+
+use super::Store;
+use crate::error::StoreError;
+use crate::telemetry;
+
+/// A statement (or a round trip without SQL of its own, such as a commit) and its name.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Statement {
+    pub(crate) name: &'static str,
+    pub(crate) sql: &'static str,
+}
+
+impl Statement {
+    pub(crate) const fn new(name: &'static str, sql: &'static str) -> Self {
+        Self { name, sql }
+    }
+
+    /// A round trip that is not a query of ours: a connection taken from the pool, a transaction begun
+    /// or committed.
+    pub(crate) const fn step(name: &'static str) -> Self {
+        Self { name, sql: "" }
+    }
+
+    /// `source` (of this statement, or of decoding its rows) as the store's error: fail closed.
+    pub(crate) fn failed(&self, source: sqlx::Error) -> StoreError {
+        StoreError::StoreUnavailable { step: self.name, source }
+    }
+}
+
+/// A connection taken from the pool.
+pub(crate) const ACQUIRE: Statement = Statement::step("acquire");
+/// A transaction begun on a pooled connection.
+pub(crate) const BEGIN: Statement = Statement::step("begin_transaction");
+/// A transaction committed.
+pub(crate) const COMMIT: Statement = Statement::step("commit");
+
+impl Store {
+    /// Sends `statement` (`call` runs it) under the store's Postgres timeout, counted and named.
+    pub(crate) async fn bounded<T>(
+        &self,
+        statement: &Statement,
+        call: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, StoreError> {
+        self.inner.postgres.bounded(statement, call).await
+    }
+}
+
+/// `call` under `timeout`, counted as `statement`; a timeout is an I/O error like a lost connection.
+/// Steps without SQL of ours (a pooled connection's ping, BEGIN, COMMIT) are bounded and named, not
+/// counted: the counter is the store's own statements per answer, comparable across modes.
+pub(crate) async fn bounded<T>(
+    timeout: std::time::Duration,
+    statement: &Statement,
+    call: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, StoreError> {
+    if !statement.sql.is_empty() {
+        telemetry::postgres_statement(statement.name);
+    }
+    match tokio::time::timeout(timeout, call).await {
+        Ok(result) => result.map_err(|source| statement.failed(source)),
+        Err(_) => Err(statement
+            .failed(sqlx::Error::Io(io::Error::new(io::ErrorKind::TimedOut, "Postgres did not answer in time")))),
+    }
+}
