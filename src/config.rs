@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::error::StoreError;
+use crate::error::ConfigError;
 use crate::policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 
 /// Policies by operation, as read from a configuration file. Apply with [`crate::StoreBuilder::policies`].
@@ -53,16 +53,16 @@ struct TierFields {
     redis_ttl: Option<String>,
     retention: Option<String>,
     tombstone: Option<String>,
-    lease_expiry: Option<String>,
+    lease_expiry: Option<LeaseExpiry>,
 }
 
 impl PolicyConfig {
     /// Parses and validates a configuration.
     ///
     /// # Errors
-    /// [`StoreError::Config`] naming the tier, operation or field at fault.
-    pub fn from_toml(text: &str) -> Result<Self, StoreError> {
-        let file: File = toml::from_str(text).map_err(|e| StoreError::Config(format!("policy file: {e}")))?;
+    /// [`ConfigError`] naming the tier, operation or field at fault.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let file: File = toml::from_str(text).map_err(ConfigError::PolicyFile)?;
         let mut tiers: BTreeMap<String, Policy> = [Tier::Ephemeral, Tier::Standard, Tier::Webhook, Tier::Ledger]
             .into_iter()
             .map(|tier| (tier.name().to_owned(), Policy::tier(tier)))
@@ -70,24 +70,26 @@ impl PolicyConfig {
         for (name, fields) in file.tiers {
             let base = tiers.get(&name).cloned().unwrap_or_default();
             let policy = fields.apply(PolicyBuilder::from(base).name(name.clone()));
-            let policy = policy.and_then(PolicyBuilder::build).map_err(|e| config(format!("tier {name:?}: {e}")))?;
+            let policy = policy.and_then(PolicyBuilder::build);
+            let policy = policy.map_err(|reason| ConfigError::Tier { tier: name.clone(), reason: Box::new(reason) })?;
             tiers.insert(name, policy);
         }
         let tier = |name: &str, used_by: &str| {
-            tiers.get(name).cloned().ok_or_else(|| config(format!("{used_by} uses the unknown tier {name:?}")))
+            let unknown = || ConfigError::UnknownTier { used_by: used_by.to_owned(), tier: name.to_owned() };
+            tiers.get(name).cloned().ok_or_else(unknown)
         };
         let default = tier(file.default.as_deref().unwrap_or("standard"), "default")?;
         let operations = file
             .operations
             .iter()
             .map(|(operation, name)| Ok((operation.clone(), tier(name, &format!("operation {operation:?}"))?)))
-            .collect::<Result<_, StoreError>>()?;
+            .collect::<Result<_, ConfigError>>()?;
         Ok(Self { default, operations })
     }
 }
 
 impl TierFields {
-    fn apply(self, mut builder: PolicyBuilder) -> Result<PolicyBuilder, StoreError> {
+    fn apply(self, mut builder: PolicyBuilder) -> Result<PolicyBuilder, ConfigError> {
         if let Some(lease) = self.lease {
             builder = builder.lease(parse_duration(&lease)?);
         }
@@ -101,10 +103,7 @@ impl TierFields {
             builder = builder.tombstone(if horizon == "never" { None } else { Some(parse_duration(&horizon)?) });
         }
         if let Some(rule) = self.lease_expiry {
-            builder = builder.lease_expiry(
-                LeaseExpiry::parse(&rule)
-                    .ok_or_else(|| config(format!("lease_expiry {rule:?} is not take_over or mark_indeterminate")))?,
-            );
+            builder = builder.lease_expiry(rule);
         }
         Ok(builder)
     }
@@ -113,24 +112,21 @@ impl TierFields {
 /// Parses `500ms`, `30s`, `15m`, `24h` or `7d`.
 ///
 /// # Errors
-/// [`StoreError::Config`] for anything else.
-pub fn parse_duration(text: &str) -> Result<Duration, StoreError> {
+/// [`ConfigError::InvalidDuration`] for anything else.
+pub fn parse_duration(text: &str) -> Result<Duration, ConfigError> {
     let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
-    let n: u64 = number.parse().map_err(|_| config(format!("{text:?} is not a duration like 30s, 15m or 7d")))?;
+    let invalid = || ConfigError::InvalidDuration { text: text.to_owned() };
+    let n: u64 = number.parse().map_err(|_| invalid())?;
     let unit = match unit {
         "ms" => Duration::from_millis(1),
         "s" => Duration::from_secs(1),
         "m" => Duration::from_secs(60),
         "h" => Duration::from_secs(3600),
         "d" => Duration::from_secs(86_400),
-        _ => return Err(config(format!("{text:?}: the unit must be ms, s, m, h or d"))),
+        _ => return Err(invalid()),
     };
-    u32::try_from(n).ok().and_then(|n| unit.checked_mul(n)).ok_or_else(|| config(format!("{text:?} is too long")))
-}
-
-fn config(message: String) -> StoreError {
-    StoreError::Config(message)
+    u32::try_from(n).ok().and_then(|n| unit.checked_mul(n)).ok_or_else(invalid)
 }
 
 #[cfg(test)]

@@ -63,6 +63,68 @@ pub enum InputError {
     },
 }
 
+/// A store, policy or policy file was configured wrongly; nothing was built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// [`StoreBuilder::build`](crate::StoreBuilder::build) was given neither a pool nor a URL.
+    #[error("a Postgres pool or URL is required")]
+    MissingPostgres,
+    /// The Postgres URL does not parse.
+    #[error("invalid Postgres URL")]
+    DatabaseUrl(#[source] sqlx::Error),
+    /// The Redis pool could not be created from its URL.
+    #[error("invalid Redis configuration")]
+    Redis(#[source] deadpool_redis::CreatePoolError),
+    /// The call needs Redis, and this store is Postgres-only.
+    #[error("this store is Postgres-only; the call needs Redis")]
+    NoRedis,
+    /// A lease, Redis TTL or retention shorter than a millisecond.
+    #[error("lease, Redis TTL and retention must be at least 1 ms")]
+    TooShort,
+    /// The lease would outlive the Redis copy of its marker.
+    #[error("the lease ({lease:?}) must be shorter than the Redis TTL ({redis_ttl:?})")]
+    LeaseOutlivesRedisTtl {
+        /// The policy's lease.
+        lease: std::time::Duration,
+        /// The policy's Redis TTL.
+        redis_ttl: std::time::Duration,
+    },
+    /// Redis would keep a result longer than Postgres, and replay it after Postgres forgot it.
+    #[error("the Redis TTL ({redis_ttl:?}) must not exceed the Postgres retention ({retention:?})")]
+    RedisTtlOutlivesRetention {
+        /// The policy's Redis TTL.
+        redis_ttl: std::time::Duration,
+        /// The policy's Postgres retention.
+        retention: std::time::Duration,
+    },
+    /// Not a duration like `500ms`, `30s`, `15m`, `24h` or `7d` (or too long).
+    #[error("{text:?} is not a duration like 30s, 15m or 7d (units ms, s, m, h, d; at most 2^32 of them)")]
+    InvalidDuration {
+        /// The refused text.
+        text: String,
+    },
+    /// The policy file is not valid TOML of the expected shape (the message says where).
+    #[error("policy file: {0}")]
+    PolicyFile(toml::de::Error),
+    /// A tier of the policy file is invalid.
+    #[error("tier {tier:?}: {reason}")]
+    Tier {
+        /// The tier's name.
+        tier: String,
+        /// What is wrong with it.
+        reason: Box<ConfigError>,
+    },
+    /// The default or an operation names a tier that does not exist.
+    #[error("{used_by} uses the unknown tier {tier:?}")]
+    UnknownTier {
+        /// `default`, or the operation.
+        used_by: String,
+        /// The unknown tier.
+        tier: String,
+    },
+}
+
 /// The store could not answer.
 ///
 /// A caller that gets one of these must not assume anything ran or did not run, except where a
@@ -95,14 +157,11 @@ pub enum StoreError {
     Migrate(#[source] sqlx::migrate::MigrateError),
     /// The store or policy configuration is invalid.
     #[error("invalid configuration: {0}")]
-    Config(String),
+    Config(#[from] ConfigError),
     /// Redis failed an operator command that only Redis can answer (such as `evict`). The protocol
     /// itself never returns this: it degrades to Postgres instead.
     #[error("Redis is unavailable")]
     RedisUnavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// The Redis pool could not be created from its configuration.
-    #[error("invalid Redis configuration")]
-    RedisConfig(#[source] deadpool_redis::CreatePoolError),
 }
 
 impl StoreError {

@@ -101,7 +101,7 @@ pub mod telemetry;
 pub mod testkit;
 
 pub use config::{PolicyConfig, parse_duration};
-pub use error::{InputError, StoreError};
+pub use error::{ConfigError, InputError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
 pub use inbox::{Inbox, Received};
 pub use key::{IdempotencyKey, Scope};

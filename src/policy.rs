@@ -4,11 +4,13 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use crate::error::StoreError;
+use crate::error::ConfigError;
 use crate::fingerprint::FingerprintOptions;
 
 /// What a new request finds when the previous owner's lease ran out before it completed or released.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Serialized (policy files, JSON) and stored by its [`LeaseExpiry::as_str`] name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum LeaseExpiry {
     /// Re-execute under a new, higher fence; the old owner can no longer complete. Right when the work
@@ -209,26 +211,20 @@ impl PolicyBuilder {
     /// result, and Redis never promising a result longer than Postgres keeps it.
     ///
     /// # Errors
-    /// [`StoreError::Config`] saying which rule was broken.
-    pub fn build(self) -> Result<Policy, StoreError> {
+    /// [`ConfigError`] saying which rule was broken.
+    pub fn build(self) -> Result<Policy, ConfigError> {
         let p = self.0;
         let too_short = |d: Duration| d < Duration::from_millis(1);
         if too_short(p.lease) || too_short(p.redis_ttl) || p.retention.is_some_and(too_short) {
-            return Err(StoreError::Config("lease, Redis TTL and retention must be at least 1 ms".into()));
+            return Err(ConfigError::TooShort);
         }
         if p.lease >= p.redis_ttl {
-            return Err(StoreError::Config(format!(
-                "the lease ({:?}) must be shorter than the Redis TTL ({:?})",
-                p.lease, p.redis_ttl
-            )));
+            return Err(ConfigError::LeaseOutlivesRedisTtl { lease: p.lease, redis_ttl: p.redis_ttl });
         }
         if let Some(retention) = p.retention
             && p.redis_ttl > retention
         {
-            return Err(StoreError::Config(format!(
-                "the Redis TTL ({:?}) must not exceed the Postgres retention ({retention:?})",
-                p.redis_ttl
-            )));
+            return Err(ConfigError::RedisTtlOutlivesRetention { redis_ttl: p.redis_ttl, retention });
         }
         Ok(p)
     }

@@ -74,7 +74,7 @@ async fn fences_never_repeat_across_a_purge(mode: Mode) {
     let (scope, k) = (h.scope("acme"), key("reused"));
     let old = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
     h.pass_lease(&scope, &k).await;
-    let recovered = h.store.recover_stale(10, false).await.expect("recover");
+    let recovered = h.store.recover_stale(10).await.expect("recover");
     assert_eq!(recovered.released, 1);
     h.pass_retention(&scope, &k).await;
     assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1, "the released record went");

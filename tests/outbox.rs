@@ -61,7 +61,7 @@ async fn rolled_back_enqueue_delivers_nothing(mode: Mode) {
         let outcome = h.store.run_once_in_tx(&scope, &k, &order, move |tx| {
             Box::pin(async move {
                 outbox.enqueue(tx, &topic, &json!({"receipt": "order-1", "failed": fail})).await?;
-                if fail { Err(StoreError::Config("the work failed".into())) } else { Ok(json!({"order": 1})) }
+                if fail { Err(StoreError::LeaseLost { fence: 0 }) } else { Ok(json!({"order": 1})) }
             })
         });
         let outcome = outcome.await;

@@ -191,7 +191,7 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
     if let Some(url) = &cli.redis_url {
         builder = builder.redis_url(url.clone());
     }
-    let store = builder.build()?;
+    let store = builder.build().map_err(idemstore::StoreError::from)?;
     let record = |id: &RecordId| -> Result<(Scope, IdempotencyKey), CliError> {
         let scope = Scope::new(id.tenant.clone(), id.operation.clone()).map_err(|e| CliError::Input(e.to_string()))?;
         let key = IdempotencyKey::new(id.key.clone()).map_err(|e| CliError::Input(e.to_string()))?;
@@ -234,14 +234,16 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
                 text: format!("purged {purged} expired records"),
             }
         }
-        Command::Recover { dry_run, batch } => {
-            let recovery = store.recover_stale(*batch, *dry_run).await?;
+        Command::Recover { dry_run: true, .. } => {
+            let found = store.count_stale().await?;
+            let text = format!("{found} stale records (dry run)");
+            Output { json: json!({ "found": found, "released": 0, "marked_indeterminate": 0 }), text }
+        }
+        Command::Recover { batch, .. } => {
+            let recovery = store.recover_stale(*batch).await?;
             let text = format!(
-                "{} stale records: {} released, {} marked indeterminate{}",
-                recovery.found,
-                recovery.released,
-                recovery.marked_indeterminate,
-                if *dry_run { " (dry run)" } else { "" }
+                "{} stale records: {} released, {} marked indeterminate",
+                recovery.found, recovery.released, recovery.marked_indeterminate
             );
             Output { json: serde_json::to_value(&recovery).unwrap_or_default(), text }
         }

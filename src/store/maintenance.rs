@@ -8,7 +8,7 @@ use sqlx::Row as _;
 
 use super::redis_tier::RedisView;
 use super::{Statement, Store};
-use crate::error::StoreError;
+use crate::error::{ConfigError, StoreError};
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::{LeaseExpiry, millis};
 use crate::record::{Lease, Record, State};
@@ -71,6 +71,11 @@ const STALE: Statement = Statement::new(
     WHERE state = 'in_progress' AND lease_expires_at <= now()
     ORDER BY lease_expires_at
     LIMIT $1",
+);
+
+const COUNT_STALE: Statement = Statement::new(
+    "count_stale",
+    "SELECT count(*) FROM idempotency_records WHERE state = 'in_progress' AND lease_expires_at <= now()",
 );
 
 /// Fenced like every write: an owner that extended its lease or finished since it was read is untouched.
@@ -230,13 +235,21 @@ impl Store {
         count(self, &COUNT_EXPIRED).await
     }
 
-    /// Applies the [`LeaseExpiry`] each record was claimed under to in-progress records whose lease ran out (at most
-    /// `batch` of them): released for a retry, or marked indeterminate. Fenced, so a live owner that
-    /// extended its lease meanwhile is never disturbed. With `dry_run`, only counts them.
+    /// How many in-progress records have a lease that ran out: what [`Store::recover_stale`] would find.
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
-    pub async fn recover_stale(&self, batch: u32, dry_run: bool) -> Result<Recovery, StoreError> {
+    pub async fn count_stale(&self) -> Result<u64, StoreError> {
+        count(self, &COUNT_STALE).await
+    }
+
+    /// Applies the [`LeaseExpiry`] each record was claimed under to in-progress records whose lease ran
+    /// out (at most `batch` of them): released for a retry, or marked indeterminate. Fenced, so a live
+    /// owner that extended its lease meanwhile is never disturbed.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn recover_stale(&self, batch: u32) -> Result<Recovery, StoreError> {
         let rows = sqlx::query(STALE.sql).bind(i64::from(batch.max(1))).fetch_all(self.pg_pool());
         let rows = self.bounded(&STALE, rows).await?;
         let mut recovery = Recovery { found: rows.len() as u64, ..Recovery::default() };
@@ -253,9 +266,6 @@ impl Store {
                 scope,
                 key,
             };
-            if dry_run {
-                continue;
-            }
             // The rule the record was claimed under; the configured one for records older than the column.
             let rule = match row.try_get::<Option<String>, _>(6).map_err(decode)? {
                 Some(rule) => LeaseExpiry::parse(&rule).unwrap_or(LeaseExpiry::MarkIndeterminate),
@@ -367,10 +377,10 @@ impl Store {
     /// repairs Redis. Returns whether Redis held it.
     ///
     /// # Errors
-    /// [`StoreError::Config`] in Postgres-only mode; [`StoreError::RedisUnavailable`] if Redis failed.
+    /// [`ConfigError::NoRedis`] in Postgres-only mode; [`StoreError::RedisUnavailable`] if Redis failed.
     pub async fn evict(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let Some(redis) = &self.inner.redis else {
-            return Err(StoreError::Config("evict needs Redis; this store is Postgres-only".into()));
+            return Err(ConfigError::NoRedis.into());
         };
         redis.evict(&redis.record_key(scope, key)).await.map_err(|e| StoreError::RedisUnavailable(Box::new(e)))
     }

@@ -17,7 +17,7 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 use crate::config::PolicyConfig;
-use crate::error::StoreError;
+use crate::error::{ConfigError, StoreError};
 use crate::policy::{Policy, millis};
 pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
 use postgres_tier::PostgresTier;
@@ -264,15 +264,14 @@ impl StoreBuilder {
     /// Builds the store. No connection is made here; call [`Store::migrate`] to check Postgres.
     ///
     /// # Errors
-    /// [`StoreError::Config`] when no Postgres is given or a URL does not parse;
-    /// [`StoreError::RedisConfig`] when the Redis pool cannot be created.
-    pub fn build(self) -> Result<Store, StoreError> {
+    /// [`ConfigError`] when no Postgres is given, a URL does not parse or the Redis pool cannot be
+    /// created.
+    pub fn build(self) -> Result<Store, ConfigError> {
         let timeout = self.postgres_timeout.unwrap_or(Duration::from_secs(5));
         let pg_pool = match (self.pg_pool, self.database_url) {
             (Some(pool), _) => pool,
             (None, Some(url)) => {
-                let connect: PgConnectOptions =
-                    url.parse().map_err(|e| StoreError::Config(format!("invalid DATABASE_URL: {e}")))?;
+                let connect: PgConnectOptions = url.parse().map_err(ConfigError::DatabaseUrl)?;
                 let connect =
                     if self.server_timeouts.unwrap_or(true) { server_bounded(connect, timeout) } else { connect };
                 PgPoolOptions::new()
@@ -280,14 +279,14 @@ impl StoreBuilder {
                     .acquire_timeout(Duration::from_secs(5))
                     .connect_lazy_with(connect)
             }
-            (None, None) => return Err(StoreError::Config("a Postgres pool or URL is required".into())),
+            (None, None) => return Err(ConfigError::MissingPostgres),
         };
         let redis_pool = match (self.redis_pool, self.redis_url) {
             (Some(pool), _) => Some(pool),
             (None, Some(url)) => Some(
                 deadpool_redis::Config::from_url(url)
                     .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-                    .map_err(StoreError::RedisConfig)?,
+                    .map_err(ConfigError::Redis)?,
             ),
             (None, None) => None,
         };

@@ -53,8 +53,9 @@ impl RedisUnavailable {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisView {
-    /// `p` in progress, `c` completed, `i` indeterminate.
-    pub state: String,
+    /// The state the copy answers with; `None` for a tag this version does not know (a malformed copy,
+    /// which the protocol treats as a miss).
+    pub state: Option<State>,
     /// The fingerprint the copy holds.
     pub fingerprint: String,
     /// The owner token of an in-progress marker.
@@ -63,6 +64,16 @@ pub struct RedisView {
     pub response_bytes: usize,
     /// Time left before Redis drops the copy.
     pub ttl: Option<Duration>,
+}
+
+/// The tag (`s` field) of a state in the Lua scripts' hash; released and expired records have no copy.
+fn tag_of(state: State) -> Option<&'static [u8]> {
+    match state {
+        State::InProgress => Some(b"p"),
+        State::Completed => Some(b"c"),
+        State::Indeterminate => Some(b"i"),
+        State::Released | State::Expired => None,
+    }
 }
 
 pub(crate) struct RedisTier {
@@ -138,14 +149,9 @@ impl RedisTier {
         response: &[u8],
         ttl_ms: i64,
     ) -> Result<(), RedisUnavailable> {
-        let tag: &[u8] = match state {
-            State::Completed => b"c",
-            State::Indeterminate => b"i",
-            // A released record needs no marker: the next request claims it in Postgres; an expired one
-            // is answered by Postgres's tombstone.
-            State::Released | State::Expired => return Ok(()),
-            State::InProgress => b"p",
-        };
+        // A released record needs no marker: the next request claims it in Postgres; an expired one is
+        // answered by Postgres's tombstone.
+        let Some(tag) = tag_of(state) else { return Ok(()) };
         let ttl = ttl_ms.max(1).to_string();
         let args = [tag, fingerprint.as_bytes(), owner.as_bytes(), response, ttl.as_bytes()];
         let put = self.invoke("put", &scripts::PUT, record_key, &args, Call::Settle).await;
@@ -177,8 +183,10 @@ impl RedisTier {
             .await
             .map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
         let text = |name: &str| fields.get(name).map(|v| String::from_utf8_lossy(v).into_owned());
-        Ok(text("s").map(|state| RedisView {
-            state,
+        Ok(fields.get("s").map(|tag| RedisView {
+            state: [State::InProgress, State::Completed, State::Indeterminate]
+                .into_iter()
+                .find(|state| tag_of(*state) == Some(tag.as_slice())),
             fingerprint: text("h").unwrap_or_default(),
             owner: text("t"),
             response_bytes: fields.get("r").map_or(0, Vec::len),

@@ -400,7 +400,7 @@ impl<'w> Case<'w> {
     }
 
     async fn recover_stale(&mut self, index: usize) -> Result<(), String> {
-        let (recovered, span) = self.history.timed(self.world.take_over.recover_stale(BATCH, false)).await;
+        let (recovered, span) = self.history.timed(self.world.take_over.recover_stale(BATCH)).await;
         let recovered = recovered.map_err(|error| format!("recover_stale failed: {error:?}"))?;
         self.history.record(index, span, "recover stale leases", format!("{recovered:?}"), Effect::None);
         self.model.recover_stale();
