@@ -8,13 +8,13 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, StatusCode};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use tower::BoxError;
 
+use super::answer::Boxed;
 use super::capture::{Captured, Stored, Withheld};
 use crate::owner::{KeepAlive, Owner};
 
@@ -96,19 +96,22 @@ impl Settlement {
 /// Settles with the whole of a body known to fit the capture limit (or empty), before the client gets
 /// anything: the record is stored by the time the client sees the status. Returns the body, or `None` if
 /// it failed (the record then says the response cannot be replayed).
-pub(crate) async fn settle_whole(mut settlement: Settlement, body: Body) -> Option<Bytes> {
-    let collected = body.collect().await.map(http_body_util::Collected::to_bytes);
+pub(crate) async fn settle_whole<B: http_body::Body<Data = Bytes>>(
+    mut settlement: Settlement,
+    body: B,
+) -> Option<Bytes> {
+    let collected = body.collect().await.ok().map(http_body_util::Collected::to_bytes);
     match &collected {
-        Ok(bytes) => settlement.record(bytes),
-        Err(_) => settlement.broken = true,
+        Some(bytes) => settlement.record(bytes),
+        None => settlement.broken = true,
     }
     settlement.settle().await;
-    collected.ok()
+    collected
 }
 
 /// Whether a body is small enough to be settled whole before the response starts: empty, or of a known
 /// length within the capture limit.
-pub(crate) fn fits(body: &Body, limit: usize) -> bool {
+pub(crate) fn fits(body: &impl http_body::Body, limit: usize) -> bool {
     http_body::Body::is_end_stream(body) || http_body::Body::size_hint(body).exact().is_some_and(|n| n <= limit as u64)
 }
 
@@ -116,7 +119,7 @@ type Settling = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The body handed to the client in place of the handler's.
 pub(crate) struct SettlingBody {
-    inner: Option<Body>,
+    inner: Option<Boxed>,
     /// The handler body's exact length, when it said so: reaching it is its end (a server that sent
     /// `Content-Length` stops polling after the last byte, so the end would never be seen otherwise).
     expected: Option<u64>,
@@ -129,8 +132,13 @@ pub(crate) struct SettlingBody {
 }
 
 impl SettlingBody {
-    pub(crate) fn new(inner: Body, settlement: Settlement) -> Self {
+    pub(crate) fn new<B>(inner: B, settlement: Settlement) -> Self
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
         let expected = http_body::Body::size_hint(&inner).exact();
+        let inner = inner.map_err(Into::into).boxed_unsync();
         let (settling, last, failed) = (None, None, None);
         Self { inner: Some(inner), expected, settlement: Some(settlement), settling, last, failed }
     }
@@ -143,7 +151,7 @@ impl SettlingBody {
         }
     }
 
-    fn at_end(&self, inner: &Body) -> bool {
+    fn at_end(&self, inner: &Boxed) -> bool {
         http_body::Body::is_end_stream(inner)
             || self.settlement.as_ref().is_some_and(|s| self.expected.is_some_and(|length| s.sent >= length))
     }
@@ -181,7 +189,7 @@ impl http_body::Body for SettlingBody {
                     if let Some(settlement) = &mut this.settlement {
                         settlement.broken = true;
                     }
-                    this.failed = Some(error.into());
+                    this.failed = Some(error);
                     this.end();
                 }
                 None => this.end(),
@@ -223,7 +231,7 @@ impl Drop for SettlingBody {
 
 /// Drains what is left of the handler's body into `settlement` (bounded: the capture limit and one
 /// lease; a panicking body counts as broken), then settles.
-async fn drain_and_settle(inner: Option<Body>, mut settlement: Settlement) {
+async fn drain_and_settle(inner: Option<Boxed>, mut settlement: Settlement) {
     if let Some(mut inner) = inner {
         let (limit, deadline) = (settlement.limit as u64, settlement.owner.policy().lease());
         // Its own task, so that a body that panics fails that task, not the settlement.

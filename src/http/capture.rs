@@ -1,7 +1,6 @@
 //! Captured responses: what is stored after the handler ran, and how a replay is rebuilt from it.
 
-use axum::body::Body;
-use bytes::Bytes;
+use super::answer::{Boxed, full};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 
@@ -89,8 +88,8 @@ impl Captured {
 
     /// The replay: the stored status, headers and body, marked `Idempotent-Replayed: true`; `status`
     /// overrides the stored one (for the 409-with-original mismatch answer).
-    pub(crate) fn replay(self, status: Option<StatusCode>) -> Response<Body> {
-        let mut response = Response::new(Body::from(Bytes::from(self.body)));
+    pub(crate) fn replay(self, status: Option<StatusCode>) -> Response<Boxed> {
+        let mut response = Response::new(full(self.body));
         *response.status_mut() = status.or_else(|| StatusCode::from_u16(self.status).ok()).unwrap_or(StatusCode::OK);
         let headers = response.headers_mut();
         for (name, value) in self.headers {

@@ -40,18 +40,22 @@
 //! operation's policy is [`crate::LeaseExpiry::TakeOver`]; under `MarkIndeterminate` its lease runs out
 //! and the record goes indeterminate.
 
+mod answer;
 mod body;
 mod capture;
+mod config;
+mod key_header;
 mod layer;
 mod problem;
 mod service;
 
-pub use layer::{IdempotencyLayer, KeyRequirement, MismatchStatus, StoredStatuses};
-pub use problem::problem_types;
-pub use service::IdempotencyService;
+pub use config::{KeyRequirement, MismatchStatus, StoredStatuses};
 #[cfg(fuzzing)]
 #[doc(hidden)]
-pub use service::fuzz_read_key;
+pub use key_header::fuzz_read_key;
+pub use layer::IdempotencyLayer;
+pub use problem::problem_types;
+pub use service::{IdempotencyService, RequestBody, ResponseBody, UnsyncBoxBody};
 
 /// Finds the tenant of a request, typically from the authenticated principal that an earlier layer put
 /// in the request's extensions. `None` answers 401 and runs nothing.

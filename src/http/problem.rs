@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use axum::body::Body;
+use super::answer::{Boxed, full};
 use http::{HeaderValue, Response, StatusCode, header};
 
 /// The `type` URIs of the problems the middleware answers with. They never change meaning.
@@ -51,14 +51,14 @@ impl Problem {
         self
     }
 
-    pub(crate) fn into_response(self) -> Response<Body> {
+    pub(crate) fn into_response(self) -> Response<Boxed> {
         let body = serde_json::json!({
             "type": self.kind,
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
         });
-        let mut response = Response::new(Body::from(body.to_string()));
+        let mut response = Response::new(full(body.to_string()));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));

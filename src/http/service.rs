@@ -1,29 +1,38 @@
-//! [`IdempotencyService`]: reads the key, claims it, runs the inner service once, stores and replays.
+//! [`IdempotencyService`]: admits a request (key, tenant, scope, body, fingerprint), then executes it as
+//! the key's owner (the inner service runs once, its response is captured and settled) or answers from
+//! what the key holds. It uses only the store's public API, as any user's middleware could.
 
-use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
-use axum::body::Body;
-use axum::extract::MatchedPath;
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, StatusCode, request::Parts};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http::{Request, Response, request::Parts};
+use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use tower::{BoxError, Service, ServiceExt};
 
 use super::TenantResolver;
+use super::answer::{self, Boxed, own};
 use super::body::{Settlement, SettlingBody, fits, settle_whole};
-use super::capture::Stored;
-use super::layer::Config;
-use super::problem::{Problem, problem_types as types};
+use super::config::{Config, KeyRequirement};
+use super::key_header::read_key;
 use crate::error::InputError;
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, FingerprintOptions};
 use crate::key::{IdempotencyKey, Scope};
 use crate::record::Begin;
+
+/// The request body the inner service gets: the caller's as it came (a request the layer passes
+/// through), or the bytes the layer read to fingerprint it.
+pub type RequestBody<B> = Either<B, Full<Bytes>>;
+
+/// The response body the layer answers with: the inner service's as it came (a request passed through),
+/// or the layer's own (a replay, a refusal, or the owner's response settling the record as it streams).
+pub type ResponseBody<B> = Either<B, UnsyncBoxBody>;
+
+/// The boxed body of the layer's own answers.
+pub type UnsyncBoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 /// The middleware service made by [`super::IdempotencyLayer`].
 pub struct IdempotencyService<S, T> {
@@ -53,19 +62,20 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 impl<S, T, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotencyService<S, T>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
+    S::Error: Send,
     T: TenantResolver,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    type Response = Response<Body>;
-    type Error = Infallible;
-    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, S::Error>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
     }
 
@@ -74,164 +84,135 @@ where
         let fresh = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, fresh);
         let config = Arc::clone(&self.config);
-        Box::pin(async move { Ok(handle(inner, &config, request).await) })
+        Box::pin(async move {
+            match admit(&config, request).await {
+                Admission::PassThrough(request) => {
+                    inner.oneshot(request.map(Either::Left)).await.map(|response| response.map(Either::Left))
+                }
+                Admission::Refused(response) => Ok(own(response)),
+                Admission::Admitted(admitted) => execute(inner, &config, admitted).await.map(own),
+            }
+        })
     }
 }
 
-async fn handle<S, T, ReqBody, ResBody>(inner: S, config: &Config<T>, request: Request<ReqBody>) -> Response<Body>
+/// What admission made of a request.
+enum Admission<B> {
+    /// Not the layer's business (another method, no key where one is optional).
+    PassThrough(Request<B>),
+    /// Turned away before anything was claimed.
+    Refused(Response<Boxed>),
+    /// A keyed request, read and fingerprinted.
+    Admitted(Admitted),
+}
+
+/// A request the layer will claim a key for.
+struct Admitted {
+    parts: Parts,
+    body: Bytes,
+    scope: Scope,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+}
+
+/// Key, tenant, scope, body and fingerprint, or the refusal; nothing is claimed yet.
+async fn admit<T, B>(config: &Config<T>, request: Request<B>) -> Admission<B>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>, Error = Infallible> + Send,
-    S::Future: Send,
     T: TenantResolver,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
 {
     if !config.methods.contains(request.method()) {
-        return pass_through(inner, request.map(Body::new)).await;
+        return Admission::PassThrough(request);
     }
     let key = match read_key(request.headers()) {
         Ok(Some(key)) => key,
-        Ok(None) if config.key == super::KeyRequirement::Optional => {
-            return pass_through(inner, request.map(Body::new)).await;
-        }
-        Ok(None) => {
-            let detail = "this route requires an Idempotency-Key header";
-            return Problem::new(StatusCode::BAD_REQUEST, types::MISSING_KEY, "Idempotency-Key missing", detail)
-                .into_response();
-        }
-        Err(detail) => {
-            return Problem::new(StatusCode::BAD_REQUEST, types::INVALID_KEY, "Invalid Idempotency-Key", detail)
-                .into_response();
-        }
+        Ok(None) if config.key == KeyRequirement::Optional => return Admission::PassThrough(request),
+        Ok(None) => return Admission::Refused(answer::missing_key()),
+        Err(detail) => return Admission::Refused(answer::invalid_key(detail)),
     };
     let (parts, body) = request.into_parts();
-    let Some(tenant) = config.tenant.tenant(&parts) else {
-        let detail = "the request has no tenant; authenticate first";
-        return Problem::new(StatusCode::UNAUTHORIZED, types::MISSING_TENANT, "Tenant unknown", detail).into_response();
-    };
-    let operation = config.operation.clone().unwrap_or_else(|| {
-        let path = parts.extensions.get::<MatchedPath>().map_or(parts.uri.path(), MatchedPath::as_str);
-        format!("{} {path}", parts.method)
-    });
-    let scope = match Scope::new(tenant, operation) {
+    let Some(tenant) = config.tenant.tenant(&parts) else { return Admission::Refused(answer::missing_tenant()) };
+    let scope = match Scope::new(tenant, operation(config, &parts)) {
         Ok(scope) => scope,
-        Err(error) => return invalid_body(error),
+        Err(error) => return Admission::Refused(answer::invalid_body(error)),
     };
-    let policy = config.options.policy.as_deref().unwrap_or_else(|| config.store.policy(scope.operation()));
-
-    let body = match Limited::new(Body::new(body), config.max_request_body).collect().await {
+    let body = match Limited::new(body, config.max_request_body).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
-            return too_large(config.max_request_body);
+            return Admission::Refused(answer::too_large(config.max_request_body));
         }
-        Err(error) => return invalid_body(format!("the request body could not be read: {error}")),
+        Err(error) => return Admission::Refused(answer::invalid_body(format!("the body could not be read: {error}"))),
     };
-    let fingerprint = match fingerprint(&parts, &body, policy.fingerprint()) {
-        Ok(fingerprint) => fingerprint,
-        Err(InputError::PayloadTooLarge { limit, .. }) => return too_large(limit),
-        Err(error) => return invalid_body(error),
-    };
+    let policy = config.options.policy.as_deref().unwrap_or_else(|| config.store.policy(scope.operation()));
+    match fingerprint(&parts, &body, policy.fingerprint()) {
+        Ok(fingerprint) => Admission::Admitted(Admitted { parts, body, scope, key, fingerprint }),
+        Err(InputError::PayloadTooLarge { limit, .. }) => Admission::Refused(answer::too_large(limit)),
+        Err(error) => Admission::Refused(answer::invalid_body(error)),
+    }
+}
 
+/// Claims the key; as its owner, runs the inner service once and settles the record with its response
+/// (as the body streams, for a body that is not known to fit the capture limit); otherwise answers from
+/// what the key holds.
+async fn execute<S, T, ReqBody, ResBody>(
+    inner: S,
+    config: &Config<T>,
+    admitted: Admitted,
+) -> Result<Response<Boxed>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Admitted { parts, body, scope, key, fingerprint } = admitted;
     let store = &config.store;
     let owner = match store.begin_with(&scope, &key, &fingerprint, &config.options).await {
         Ok(Begin::Acquired(owner)) => owner,
-        Ok(Begin::Completed(stored)) => return replay(&stored, None),
-        Ok(Begin::InFlight { retry_after }) => {
-            let detail = "a request with this Idempotency-Key is being processed; retry later";
-            return Problem::new(StatusCode::CONFLICT, types::IN_FLIGHT, "Request in flight", detail)
-                .retry_after(retry_after)
-                .into_response();
-        }
-        Ok(Begin::Mismatch) => return mismatch(config, &scope, &key).await,
-        Ok(Begin::Indeterminate) => {
-            let detail = "an earlier attempt with this key ended without an answer; it must be resolved first";
-            return Problem::new(StatusCode::CONFLICT, types::INDETERMINATE, "Outcome unknown", detail).into_response();
-        }
-        Ok(Begin::Expired) => {
-            let detail =
-                "a request with this key completed, and its response is no longer kept; it is not executed again";
-            return Problem::new(StatusCode::GONE, types::EXPIRED, "Response expired", detail).into_response();
-        }
-        Err(_) => return unavailable(),
+        Ok(answer) => return Ok(answer::refusal(answer, config, &scope, &key).await),
+        Err(_) => return Ok(answer::unavailable()),
     };
-
     // Cancelled or panicking, the handler drops the owner, which gives the key up under its rule.
-    let request = Request::from_parts(parts, Body::from(body));
-    let Ok(response) = owner.run(inner.oneshot(request)).await;
+    let request = Request::from_parts(parts, Either::Right(Full::new(body)));
+    let response = match owner.run(inner.oneshot(request)).await {
+        Ok(response) => response,
+        Err(error) => {
+            // No response to store: a retry may run the handler again.
+            if let Err(release) = owner.release().await {
+                tracing::warn!(error = %release, "could not release the key after the service failed");
+            }
+            return Err(error);
+        }
+    };
     let (head, body) = response.into_parts();
     let stored = config.stored.stores(head.status);
     let capture = (config.max_response_body, config.replayed_headers.as_slice());
     let settlement = Settlement::new(owner, head.status, &head.headers, stored, capture);
-    let body = Body::new(body);
     if !fits(&body, config.max_response_body) {
-        return Response::from_parts(head, Body::new(SettlingBody::new(body, settlement)));
+        return Ok(Response::from_parts(head, SettlingBody::new(body, settlement).boxed_unsync()));
     }
-    match settle_whole(settlement, body).await {
-        Some(bytes) => Response::from_parts(head, Body::from(bytes)),
-        None => {
-            Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::UNAVAILABLE, "Response failed", "").into_response()
-        }
-    }
+    Ok(match settle_whole(settlement, body).await {
+        Some(bytes) => Response::from_parts(head, answer::full(bytes)),
+        None => answer::response_failed(),
+    })
 }
 
-async fn pass_through<S, ResBody>(inner: S, request: Request<Body>) -> Response<Body>
-where
-    S: Service<Request<Body>, Response = Response<ResBody>, Error = Infallible>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
-    let Ok(response) = inner.oneshot(request).await;
-    response.map(Body::new)
-}
-
-/// Reads `Idempotency-Key` in the draft's structured-field string form (`"abc"`) or bare (`abc`).
-fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, String> {
-    let mut values = headers.get_all("idempotency-key").iter();
-    let Some(value) = values.next() else { return Ok(None) };
-    if values.next().is_some() {
-        return Err("the Idempotency-Key header is repeated".into());
+/// The configured operation name; else the method and axum's matched route template; else the method and
+/// the request path.
+fn operation<T>(config: &Config<T>, parts: &Parts) -> String {
+    if let Some(operation) = &config.operation {
+        return operation.clone();
     }
-    let raw = value.as_bytes();
-    let key = match raw {
-        [b'"', quoted @ .., b'"'] => unquote(quoted)?,
-        bare => bare.to_vec(),
-    };
-    let key = String::from_utf8(key).map_err(|_| InputError::KeyInvalidByte { offset: 0 }.to_string())?;
-    IdempotencyKey::new(key).map(Some).map_err(|e| e.to_string())
-}
-
-/// Fuzzing entry (`cargo fuzz` builds with `--cfg fuzzing`): one `Idempotency-Key` value, parsed.
-#[cfg(fuzzing)]
-#[doc(hidden)]
-pub fn fuzz_read_key(value: &[u8]) -> Option<String> {
-    let value = http::HeaderValue::from_bytes(value).ok()?;
-    let mut headers = HeaderMap::new();
-    headers.insert("idempotency-key", value);
-    read_key(&headers).ok().flatten().map(|key| key.as_str().to_owned())
-}
-
-/// Undoes sf-string escaping (RFC 8941 §3.3.3): `\"` and `\\` only.
-fn unquote(quoted: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::with_capacity(quoted.len());
-    let mut bytes = quoted.iter();
-    while let Some(&b) = bytes.next() {
-        match b {
-            b'\\' => match bytes.next() {
-                Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
-                _ => return Err("the quoted Idempotency-Key has an invalid escape".into()),
-            },
-            b'"' => return Err("the quoted Idempotency-Key has an unescaped quote".into()),
-            b => out.push(b),
-        }
-    }
-    Ok(out)
+    #[cfg(feature = "axum")]
+    let path = parts.extensions.get::<axum::extract::MatchedPath>().map_or(parts.uri.path(), |p| p.as_str());
+    #[cfg(not(feature = "axum"))]
+    let path = parts.uri.path();
+    format!("{} {path}", parts.method)
 }
 
 /// Method + path and query + the body's canonical fingerprint: the same body sent to another resource is
 /// another request.
-fn fingerprint(parts: &Parts, body: &[u8], options: &crate::FingerprintOptions) -> Result<Fingerprint, InputError> {
+fn fingerprint(parts: &Parts, body: &[u8], options: &FingerprintOptions) -> Result<Fingerprint, InputError> {
     let is_json = parts
         .headers
         .get(http::header::CONTENT_TYPE)
@@ -248,105 +229,4 @@ fn fingerprint(parts: &Parts, body: &[u8], options: &crate::FingerprintOptions) 
     };
     let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     Ok(body.within(&[parts.method.as_str(), target]))
-}
-
-fn replay(stored: &crate::StoredResponse, status: Option<StatusCode>) -> Response<Body> {
-    match Stored::decode(stored.as_bytes()) {
-        Some(Stored::Response(captured)) => captured.replay(status),
-        Some(Stored::Withheld(withheld)) => not_replayable(format!(
-            "a request with this key completed with status {}, but its {}-byte response was not stored for \
-             replay (larger than the capture limit, or cut short); it is not executed again",
-            withheld.status, withheld.bytes
-        )),
-        // Completed by another writer of the key (an operator's raw bytes): done, but not replayable here.
-        None => not_replayable(
-            "a request with this key completed; its stored result is not an HTTP response this \
-             layer can replay; it is not executed again"
-                .into(),
-        ),
-    }
-}
-
-/// The answer to a retry of a request that ran but whose response cannot be replayed: it runs no more.
-fn not_replayable(detail: String) -> Response<Body> {
-    Problem::new(StatusCode::CONFLICT, types::NOT_REPLAYABLE, "Response not replayable", detail).into_response()
-}
-
-async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey) -> Response<Body> {
-    let status = config.mismatch.status();
-    if config.mismatch == super::MismatchStatus::ConflictWithOriginal
-        && let Ok(Some(record)) = config.store.lookup(scope, key).await
-        && let Some(Stored::Response(original)) = record.response.and_then(|r| Stored::decode(r.as_bytes()))
-    {
-        return original.replay(Some(status));
-    }
-    let detail = "this Idempotency-Key was used with a different request payload";
-    Problem::new(status, types::KEY_REUSED, "Idempotency-Key reused", detail).into_response()
-}
-
-fn too_large(limit: usize) -> Response<Body> {
-    let detail = format!("the request body is larger than {limit} bytes");
-    Problem::new(StatusCode::PAYLOAD_TOO_LARGE, types::BODY_TOO_LARGE, "Request body too large", detail).into_response()
-}
-
-fn invalid_body(detail: impl fmt::Display) -> Response<Body> {
-    Problem::new(StatusCode::BAD_REQUEST, types::INVALID_BODY, "Invalid request", detail.to_string()).into_response()
-}
-
-fn unavailable() -> Response<Body> {
-    let detail = "the idempotency store is unavailable; nothing was executed";
-    Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
-        .retry_after(Duration::from_secs(1))
-        .into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn headers(values: &[&[u8]]) -> HeaderMap {
-        let mut headers = HeaderMap::new();
-        for value in values {
-            headers.append("idempotency-key", http::HeaderValue::from_bytes(value).expect("header value"));
-        }
-        headers
-    }
-
-    proptest! {
-        /// The quoted (structured-field string) and bare forms of any valid key name the same key.
-        #[test]
-        fn quoted_and_bare_forms_agree(key in "[!-~]{1,255}") {
-            let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
-            let bare = read_key(&headers(&[key.as_bytes()]));
-            let from_quoted = read_key(&headers(&[quoted.as_bytes()]));
-            if key.starts_with('"') && key.ends_with('"') && key.len() >= 2 {
-                // A bare value wrapped in quotes is read as the quoted form; that is what the draft says.
-                prop_assert!(from_quoted.is_ok());
-            } else {
-                prop_assert_eq!(bare.clone().ok().flatten(), from_quoted.clone().ok().flatten());
-                prop_assert_eq!(bare.ok().flatten().map(|k| k.as_str().to_owned()), Some(key));
-            }
-        }
-
-        /// Arbitrary header bytes give a key or an error, never a panic.
-        #[test]
-        fn never_panics(value in prop::collection::vec(32u8..=255, 0..300)) {
-            if let Ok(value) = http::HeaderValue::from_bytes(&value) {
-                let _ = read_key(&headers(&[value.as_bytes()]));
-            }
-        }
-    }
-
-    #[test]
-    fn repeated_and_malformed_headers_are_refused() {
-        assert!(read_key(&headers(&[b"a", b"b"])).is_err());
-        assert!(read_key(&headers(&[b"\"a\\qb\""])).is_err());
-        assert!(read_key(&headers(&[b"\"a\"b\""])).is_err());
-        assert!(read_key(&headers(&[b"\"\""])).is_err());
-        assert!(read_key(&headers(&[b""])).is_err());
-        assert_eq!(read_key(&headers(&[])).ok(), Some(None));
-        let escaped = read_key(&headers(&[b"\"a\\\"b\""])).expect("valid escape").expect("a key");
-        assert_eq!(escaped.as_str(), "a\"b");
-    }
 }

@@ -131,6 +131,7 @@ impl Store {
         let stored = self.inner.postgres.complete(lease, response, None).await;
         let retained = self.fenced_step(lease, stored)?;
         // Fault tests: the process "dies" after the commit, before Redis hears of it.
+        #[cfg(feature = "failpoints")]
         fail::fail_point!("complete-before-redis", |_| Ok(()));
         self.cache_completion(lease, response, &retained).await;
         Ok(())

@@ -1,0 +1,126 @@
+//! The layer's own answers, which the inner service never sees: replays of stored responses and
+//! `application/problem+json` refusals, one per way a request can be turned away.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Either, Full};
+use tower::BoxError;
+
+use super::capture::Stored;
+use super::config::{Config, MismatchStatus};
+use super::problem::{Problem, problem_types as types};
+use crate::key::{IdempotencyKey, Scope};
+use crate::record::{Begin, StoredResponse};
+
+/// The body of the layer's answers (and of settled owner responses).
+pub(crate) type Boxed = UnsyncBoxBody<Bytes, BoxError>;
+
+/// A response whose body is the layer's own.
+pub(crate) fn own<B>(response: Response<Boxed>) -> Response<Either<B, Boxed>> {
+    response.map(Either::Right)
+}
+
+pub(crate) fn full(bytes: impl Into<Bytes>) -> Boxed {
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// The answer to a claim that did not acquire the key.
+pub(crate) async fn refusal<T>(
+    answer: Begin,
+    config: &Config<T>,
+    scope: &Scope,
+    key: &IdempotencyKey,
+) -> Response<Boxed> {
+    match answer {
+        Begin::Completed(stored) => replay(&stored, None),
+        Begin::InFlight { retry_after } => {
+            let detail = "a request with this Idempotency-Key is being processed; retry later";
+            Problem::new(StatusCode::CONFLICT, types::IN_FLIGHT, "Request in flight", detail)
+                .retry_after(retry_after)
+                .into_response()
+        }
+        Begin::Mismatch => mismatch(config, scope, key).await,
+        Begin::Indeterminate => {
+            let detail = "an earlier attempt with this key ended without an answer; it must be resolved first";
+            Problem::new(StatusCode::CONFLICT, types::INDETERMINATE, "Outcome unknown", detail).into_response()
+        }
+        Begin::Expired => {
+            let detail =
+                "a request with this key completed, and its response is no longer kept; it is not executed again";
+            Problem::new(StatusCode::GONE, types::EXPIRED, "Response expired", detail).into_response()
+        }
+        Begin::Acquired(_) => unreachable!("an acquired key is executed, not refused"),
+    }
+}
+
+fn replay(stored: &StoredResponse, status: Option<StatusCode>) -> Response<Boxed> {
+    match Stored::decode(stored.as_bytes()) {
+        Some(Stored::Response(captured)) => captured.replay(status),
+        Some(Stored::Withheld(withheld)) => not_replayable(format!(
+            "a request with this key completed with status {}, but its {}-byte response was not stored for \
+             replay (larger than the capture limit, or cut short); it is not executed again",
+            withheld.status, withheld.bytes
+        )),
+        // Completed by another writer of the key (an operator's raw bytes): done, but not replayable here.
+        None => not_replayable(
+            "a request with this key completed; its stored result is not an HTTP response this \
+             layer can replay; it is not executed again"
+                .into(),
+        ),
+    }
+}
+
+fn not_replayable(detail: String) -> Response<Boxed> {
+    Problem::new(StatusCode::CONFLICT, types::NOT_REPLAYABLE, "Response not replayable", detail).into_response()
+}
+
+async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey) -> Response<Boxed> {
+    let status = config.mismatch.status();
+    if config.mismatch == MismatchStatus::ConflictWithOriginal
+        && let Ok(Some(record)) = config.store.lookup(scope, key).await
+        && let Some(Stored::Response(original)) = record.response.and_then(|r| Stored::decode(r.as_bytes()))
+    {
+        return original.replay(Some(status));
+    }
+    let detail = "this Idempotency-Key was used with a different request payload";
+    Problem::new(status, types::KEY_REUSED, "Idempotency-Key reused", detail).into_response()
+}
+
+pub(crate) fn missing_key() -> Response<Boxed> {
+    let detail = "this route requires an Idempotency-Key header";
+    Problem::new(StatusCode::BAD_REQUEST, types::MISSING_KEY, "Idempotency-Key missing", detail).into_response()
+}
+
+pub(crate) fn invalid_key(detail: String) -> Response<Boxed> {
+    Problem::new(StatusCode::BAD_REQUEST, types::INVALID_KEY, "Invalid Idempotency-Key", detail).into_response()
+}
+
+pub(crate) fn missing_tenant() -> Response<Boxed> {
+    let detail = "the request has no tenant; authenticate first";
+    Problem::new(StatusCode::UNAUTHORIZED, types::MISSING_TENANT, "Tenant unknown", detail).into_response()
+}
+
+pub(crate) fn too_large(limit: usize) -> Response<Boxed> {
+    let detail = format!("the request body is larger than {limit} bytes");
+    Problem::new(StatusCode::PAYLOAD_TOO_LARGE, types::BODY_TOO_LARGE, "Request body too large", detail).into_response()
+}
+
+pub(crate) fn invalid_body(detail: impl fmt::Display) -> Response<Boxed> {
+    Problem::new(StatusCode::BAD_REQUEST, types::INVALID_BODY, "Invalid request", detail.to_string()).into_response()
+}
+
+pub(crate) fn unavailable() -> Response<Boxed> {
+    let detail = "the idempotency store is unavailable; nothing was executed";
+    Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
+        .retry_after(Duration::from_secs(1))
+        .into_response()
+}
+
+/// The handler's body failed before the record could be settled with it.
+pub(crate) fn response_failed() -> Response<Boxed> {
+    Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::UNAVAILABLE, "Response failed", "").into_response()
+}

@@ -1,0 +1,97 @@
+//! What a layer is configured with: the options of [`IdempotencyLayer`](super::IdempotencyLayer), shared by
+//! every request of the services it makes.
+
+use std::sync::Arc;
+
+use http::{HeaderName, Method, StatusCode};
+
+use crate::options::RunOptions;
+use crate::store::Store;
+
+/// Whether requests without an `Idempotency-Key` are accepted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyRequirement {
+    /// Requests without a key pass through untouched (the default).
+    #[default]
+    Optional,
+    /// Requests without a key get 400 and do not reach the handler.
+    Required,
+}
+
+/// The answer to a key reused with a different payload.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MismatchStatus {
+    /// 422 Unprocessable Content, as the IETF draft recommends (the default).
+    #[default]
+    UnprocessableEntity,
+    /// 400 Bad Request, as Stripe answers.
+    BadRequest,
+    /// 409 Conflict carrying the original stored response (problem+json if there is none yet).
+    ConflictWithOriginal,
+}
+
+impl MismatchStatus {
+    pub(crate) fn status(self) -> StatusCode {
+        match self {
+            MismatchStatus::UnprocessableEntity => StatusCode::UNPROCESSABLE_ENTITY,
+            MismatchStatus::BadRequest => StatusCode::BAD_REQUEST,
+            MismatchStatus::ConflictWithOriginal => StatusCode::CONFLICT,
+        }
+    }
+}
+
+/// Which handler responses are stored and replayed; the others release the key so a retry runs again.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoredStatuses {
+    /// Successes, redirects and the client errors a retry would get again (2xx, 3xx, 4xx); not the
+    /// answers that are transient or depend on the caller's rights (401, 403, 407, 408, 425, 429), nor
+    /// server errors (5xx): those release the key (the default).
+    #[default]
+    SuccessesAndClientErrors,
+    /// Every response once the handler ran, as Stripe does.
+    All,
+}
+
+impl StoredStatuses {
+    pub(crate) fn stores(self, status: StatusCode) -> bool {
+        let transient = matches!(status.as_u16(), 401 | 403 | 407 | 408 | 425 | 429);
+        self == StoredStatuses::All || !(status.is_server_error() || transient)
+    }
+}
+
+/// A layer's configuration (see the setters of [`IdempotencyLayer`](super::IdempotencyLayer)).
+pub(crate) struct Config<T> {
+    pub(crate) store: Store,
+    pub(crate) tenant: Arc<T>,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key: KeyRequirement,
+    pub(crate) operation: Option<String>,
+    /// The layer's policy, if it has one; the owner's heartbeat is always on.
+    pub(crate) options: RunOptions,
+    pub(crate) mismatch: MismatchStatus,
+    pub(crate) stored: StoredStatuses,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) replayed_headers: Vec<HeaderName>,
+}
+
+impl<T> Clone for Config<T> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            tenant: Arc::clone(&self.tenant),
+            methods: self.methods.clone(),
+            key: self.key,
+            operation: self.operation.clone(),
+            options: self.options.clone(),
+            mismatch: self.mismatch,
+            stored: self.stored,
+            max_request_body: self.max_request_body,
+            max_response_body: self.max_response_body,
+            replayed_headers: self.replayed_headers.clone(),
+        }
+    }
+}
