@@ -15,7 +15,7 @@ use http_body_util::BodyExt;
 use tower::BoxError;
 
 use super::answer::Boxed;
-use super::capture::{Captured, Stored, Withheld};
+use super::capture::{self, Captured, Stored, Withheld};
 use crate::owner::{KeepAlive, Owner};
 
 /// What an owner's response leaves in the store once its body ended.
@@ -24,6 +24,8 @@ pub(crate) struct Settlement {
     status: StatusCode,
     /// The response's headers that are replayed.
     headers: HeaderMap,
+    /// The body's trailers, once it sent them.
+    trailers: Option<HeaderMap>,
     /// Whether the status is stored at all; if not, the key is released so a retry runs again.
     stored: bool,
     limit: usize,
@@ -45,11 +47,11 @@ impl Settlement {
         stored: bool,
         (limit, replayed): (usize, &[HeaderName]),
     ) -> Self {
-        let headers = headers.iter().filter(|(name, _)| replayed.contains(name));
-        let headers = headers.map(|(name, value)| (name.clone(), value.clone())).collect();
+        let headers = capture::replayed(headers, replayed);
         let _keep_alive = owner.keep_alive();
         let body = Vec::new();
-        Self { owner, status, headers, stored, limit, body, sent: 0, broken: false, _keep_alive }
+        let (trailers, sent, broken) = (None, 0, false);
+        Self { owner, status, headers, trailers, stored, limit, body, sent, broken, _keep_alive }
     }
 
     /// Keeps a copy of `data` while the body stays within the limit; past it, none (and frees the copy).
@@ -59,6 +61,15 @@ impl Settlement {
             self.body = Vec::new();
         } else {
             self.body.extend_from_slice(data);
+        }
+    }
+
+    /// Keeps what a frame adds to the stored response: its data, or the trailers.
+    fn frame(&mut self, frame: &Frame<Bytes>) {
+        if let Some(data) = frame.data_ref() {
+            self.record(data);
+        } else if let Some(trailers) = frame.trailers_ref() {
+            self.trailers = Some(trailers.clone());
         }
     }
 
@@ -76,7 +87,7 @@ impl Settlement {
     /// that is not stored. A failure cannot change what the client got (the handler ran): it is logged,
     /// and the lease runs out under the record's rule.
     pub(crate) async fn settle(self) {
-        let Settlement { owner, status, headers, stored, body, sent, _keep_alive, .. } = self;
+        let Settlement { owner, status, headers, trailers, stored, body, sent, _keep_alive, .. } = self;
         drop(_keep_alive);
         let fence = owner.fence();
         let settled = if !stored {
@@ -84,8 +95,8 @@ impl Settlement {
         } else if sent > self.limit as u64 || self.broken {
             owner.complete(&Stored::Withheld(Withheld::new(status, sent)).encode()).await
         } else {
-            let names: Vec<HeaderName> = headers.keys().cloned().collect();
-            owner.complete(&Stored::Response(Captured::new(status, &headers, body, &names)).encode()).await
+            let captured = Captured::new(status, &headers, body, trailers.as_ref());
+            owner.complete(&Stored::Response(captured).encode()).await
         };
         if let Err(error) = settled {
             tracing::warn!(%error, fence, "could not settle the idempotency record");
@@ -100,7 +111,10 @@ pub(crate) async fn settle_whole<B: http_body::Body<Data = Bytes>>(
     mut settlement: Settlement,
     body: B,
 ) -> Option<Bytes> {
-    let collected = body.collect().await.ok().map(http_body_util::Collected::to_bytes);
+    let collected = body.collect().await.ok().map(|collected| {
+        settlement.trailers = collected.trailers().cloned();
+        collected.to_bytes()
+    });
     match &collected {
         Some(bytes) => settlement.record(bytes),
         None => settlement.broken = true,
@@ -175,8 +189,8 @@ impl http_body::Body for SettlingBody {
             let Some(inner) = &mut this.inner else { return Poll::Ready(None) };
             match ready!(Pin::new(inner).poll_frame(cx)) {
                 Some(Ok(frame)) => {
-                    if let (Some(data), Some(settlement)) = (frame.data_ref(), &mut this.settlement) {
-                        settlement.record(data);
+                    if let Some(settlement) = &mut this.settlement {
+                        settlement.frame(&frame);
                     }
                     if this.inner.as_ref().is_some_and(|inner| this.at_end(inner)) {
                         this.last = Some(frame);
@@ -239,9 +253,9 @@ async fn drain_and_settle(inner: Option<Boxed>, mut settlement: Settlement) {
             let mut frames = Vec::new();
             let mut size = 0u64;
             while let Some(frame) = inner.frame().await {
-                let data = frame.map_err(|_| ())?.into_data().unwrap_or_default();
-                size += data.len() as u64;
-                frames.push(data);
+                let frame = frame.map_err(|_| ())?;
+                size += frame.data_ref().map_or(0, |data| data.len() as u64);
+                frames.push(frame);
                 if size > limit {
                     break;
                 }
@@ -249,7 +263,7 @@ async fn drain_and_settle(inner: Option<Boxed>, mut settlement: Settlement) {
             Ok::<_, ()>(frames)
         });
         match tokio::time::timeout(deadline, &mut drained).await {
-            Ok(Ok(Ok(frames))) => frames.iter().for_each(|data| settlement.record(data)),
+            Ok(Ok(Ok(frames))) => frames.iter().for_each(|frame| settlement.frame(frame)),
             // Failed, panicked, or endless (stopped here): what the client got cannot be replayed.
             _ => {
                 drained.abort();

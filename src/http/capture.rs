@@ -1,5 +1,7 @@
 //! Captured responses: what is stored after the handler ran, and how a replay is rebuilt from it.
 
+use http_body_util::BodyExt;
+
 use super::answer::{Boxed, full};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use serde::{Deserialize, Serialize};
@@ -35,6 +37,11 @@ pub(crate) enum Stored {
 impl Stored {
     pub(crate) fn encode(&self) -> Vec<u8> {
         match self {
+            // Without trailers, the first layout: a binary one version older still replays it.
+            Stored::Response(captured) if captured.trailers.is_empty() => {
+                let Captured { status, headers, body, .. } = captured;
+                postcard::to_stdvec(&(1u8, status, headers, body))
+            }
             Stored::Response(captured) => postcard::to_stdvec(captured),
             Stored::Withheld(withheld) => postcard::to_stdvec(withheld),
         }
@@ -44,8 +51,12 @@ impl Stored {
     /// `None` for bytes that are not the layer's (stored by another writer of the same key).
     pub(crate) fn decode(stored: &[u8]) -> Option<Self> {
         match stored.first()? {
-            1 => postcard::from_bytes::<Captured>(stored).ok().map(Stored::Response),
+            1 => {
+                let (_, status, headers, body) = postcard::from_bytes::<(u8, u16, Fields, Vec<u8>)>(stored).ok()?;
+                Some(Stored::Response(Captured { version: 3, status, headers, body, trailers: Vec::new() }))
+            }
             2 => postcard::from_bytes::<Withheld>(stored).ok().map(Stored::Withheld),
+            3 => postcard::from_bytes::<Captured>(stored).ok().map(Stored::Response),
             _ => None,
         }
     }
@@ -67,39 +78,63 @@ impl Withheld {
     }
 }
 
-/// The stored form of a response (version 1).
+/// Header or trailer fields, as stored.
+type Fields = Vec<(String, Vec<u8>)>;
+
+/// The stored form of a response: version 3, or version 1 (the same without trailers) when it has none.
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Captured {
     version: u8,
     status: u16,
-    headers: Vec<(String, Vec<u8>)>,
+    headers: Fields,
     body: Vec<u8>,
+    /// All of the response's trailers: they carry the outcome of a gRPC call (`grpc-status`).
+    trailers: Fields,
 }
 
 impl Captured {
-    pub(crate) fn new(status: StatusCode, headers: &HeaderMap, body: Vec<u8>, replayed: &[HeaderName]) -> Self {
-        let headers = headers
-            .iter()
-            .filter(|(name, _)| replayed.contains(name))
-            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
-            .collect();
-        Self { version: 1, status: status.as_u16(), headers, body }
+    /// `headers` are the response's headers already filtered to those replayed.
+    pub(crate) fn new(status: StatusCode, headers: &HeaderMap, body: Vec<u8>, trailers: Option<&HeaderMap>) -> Self {
+        let fields = |map: &HeaderMap| -> Fields {
+            map.iter().map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec())).collect()
+        };
+        let trailers = trailers.map(fields).unwrap_or_default();
+        Self { version: 3, status: status.as_u16(), headers: fields(headers), body, trailers }
     }
 
-    /// The replay: the stored status, headers and body, marked `Idempotent-Replayed: true`; `status`
-    /// overrides the stored one (for the 409-with-original mismatch answer).
+    /// The replay: the stored status, headers, body and trailers, marked `Idempotent-Replayed: true`;
+    /// `status` overrides the stored one (for the 409-with-original mismatch answer).
     pub(crate) fn replay(self, status: Option<StatusCode>) -> Response<Boxed> {
-        let mut response = Response::new(full(self.body));
+        let body = if self.trailers.is_empty() {
+            full(self.body)
+        } else {
+            let trailers = Some(Ok(header_map(self.trailers)));
+            full(self.body).with_trailers(std::future::ready(trailers)).boxed_unsync()
+        };
+        let mut response = Response::new(body);
         *response.status_mut() = status.or_else(|| StatusCode::from_u16(self.status).ok()).unwrap_or(StatusCode::OK);
         let headers = response.headers_mut();
-        for (name, value) in self.headers {
-            if let (Ok(name), Ok(value)) = (HeaderName::try_from(name), HeaderValue::from_bytes(&value)) {
-                headers.append(name, value);
-            }
-        }
+        headers.extend(header_map(self.headers));
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         response
     }
+}
+
+/// Stored fields as a header map; a field that is no longer valid is skipped.
+fn header_map(fields: Fields) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (name, value) in fields {
+        if let (Ok(name), Ok(value)) = (HeaderName::try_from(name), HeaderValue::from_bytes(&value)) {
+            map.append(name, value);
+        }
+    }
+    map
+}
+
+/// The replayed headers of a response.
+pub(crate) fn replayed(headers: &HeaderMap, names: &[HeaderName]) -> HeaderMap {
+    let kept = headers.iter().filter(|(name, _)| names.contains(name));
+    kept.map(|(name, value)| (name.clone(), value.clone())).collect()
 }
 
 #[cfg(test)]
@@ -115,7 +150,9 @@ mod tests {
         headers.insert("date", HeaderValue::from_static("Mon, 30 Nov 2026 03:00:00 GMT"));
         headers.insert("connection", HeaderValue::from_static("keep-alive"));
         let allowed: Vec<HeaderName> = DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect();
-        let captured = Stored::Response(Captured::new(StatusCode::CREATED, &headers, b"{\"id\":7}".to_vec(), &allowed));
+        let headers = replayed(&headers, &allowed);
+        let captured = Stored::Response(Captured::new(StatusCode::CREATED, &headers, b"{\"id\":7}".to_vec(), None));
+        assert_eq!(captured.encode()[0], 1, "without trailers, the first layout");
         let decoded = Stored::decode(&captured.encode()).expect("round trip");
         assert_eq!(decoded, captured);
         let Stored::Response(decoded) = decoded else { panic!("a response") };
@@ -128,6 +165,20 @@ mod tests {
         assert!(replay.headers().get("date").is_none());
         assert!(replay.headers().get("connection").is_none());
         assert!(Stored::decode(b"\"not a capture\"").is_none());
+    }
+
+    /// Trailers (a gRPC call's `grpc-status`) are stored and replayed after the body.
+    #[tokio::test]
+    async fn trailers_round_trip() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let captured =
+            Stored::Response(Captured::new(StatusCode::OK, &HeaderMap::new(), b"msg".to_vec(), Some(&trailers)));
+        assert_eq!(captured.encode()[0], 3);
+        let Some(Stored::Response(decoded)) = Stored::decode(&captured.encode()) else { panic!("a response") };
+        let collected = decoded.replay(None).into_body().collect().await.expect("replayed body");
+        assert_eq!(collected.trailers(), Some(&trailers));
+        assert_eq!(collected.to_bytes().as_ref(), b"msg");
     }
 
     #[test]

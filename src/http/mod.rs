@@ -1,5 +1,6 @@
-//! The HTTP `Idempotency-Key` middleware (feature `http`, on by default), for any tower service and for
-//! axum routers, following draft-ietf-httpapi-idempotency-key-header and the behaviour of Stripe's API.
+//! The HTTP `Idempotency-Key` middleware (feature `http`, on by default), for any tower service over
+//! `http::Request` (axum routers, tonic servers, hyper services), following
+//! draft-ietf-httpapi-idempotency-key-header and the behaviour of Stripe's API.
 //!
 //! ```no_run
 //! use axum::{Router, routing::post};

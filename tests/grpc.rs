@@ -1,0 +1,33 @@
+//! The layer outside axum: the tonic example's gRPC service behind `Server::layer`, called by a real
+//! tonic client over HTTP/2, against real Redis and Postgres, in both modes.
+
+#[macro_use]
+mod support;
+#[allow(dead_code)]
+#[path = "../examples/grpc.rs"]
+mod example;
+
+use futures::future::join_all;
+use idemstore::{Mode, Policy};
+use support::{Harness, Servers};
+
+suite!(concurrent_grpc_retries_create_one_charge);
+
+/// Eight concurrent calls with one key create one charge; the others are refused as in flight or replay
+/// it; a later retry replays it, `grpc-status` trailer included (without it the client fails the call);
+/// the same key with another amount is refused.
+async fn concurrent_grpc_retries_create_one_charge(mode: Mode) {
+    let h = Harness::with(mode, Policy::default(), Servers::Any).await;
+    let address = example::serve(h.store.clone()).await.expect("serve");
+    let account = format!("acct-{}", h.prefix);
+    let calls = join_all((0..8).map(|_| example::create(address, &account, "order-1", 1200))).await;
+    let answered: Vec<_> = calls.iter().filter_map(|call| call.as_ref().ok()).collect();
+    assert!(!answered.is_empty(), "{calls:?}");
+    let (charge, replayed) = example::create(address, &account, "order-1", 1200).await.expect("the retry");
+    assert!(replayed, "the retry is a replay");
+    assert!(answered.iter().all(|(answer, _)| *answer == charge), "{calls:?}");
+    assert_eq!(example::charges_of(&h.store, &account).await.expect("count"), 1);
+    let reused = example::create(address, &account, "order-1", 9900).await;
+    assert!(reused.is_err(), "another amount under the key is refused: {reused:?}");
+    assert_eq!(example::charges_of(&h.store, &account).await.expect("count"), 1);
+}
