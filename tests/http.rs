@@ -297,7 +297,6 @@ async fn replay_keeps_allowed_headers_only(mode: Mode) {
     assert!(replay.get("set-cookie").is_none());
 }
 
-/// A response larger than the capture limit reaches the client whole but is not stored: the key is
 /// A response over the capture limit (5 MB against the default 1 MiB), served over a real connection
 /// with its `Content-Length`, is sent whole but stored only as "completed, not replayable", before the
 /// client has its last byte: the retry gets 409 `not-replayable` and never runs the handler again
