@@ -8,6 +8,8 @@
 //! sum(rate(idemstore_outcomes_total{outcome="mismatch"}[5m])) / sum(rate(idemstore_outcomes_total[5m]))
 //! ```
 
+use std::collections::HashSet;
+use std::sync::RwLock;
 use std::time::Duration;
 
 /// Answers per operation; label `outcome`: executed, replayed, in_flight, mismatch, indeterminate,
@@ -70,6 +72,59 @@ pub fn describe() {
     describe_histogram!(CLAIM_DURATION, Unit::Seconds, "Duration of one claim call, by tier.");
 }
 
+/// The values of each label, registered at 0 ahead of their first increment: a series that appears with
+/// its first increment has no earlier sample, so Prometheus's `rate()` and `increase()` never count it.
+const OUTCOME_NAMES: [&str; 8] =
+    ["executed", "replayed", "in_flight", "mismatch", "indeterminate", "expired", "lease_lost", "error"];
+const LOOKUP_RESULTS: [&str; 3] = ["hit", "miss", "error"];
+const FALLBACK_REASONS: [&str; 3] = ["error", "timeout", "circuit_open"];
+/// Beyond this many operations a store stops registering new ones ahead (their series still appear at
+/// their first increment): a bound on what a caller that names operations freely can cost.
+const MAX_REGISTERED_OPERATIONS: usize = 10_000;
+
+/// The operations whose series a store registered at 0.
+#[derive(Debug, Default)]
+pub(crate) struct Registered(RwLock<HashSet<String>>);
+
+impl Registered {
+    /// Registers every series of `operation` at 0 the first time it is seen (the Redis ones when
+    /// `redis`); a read lock on every later call.
+    pub(crate) fn operation(&self, operation: &str, redis: bool) {
+        if self.0.read().map_or(true, |seen| seen.contains(operation)) {
+            return;
+        }
+        let Ok(mut seen) = self.0.write() else { return };
+        if seen.is_empty() {
+            register_jobs();
+        }
+        if seen.len() < MAX_REGISTERED_OPERATIONS && seen.insert(operation.to_owned()) {
+            for outcome in OUTCOME_NAMES {
+                metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
+            }
+            metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);
+            if redis {
+                for result in LOOKUP_RESULTS {
+                    metrics::counter!(REDIS_LOOKUPS, "operation" => operation.to_owned(), "result" => result)
+                        .increment(0);
+                }
+                for reason in FALLBACK_REASONS {
+                    metrics::counter!(REDIS_FALLBACKS, "operation" => operation.to_owned(), "reason" => reason)
+                        .increment(0);
+                }
+                metrics::counter!(RECONCILIATIONS, "operation" => operation.to_owned()).increment(0);
+            }
+        }
+    }
+}
+
+/// The series without an operation label, at 0.
+fn register_jobs() {
+    metrics::counter!(PURGED).increment(0);
+    for action in ["released", "marked_indeterminate"] {
+        metrics::counter!(RECOVERED, "action" => action).increment(0);
+    }
+}
+
 pub(crate) fn outcome(operation: &str, outcome: &'static str) {
     metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(1);
 }
@@ -110,12 +165,16 @@ pub(crate) fn indeterminate(records: u64) {
     metrics::gauge!(INDETERMINATE).set(records as f64);
 }
 
+/// Counts a delivery, and registers the topic's failures at 0 (and the other way round), so that the
+/// first failure after deliveries is a change `rate()` sees.
 pub(crate) fn outbox_delivery(topic: &str) {
     metrics::counter!(OUTBOX_DELIVERIES, "topic" => topic.to_owned()).increment(1);
+    metrics::counter!(OUTBOX_FAILURES, "topic" => topic.to_owned()).increment(0);
 }
 
 pub(crate) fn outbox_failure(topic: &str) {
     metrics::counter!(OUTBOX_FAILURES, "topic" => topic.to_owned()).increment(1);
+    metrics::counter!(OUTBOX_DELIVERIES, "topic" => topic.to_owned()).increment(0);
 }
 
 pub(crate) fn outbox_backlog(pending: u64, oldest: Duration) {

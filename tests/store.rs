@@ -22,6 +22,7 @@ suite!(
     replay_after_completion,
     mismatch_is_refused,
     tenants_are_isolated,
+    series_exist_at_zero_before_their_first_increment,
     redis_flushed_after_completion_is_reconciled,
     redis_down_degrades_to_postgres,
     redis_restart_reloads_scripts,
@@ -518,4 +519,28 @@ async fn postgres_down_fails_closed(mode: Mode) {
     let after = charge_once(&h, "acme", &k, &payload).await;
     assert!(matches!(after, Ok(RunOutcome::Executed(_))), "{after:?}");
     assert_eq!(h.effects("acme", &k).await, 1);
+}
+
+/// Every outcome (and, in two-tier mode, every Redis lookup result and fallback reason) of an operation is
+/// rendered at 0 once the operation was first seen, so Prometheus's `rate()` counts the first mismatch,
+/// the first in-flight answer and the first fallback (before: each series appeared with its first
+/// increment, which `rate()` never sees).
+async fn series_exist_at_zero_before_their_first_increment(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let outcome = charge_once(&h, "acme", &key("first-seen"), &json!({"amount": 1})).await.expect("charge");
+    assert!(matches!(outcome, RunOutcome::Executed(_)));
+    let page = support::recorder().render();
+    let series = |name: &str, label: &str, value: &str| {
+        let wanted = format!("operation=\"{}\"", h.operation);
+        page.lines().any(|line| {
+            line.starts_with(name) && line.contains(&wanted) && line.contains(&format!("{label}=\"{value}\""))
+        })
+    };
+    for outcome in ["mismatch", "in_flight", "replayed", "indeterminate", "expired", "lease_lost", "error"] {
+        assert!(series("idemstore_outcomes_total", "outcome", outcome), "no {outcome} series:\n{page}");
+        assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", outcome)]), 0.0);
+    }
+    let redis = mode == Mode::TwoTier;
+    assert_eq!(series("idemstore_redis_fallbacks_total", "reason", "timeout"), redis);
+    assert_eq!(series("idemstore_redis_lookups_total", "result", "hit"), redis);
 }

@@ -19,6 +19,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use crate::config::PolicyConfig;
 use crate::error::{ConfigError, StoreError};
 use crate::policy::{Policy, millis};
+use crate::telemetry;
 pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
 use postgres_tier::PostgresTier;
 use redis_tier::RedisTier;
@@ -56,6 +57,8 @@ struct Inner {
     policies: HashMap<String, Arc<Policy>>,
     /// Operation prefixes (patterns ending in `*`), longest first.
     patterns: Vec<(String, Arc<Policy>)>,
+    /// Operations whose metric series are registered at 0.
+    registered: telemetry::Registered,
 }
 
 impl fmt::Debug for Store {
@@ -305,6 +308,9 @@ impl StoreBuilder {
             pattern.pop();
         }
         patterns.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+        // Series are registered when an operation is first seen, not here: a recorder installed after the
+        // store was built would miss them.
+        let registered = telemetry::Registered::default();
         Ok(Store {
             inner: Arc::new(Inner {
                 postgres: PostgresTier::new(pg_pool, timeout),
@@ -312,6 +318,7 @@ impl StoreBuilder {
                 default_policy: Arc::new(self.default_policy.unwrap_or_default()),
                 patterns,
                 policies,
+                registered,
             }),
         })
     }

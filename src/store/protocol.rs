@@ -49,6 +49,7 @@ impl Store {
         fingerprint: &Fingerprint,
         options: &RunOptions,
     ) -> Result<Begin, StoreError> {
+        self.register(scope.operation());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let deadline = options.wait.map(|wait| tokio::time::Instant::now() + wait);
         let mut backoff = Duration::from_millis(5);
@@ -79,6 +80,7 @@ impl Store {
         fingerprint: &Fingerprint,
         tx: &mut PgConnection,
     ) -> Result<Begin, StoreError> {
+        self.register(scope.operation());
         let candidate = self.candidate(scope, key, fingerprint, self.shared_policy(scope.operation()));
         let answer = self.claim(candidate, Heartbeat::Off, Some(tx)).await;
         record_outcome(scope.operation(), &answer);
@@ -336,6 +338,11 @@ impl Store {
         if let Err(unavailable) = result {
             telemetry::redis_fallback(operation, unavailable.reason());
         }
+    }
+
+    /// Registers the operation's metric series at 0 the first time it is seen.
+    fn register(&self, operation: &str) {
+        self.inner.registered.operation(operation, self.inner.redis.is_some());
     }
 
     fn record_key(&self, redis: &RedisTier, lease: &Lease) -> String {
