@@ -40,6 +40,7 @@ suite!(
     dropped_request_releases_the_key,
     store_unavailable_answers_503_and_runs_nothing,
     missing_tenant_gets_401,
+    unmatched_paths_add_no_metric_series,
     fifty_concurrent_posts_charge_once_end_to_end,
     tenants_get_their_own_charges_end_to_end,
     metrics_match_a_known_sequence_end_to_end,
@@ -518,6 +519,32 @@ async fn missing_tenant_gets_401(mode: Mode) {
     let (status, _, body) = send(&router, anonymous).await;
     assert_eq!((status, problem_type(&body)), (StatusCode::UNAUTHORIZED, problem_types::MISSING_TENANT.to_owned()));
     assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// Outside a matched route (`Router::layer`, a plain tower stack) the operation is "POST unmatched", never
+/// the path the client chose: 1,000 distinct paths add one operation's series, not 1,000 (before: one per
+/// path).
+async fn unmatched_paths_add_no_metric_series(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let layer = IdempotencyLayer::new(h.store.clone(), bearer as fn(&axum::http::request::Parts) -> Option<String>);
+    let router = Router::new().fallback(post(|| async { "ok" })).layer(layer);
+    let tenant = format!("unmatched-{}", h.id());
+    for n in 0..1000 {
+        let (status, _, _) = send(&router, unmatched(&tenant, n)).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    let page = support::recorder().render();
+    assert!(!page.contains("/anything/"), "a series named after a client's path:\n{page}");
+    let executed = support::counter("POST unmatched", "idemstore_outcomes_total", &[("outcome", "executed")]);
+    assert!(executed >= 1000.0, "{executed}");
+}
+
+fn unmatched(tenant: &str, n: usize) -> Request<Body> {
+    Request::post(format!("/anything/{n}"))
+        .header("authorization", format!("Bearer {tenant}"))
+        .header("idempotency-key", format!("k-{n}"))
+        .body(Body::empty())
+        .expect("request")
 }
 
 /// Serves the demo on 127.0.0.1:0; returns its base URL.

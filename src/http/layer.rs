@@ -18,7 +18,9 @@ use crate::store::Store;
 ///
 /// The operation of a request is the name set with [`IdempotencyLayer::with_operation`], else the
 /// method and axum's matched route template (add the layer with `Router::route_layer`), else the
-/// method and the request path.
+/// method and `unmatched` (`"POST unmatched"`): never the request path, which the client chooses. The
+/// operation names the records' scope and labels the metrics, so outside axum's `route_layer` name it
+/// per layer.
 pub struct IdempotencyLayer<T> {
     pub(crate) config: Config<T>,
 }

@@ -197,17 +197,18 @@ where
     })
 }
 
-/// The configured operation name; else the method and axum's matched route template; else the method and
-/// the request path.
+/// The configured operation name; else the method and axum's matched route template; else the method
+/// and `unmatched`. Never the request path: it is client input, and every distinct path would be a new
+/// metric series and a new set of records.
 fn operation<T>(config: &Config<T>, parts: &Parts) -> String {
     if let Some(operation) = &config.operation {
         return operation.clone();
     }
     #[cfg(feature = "axum")]
-    let path = parts.extensions.get::<axum::extract::MatchedPath>().map_or(parts.uri.path(), |p| p.as_str());
-    #[cfg(not(feature = "axum"))]
-    let path = parts.uri.path();
-    format!("{} {path}", parts.method)
+    if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
+        return format!("{} {}", parts.method, matched.as_str());
+    }
+    format!("{} unmatched", parts.method)
 }
 
 /// Method + path and query + the body's canonical fingerprint: the same body sent to another resource is
