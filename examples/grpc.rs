@@ -90,7 +90,15 @@ impl UnaryService<CreateCharge> for Charges {
     fn call(&mut self, request: Request<CreateCharge>) -> Self::Future {
         let pool = self.pool.clone();
         Box::pin(async move {
-            let account = request.metadata().get("x-account").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            let metadata = request.metadata();
+            let account = metadata.get("x-account").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            // For the tests: a transient failure (released, so a retry runs again) or a refusal (stored
+            // and replayed with its code).
+            match metadata.get("x-fail").map(|v| v.as_bytes()) {
+                Some(b"unavailable") => return Err(Status::unavailable("the ledger is busy; retry")),
+                Some(b"invalid") => return Err(Status::invalid_argument("the amount is not allowed")),
+                _ => {}
+            }
             let amount = request.into_inner().amount;
             let insert = "INSERT INTO grpc_charges (account, amount) VALUES ($1, $2) RETURNING id";
             let id: i64 = sqlx::query_scalar(insert)
@@ -125,6 +133,17 @@ pub async fn serve(store: Store) -> Result<SocketAddr, Box<dyn std::error::Error
 
 /// One `Create` call with `key` as its `idempotency-key`; also says whether it was a replay.
 pub async fn create(address: SocketAddr, account: &str, key: &str, amount: i64) -> Result<(Charge, bool), Status> {
+    create_failing(address, account, key, amount, None).await
+}
+
+/// [`create`], asking the service to fail with `fail` (`unavailable` or `invalid`).
+pub async fn create_failing(
+    address: SocketAddr,
+    account: &str,
+    key: &str,
+    amount: i64,
+    fail: Option<&str>,
+) -> Result<(Charge, bool), Status> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
         .map_err(|e| Status::invalid_argument(e.to_string()))?
         .connect()
@@ -136,6 +155,9 @@ pub async fn create(address: SocketAddr, account: &str, key: &str, amount: i64) 
     let metadata = request.metadata_mut();
     metadata.insert("idempotency-key", key.parse().map_err(|_| Status::invalid_argument("key"))?);
     metadata.insert("x-account", account.parse().map_err(|_| Status::invalid_argument("account"))?);
+    if let Some(fail) = fail {
+        metadata.insert("x-fail", fail.parse().map_err(|_| Status::invalid_argument("fail"))?);
+    }
     let path = http::uri::PathAndQuery::from_static(CREATE);
     let response = client.unary(request, path, ProstCodec::<CreateCharge, Charge>::default()).await?;
     let replayed = response.metadata().get("idempotent-replayed").is_some_and(|v| v == "true");

@@ -4,6 +4,8 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::task::JoinHandle;
 
@@ -31,11 +33,13 @@ pub struct Owner {
     in_tx: bool,
     /// Completed, released or abandoned: nothing is left to do when dropped.
     settled: bool,
+    /// Cleared when the owner goes, however it goes: a [`KeepAlive`] outliving it stops extending.
+    alive: Arc<AtomicBool>,
 }
 
 impl Owner {
     pub(crate) fn new(store: Store, lease: Lease, heartbeat: Heartbeat, in_tx: bool) -> Self {
-        Self { store, lease, heartbeat, in_tx, settled: false }
+        Self { store, lease, heartbeat, in_tx, settled: false, alive: Arc::new(AtomicBool::new(true)) }
     }
 
     /// The scope of the owned key.
@@ -72,15 +76,19 @@ impl Owner {
         work.await
     }
 
-    /// Extends the lease every third of its length until the returned guard is dropped: for work that
-    /// goes on outside [`Owner::run`], such as a response body that streams after the handler returned.
+    /// Extends the lease every third of its length until the returned guard is dropped, or the owner is
+    /// gone (completed, released, abandoned or dropped): for work that goes on outside [`Owner::run`],
+    /// such as a response body that streams after the handler returned.
     pub fn keep_alive(&self) -> KeepAlive {
-        let (store, lease) = (self.store.clone(), self.lease.clone());
+        let (store, lease, alive) = (self.store.clone(), self.lease.clone(), Arc::clone(&self.alive));
         KeepAlive(tokio::spawn(async move {
             let period = lease.policy.lease() / 3;
             let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             loop {
                 ticks.tick().await;
+                if !alive.load(Ordering::Acquire) {
+                    return;
+                }
                 match store.extend(&lease).await {
                     Ok(()) => {}
                     Err(StoreError::LeaseLost { .. }) => return,
@@ -131,19 +139,18 @@ impl Owner {
 
     /// Completes a key claimed in `tx`, in `tx`, and commits: the work's writes, the claim and the
     /// completion become durable together. Then Redis learns the result; on failure nothing was
-    /// committed, and Redis's marker is taken back.
+    /// committed, and Redis's marker is taken back (by `Drop` if this is cancelled on the way).
     pub(crate) async fn complete_in(
         mut self,
         mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
         response: &[u8],
     ) -> Result<(), StoreError> {
-        self.settled = true;
         let (store, lease) = (&self.store, &self.lease);
         let committed = match store.complete_in(&mut tx, lease, response).await {
             Ok(retained) => store.bounded(&COMMIT, tx.commit()).await.map(|()| retained),
             Err(error) => Err(error),
         };
-        match committed {
+        let completed = match committed {
             Ok(retained) => {
                 store.cache_completion(lease, response, &retained).await;
                 Ok(())
@@ -152,7 +159,9 @@ impl Owner {
                 store.release_marker(lease).await;
                 Err(error)
             }
-        }
+        };
+        self.settled = true;
+        completed
     }
 }
 
@@ -161,6 +170,7 @@ impl Drop for Owner {
     /// panicked): nothing else will run after it. So a task releases the key; without a runtime (the
     /// process is shutting down) the lease runs out instead.
     fn drop(&mut self) {
+        self.alive.store(false, Ordering::Release);
         let in_tx = self.in_tx;
         if self.settled || !(in_tx || self.lease.policy.lease_expiry() == LeaseExpiry::TakeOver) {
             return;

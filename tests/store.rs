@@ -23,6 +23,7 @@ suite!(
     mismatch_is_refused,
     tenants_are_isolated,
     series_exist_at_zero_before_their_first_increment,
+    keep_alive_stops_with_its_owner,
     redis_flushed_after_completion_is_reconciled,
     redis_down_degrades_to_postgres,
     redis_restart_reloads_scripts,
@@ -543,4 +544,17 @@ async fn series_exist_at_zero_before_their_first_increment(mode: Mode) {
     let redis = mode == Mode::TwoTier;
     assert_eq!(series("idemstore_redis_fallbacks_total", "reason", "timeout"), redis);
     assert_eq!(series("idemstore_redis_lookups_total", "result", "hit"), redis);
+}
+
+/// A `keep_alive` guard that outlives its owner stops extending: an abandoned owner's lease runs out and
+/// the key is taken over (before: the guard kept extending it, and the key stayed "in flight").
+async fn keep_alive_stops_with_its_owner(mode: Mode) {
+    let h = Harness::with(mode, policy(300, 60_000), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("kept-alive"));
+    let fp = Fingerprint::of_json(br#"{"amount":1}"#, &FingerprintOptions::default()).expect("fp");
+    let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
+    let _guard = owner.keep_alive();
+    owner.abandon();
+    let Begin::Acquired(next) = begin_after_lease(&h, &scope, &k, &fp).await else { panic!("a takeover") };
+    next.complete(b"1").await.expect("the new owner completes");
 }

@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Response, StatusCode};
+use http::{HeaderMap, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Either, Full};
 use tower::BoxError;
@@ -26,6 +26,14 @@ pub(crate) fn own<B>(response: Response<Boxed>) -> Response<Either<B, Boxed>> {
 
 pub(crate) fn full(bytes: impl Into<Bytes>) -> Boxed {
     Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// A whole body, then its trailers if it has any.
+pub(crate) fn with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Boxed {
+    match trailers {
+        None => full(bytes),
+        Some(trailers) => full(bytes).with_trailers(std::future::ready(Some(Ok(trailers)))).boxed_unsync(),
+    }
 }
 
 /// The answer to a claim that did not acquire the key.

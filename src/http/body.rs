@@ -7,6 +7,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, StatusCode};
@@ -16,17 +17,21 @@ use tower::BoxError;
 
 use super::answer::Boxed;
 use super::capture::{self, Captured, Stored, Withheld};
+use super::config::StoredStatuses;
 use crate::owner::{KeepAlive, Owner};
 
 /// What an owner's response leaves in the store once its body ended.
 pub(crate) struct Settlement {
-    owner: Owner,
+    /// Taken by the settlement; still here if the settlement was dropped unmade.
+    owner: Option<Owner>,
     status: StatusCode,
     /// The response's headers that are replayed.
     headers: HeaderMap,
     /// The body's trailers, once it sent them.
     trailers: Option<HeaderMap>,
-    /// Whether the status is stored at all; if not, the key is released so a retry runs again.
+    /// Which responses are stored; the others release the key so a retry runs again.
+    rule: StoredStatuses,
+    /// Whether the status (and a gRPC status in the headers) is stored.
     stored: bool,
     limit: usize,
     body: Vec<u8>,
@@ -35,7 +40,7 @@ pub(crate) struct Settlement {
     /// The handler's body failed (or panicked) before its end: what was sent is not a response to replay.
     broken: bool,
     /// Extends the lease while the body streams; dropped with the settlement.
-    _keep_alive: KeepAlive,
+    keep_alive: Option<KeepAlive>,
 }
 
 impl Settlement {
@@ -44,14 +49,14 @@ impl Settlement {
         owner: Owner,
         status: StatusCode,
         headers: &HeaderMap,
-        stored: bool,
+        rule: StoredStatuses,
         (limit, replayed): (usize, &[HeaderName]),
     ) -> Self {
+        let stored = rule.stores(status) && rule.stores_grpc(headers);
         let headers = capture::replayed(headers, replayed);
-        let _keep_alive = owner.keep_alive();
-        let body = Vec::new();
-        let (trailers, sent, broken) = (None, 0, false);
-        Self { owner, status, headers, trailers, stored, limit, body, sent, broken, _keep_alive }
+        let keep_alive = Some(owner.keep_alive());
+        let (owner, trailers, body, sent, broken) = (Some(owner), None, Vec::new(), 0, false);
+        Self { owner, status, headers, trailers, rule, stored, limit, body, sent, broken, keep_alive }
     }
 
     /// Keeps a copy of `data` while the body stays within the limit; past it, none (and frees the copy).
@@ -86,31 +91,63 @@ impl Settlement {
     /// Stores the response (or that it was sent but cannot be replayed), or releases the key for a status
     /// that is not stored. A failure cannot change what the client got (the handler ran): it is logged,
     /// and the lease runs out under the record's rule.
-    pub(crate) async fn settle(self) {
-        let Settlement { owner, status, headers, trailers, stored, body, sent, _keep_alive, .. } = self;
-        drop(_keep_alive);
-        let fence = owner.fence();
-        let settled = if !stored {
-            owner.release().await
-        } else if sent > self.limit as u64 || self.broken {
-            owner.complete(&Stored::Withheld(Withheld::new(status, sent)).encode()).await
+    pub(crate) async fn settle(mut self) {
+        if let Some(settling) = self.settling() {
+            settling.await;
+        }
+    }
+
+    /// The store call that settles, owning what it needs (so that `Drop` can hand it to a task); `None`
+    /// once taken.
+    fn settling(&mut self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let owner = self.owner.take()?;
+        self.keep_alive = None;
+        // A gRPC status in the trailers decides too (a stream that failed after its headers).
+        let stored = self.stored && self.trailers.as_ref().is_none_or(|trailers| self.rule.stores_grpc(trailers));
+        let stored = if !stored {
+            None
+        } else if self.over_limit() || self.broken {
+            Some(Stored::Withheld(Withheld::new(self.status, self.sent)).encode())
         } else {
-            let captured = Captured::new(status, &headers, body, trailers.as_ref());
-            owner.complete(&Stored::Response(captured).encode()).await
+            let body = std::mem::take(&mut self.body);
+            let captured = Captured::new(self.status, &self.headers, body, self.trailers.as_ref());
+            Some(Stored::Response(captured).encode())
         };
-        if let Err(error) = settled {
-            tracing::warn!(%error, fence, "could not settle the idempotency record");
+        Some(async move {
+            let fence = owner.fence();
+            let settled = match stored {
+                Some(stored) => owner.complete(&stored).await,
+                None => owner.release().await,
+            };
+            if let Err(error) = settled {
+                tracing::warn!(%error, fence, "could not settle the idempotency record");
+            }
+        })
+    }
+}
+
+impl Drop for Settlement {
+    /// Dropped unmade: the handler answered, and its response was cut short (the request was cancelled
+    /// while the body was read). The work ran, so the record is settled as not replayable (or released,
+    /// for a status that is not stored); never released for a retry to run it again. That takes I/O,
+    /// which `Drop` cannot wait for, and nothing else runs after a dropped future: a task does it.
+    fn drop(&mut self) {
+        self.broken = true;
+        if let Some(settling) = self.settling()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(settling);
         }
     }
 }
 
 /// Settles with the whole of a body known to fit the capture limit (or empty), before the client gets
-/// anything: the record is stored by the time the client sees the status. Returns the body, or `None` if
-/// it failed (the record then says the response cannot be replayed).
+/// anything: the record is stored by the time the client sees the status. Returns the body and its
+/// trailers, or `None` if it failed (the record then says the response cannot be replayed).
 pub(crate) async fn settle_whole<B: http_body::Body<Data = Bytes>>(
     mut settlement: Settlement,
     body: B,
-) -> Option<Bytes> {
+) -> Option<(Bytes, Option<HeaderMap>)> {
     let collected = body.collect().await.ok().map(|collected| {
         settlement.trailers = collected.trailers().cloned();
         collected.to_bytes()
@@ -119,8 +156,9 @@ pub(crate) async fn settle_whole<B: http_body::Body<Data = Bytes>>(
         Some(bytes) => settlement.record(bytes),
         None => settlement.broken = true,
     }
+    let trailers = settlement.trailers.clone();
     settlement.settle().await;
-    collected
+    collected.map(|bytes| (bytes, trailers))
 }
 
 /// Whether a body is small enough to be settled whole before the response starts: empty, or of a known
@@ -247,7 +285,8 @@ impl Drop for SettlingBody {
 /// lease; a panicking body counts as broken), then settles.
 async fn drain_and_settle(inner: Option<Boxed>, mut settlement: Settlement) {
     if let Some(mut inner) = inner {
-        let (limit, deadline) = (settlement.limit as u64, settlement.owner.policy().lease());
+        let lease = settlement.owner.as_ref().map_or(Duration::ZERO, |owner| owner.policy().lease());
+        let (limit, deadline) = (settlement.limit as u64, lease);
         // Its own task, so that a body that panics fails that task, not the settlement.
         let mut drained = tokio::spawn(async move {
             let mut frames = Vec::new();

@@ -1,16 +1,15 @@
 //! Captured responses: what is stored after the handler ran, and how a replay is rebuilt from it.
 
-use http_body_util::BodyExt;
-
-use super::answer::{Boxed, full};
+use super::answer::{Boxed, with_trailers};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 
 use super::IDEMPOTENT_REPLAYED;
 
-/// Headers replayed by default: those that describe the stored body or the created resource. Never
-/// `Set-Cookie` (a session is not a result), `Date`, hop-by-hop headers or `Content-Length` (recomputed).
-pub(crate) const DEFAULT_REPLAYED_HEADERS: [&str; 10] = [
+/// Headers replayed by default: those that describe the stored body or the created resource, and a gRPC
+/// call's status and message encoding (in the headers of a trailers-only answer). Never `Set-Cookie` (a
+/// session is not a result), `Date`, hop-by-hop headers or `Content-Length` (recomputed).
+pub(crate) const DEFAULT_REPLAYED_HEADERS: [&str; 14] = [
     "content-type",
     "content-encoding",
     "vary",
@@ -21,6 +20,10 @@ pub(crate) const DEFAULT_REPLAYED_HEADERS: [&str; 10] = [
     "last-modified",
     "link",
     "cache-control",
+    "grpc-status",
+    "grpc-message",
+    "grpc-status-details-bin",
+    "grpc-encoding",
 ];
 
 /// What the layer stores for a request whose handler ran. The first byte of the stored form is its
@@ -105,13 +108,8 @@ impl Captured {
     /// The replay: the stored status, headers, body and trailers, marked `Idempotent-Replayed: true`;
     /// `status` overrides the stored one (for the 409-with-original mismatch answer).
     pub(crate) fn replay(self, status: Option<StatusCode>) -> Response<Boxed> {
-        let body = if self.trailers.is_empty() {
-            full(self.body)
-        } else {
-            let trailers = Some(Ok(header_map(self.trailers)));
-            full(self.body).with_trailers(std::future::ready(trailers)).boxed_unsync()
-        };
-        let mut response = Response::new(body);
+        let trailers = Some(header_map(self.trailers)).filter(|trailers| !trailers.is_empty());
+        let mut response = Response::new(with_trailers(self.body.into(), trailers));
         *response.status_mut() = status.or_else(|| StatusCode::from_u16(self.status).ok()).unwrap_or(StatusCode::OK);
         let headers = response.headers_mut();
         headers.extend(header_map(self.headers));
@@ -170,6 +168,7 @@ mod tests {
     /// Trailers (a gRPC call's `grpc-status`) are stored and replayed after the body.
     #[tokio::test]
     async fn trailers_round_trip() {
+        use http_body_util::BodyExt;
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", HeaderValue::from_static("0"));
         let captured =

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use http::{HeaderName, Method, StatusCode};
+use http::{HeaderMap, HeaderName, Method, StatusCode};
 
 use crate::options::RunOptions;
 use crate::store::Store;
@@ -59,6 +59,15 @@ impl StoredStatuses {
     pub(crate) fn stores(self, status: StatusCode) -> bool {
         let transient = matches!(status.as_u16(), 401 | 403 | 407 | 408 | 425 | 429);
         self == StoredStatuses::All || !(status.is_server_error() || transient)
+    }
+
+    /// The same rule for a gRPC status, in the headers of a trailers-only answer or in the trailers (a
+    /// gRPC call answers HTTP 200 whatever happened): deterministic answers are stored (OK,
+    /// INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, OUT_OF_RANGE, UNIMPLEMENTED);
+    /// transient ones, and those that depend on the caller's rights, release the key.
+    pub(crate) fn stores_grpc(self, fields: &HeaderMap) -> bool {
+        let Some(code) = fields.get("grpc-status") else { return true };
+        self == StoredStatuses::All || matches!(code.as_bytes(), b"0" | b"3" | b"5" | b"6" | b"9" | b"11" | b"12")
     }
 }
 

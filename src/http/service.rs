@@ -21,6 +21,7 @@ use super::key_header::read_key;
 use crate::error::InputError;
 use crate::fingerprint::{Fingerprint, FingerprintOptions};
 use crate::key::{IdempotencyKey, Scope};
+use crate::policy::LeaseExpiry;
 use crate::record::Begin;
 
 /// The request body the inner service gets: the caller's as it came (a request the layer passes
@@ -177,22 +178,24 @@ where
     let response = match owner.run(inner.oneshot(request)).await {
         Ok(response) => response,
         Err(error) => {
-            // No response to store: a retry may run the handler again.
-            if let Err(release) = owner.release().await {
+            // No response to store. The service may have acted (a timeout layer inside this one cancels a
+            // handler mid-work): what a dropped handler gets, by the record's rule.
+            if owner.policy().lease_expiry() == LeaseExpiry::MarkIndeterminate {
+                owner.abandon();
+            } else if let Err(release) = owner.release().await {
                 tracing::warn!(error = %release, "could not release the key after the service failed");
             }
             return Err(error);
         }
     };
     let (head, body) = response.into_parts();
-    let stored = config.stored.stores(head.status);
     let capture = (config.max_response_body, config.replayed_headers.as_slice());
-    let settlement = Settlement::new(owner, head.status, &head.headers, stored, capture);
+    let settlement = Settlement::new(owner, head.status, &head.headers, config.stored, capture);
     if !fits(&body, config.max_response_body) {
         return Ok(Response::from_parts(head, SettlingBody::new(body, settlement).boxed_unsync()));
     }
     Ok(match settle_whole(settlement, body).await {
-        Some(bytes) => Response::from_parts(head, answer::full(bytes)),
+        Some((bytes, trailers)) => Response::from_parts(head, answer::with_trailers(bytes, trailers)),
         None => answer::response_failed(),
     })
 }
