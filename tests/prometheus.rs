@@ -5,6 +5,8 @@
 
 #[macro_use]
 mod support;
+// Only the demo's router is used here.
+#[allow(dead_code)]
 #[path = "../examples/payments/app.rs"]
 mod app;
 
