@@ -3,8 +3,8 @@
 
 #[macro_use]
 mod support;
-#[path = "../examples/payments/app.rs"]
-mod app;
+#[path = "support/payments.rs"]
+mod payments;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,10 +15,10 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
-use futures::future::join_all;
 use http_body_util::BodyExt;
 use idemstore::http::{IdempotencyLayer, MismatchStatus, problem_types};
 use idemstore::{IdempotencyKey, Mode, Policy, Scope, State};
+use payments::{PAYMENTS, charge, charges, demo, post_payment, problem_type, serve, wait_for_state};
 use serde_json::{Value, json};
 use support::{Harness, Servers};
 use tower::ServiceExt;
@@ -41,47 +41,7 @@ suite!(
     store_unavailable_answers_503_and_runs_nothing,
     missing_tenant_gets_401,
     unmatched_paths_add_no_metric_series,
-    fifty_concurrent_posts_charge_once_end_to_end,
-    tenants_get_their_own_charges_end_to_end,
-    metrics_match_a_known_sequence_end_to_end,
-    webhook_redelivered_five_times_is_handled_once_end_to_end,
 );
-
-/// A provider re-delivers one event five times at once to the demo's inbox: one row in
-/// `webhook_events`, every delivery acknowledged (or asked to retry), later ones marked duplicate.
-async fn webhook_redelivered_five_times_is_handled_once_end_to_end(mode: Mode) {
-    let h = Harness::start(mode).await;
-    let base = serve(&h).await;
-    let client = reqwest::Client::new();
-    let provider = format!("stripe-{}", h.id());
-    let deliver = || {
-        client
-            .post(format!("{base}/webhooks/{provider}"))
-            .header("x-event-id", "evt_42")
-            .header("x-event-sequence", "3")
-            .json(&json!({"id": "evt_42", "type": "charge.succeeded"}))
-            .send()
-    };
-    let statuses: Vec<u16> =
-        join_all((0..5).map(|_| deliver())).await.iter().map(|r| r.as_ref().expect("HTTP").status().as_u16()).collect();
-    assert!(statuses.iter().all(|s| [200, 409].contains(s)), "{statuses:?}");
-    let count: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE provider = $1 AND event_id = 'evt_42'")
-            .bind(&provider)
-            .fetch_one(&h.pool)
-            .await
-            .expect("count");
-    assert_eq!(count, 1);
-    let late: Value = deliver().await.expect("HTTP").json().await.expect("json");
-    assert_eq!(late["status"], "duplicate");
-}
-
-const PAYMENTS: &str = "POST /payments";
-
-async fn demo(h: &Harness) -> Router {
-    app::migrate(&h.store).await.expect("migrations");
-    app::router(app::App { store: h.store.clone(), metrics: support::recorder().clone() })
-}
 
 fn payment(key: Option<&str>, tenant: &str, body: &Value) -> Request<Body> {
     let mut request = Request::post("/payments")
@@ -93,27 +53,10 @@ fn payment(key: Option<&str>, tenant: &str, body: &Value) -> Request<Body> {
     request.body(Body::from(body.to_string())).expect("request")
 }
 
-fn charge(amount: i64) -> Value {
-    json!({"amount": amount, "currency": "EUR", "customer": "cus_1"})
-}
-
 async fn send(router: &Router, request: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
     let response = router.clone().oneshot(request).await.expect("infallible");
     let (parts, body) = response.into_parts();
     (parts.status, parts.headers, body.collect().await.expect("body").to_bytes())
-}
-
-async fn charges(h: &Harness, tenant: &str) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM charges WHERE tenant = $1")
-        .bind(tenant)
-        .fetch_one(&h.pool)
-        .await
-        .expect("count charges")
-}
-
-fn problem_type(body: &[u8]) -> String {
-    let problem: Value = serde_json::from_slice(body).expect("problem+json");
-    problem["type"].as_str().expect("a type").to_owned()
 }
 
 /// A router whose one handler counts its executions and answers what `respond` says.
@@ -268,19 +211,6 @@ async fn concurrent_retry_gets_409_with_retry_after(mode: Mode) {
     assert!(retry_after >= 1);
     assert_eq!(first.await.expect("join").expect("infallible").status(), StatusCode::CREATED);
     assert_eq!(charges(&h, "acme").await, 1);
-}
-
-/// Polls the store until the demo's record for `key` is in `state`.
-async fn wait_for_state(h: &Harness, key: &str, state: State) {
-    let scope = Scope::new("acme", PAYMENTS).expect("scope");
-    let key = IdempotencyKey::new(key).expect("key");
-    for _ in 0..500 {
-        if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == state) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the record never reached {state:?}");
 }
 
 /// The replay carries the allow-listed headers (Location, Content-Type) and never Set-Cookie.
@@ -545,119 +475,4 @@ fn unmatched(tenant: &str, n: usize) -> Request<Body> {
         .header("idempotency-key", format!("k-{n}"))
         .body(Body::empty())
         .expect("request")
-}
-
-/// Serves the demo on 127.0.0.1:0; returns its base URL.
-async fn serve(h: &Harness) -> String {
-    let router = demo(h).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("address");
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    format!("http://{addr}")
-}
-
-async fn post_payment(
-    client: &reqwest::Client,
-    base: &str,
-    key: &str,
-    tenant: &str,
-    body: &Value,
-    delay_ms: u64,
-) -> reqwest::Response {
-    client
-        .post(format!("{base}/payments"))
-        .bearer_auth(tenant)
-        .header("idempotency-key", key)
-        .header("x-demo-delay-ms", delay_ms.to_string())
-        .json(body)
-        .send()
-        .await
-        .expect("HTTP request")
-}
-
-/// 50 concurrent POSTs with one key over real HTTP: one charge row and one receipt sent through the
-/// outbox; every answer is the first response, byte for byte, or a 409.
-async fn fifty_concurrent_posts_charge_once_end_to_end(mode: Mode) {
-    let h = Harness::start(mode).await;
-    let base = serve(&h).await;
-    let client = reqwest::Client::new();
-    let body = charge(42);
-    let posts = (0..50).map(|_| post_payment(&client, &base, "race-1", "acme", &body, 200));
-    let mut answers = Vec::new();
-    for response in join_all(posts).await {
-        let status = response.status();
-        answers.push((status, response.bytes().await.expect("body")));
-    }
-    assert_eq!(charges(&h, "acme").await, 1);
-    let created: Vec<_> = answers.iter().filter(|(s, _)| *s == reqwest::StatusCode::CREATED).collect();
-    assert!(!created.is_empty());
-    assert!(created.iter().all(|(_, body)| *body == created[0].1), "replays are byte-identical");
-    for (status, body) in &answers {
-        if *status != reqwest::StatusCode::CREATED {
-            assert_eq!(*status, reqwest::StatusCode::CONFLICT);
-            assert_eq!(problem_type(body), problem_types::IN_FLIGHT);
-        }
-    }
-    // The charge's receipt was committed with it, once: the relay sends exactly one.
-    let drained = app::send_receipts(&h.store).await.expect("the receipt relay");
-    assert_eq!((drained.delivered, drained.failed), (1, 0));
-    let receipts: i64 = sqlx::query_scalar("SELECT count(*) FROM receipts").fetch_one(&h.pool).await.expect("count");
-    assert_eq!(receipts, 1);
-    // Once the owner finished, every retry is the replay.
-    let late = post_payment(&client, &base, "race-1", "acme", &charge(42), 0).await;
-    assert_eq!(late.headers()["idempotent-replayed"], "true");
-    assert_eq!(late.bytes().await.expect("body"), created[0].1);
-}
-
-/// The same key from two tenants makes two charges, and neither replays the other's.
-async fn tenants_get_their_own_charges_end_to_end(mode: Mode) {
-    let h = Harness::start(mode).await;
-    let base = serve(&h).await;
-    let client = reqwest::Client::new();
-    let a: Value = post_payment(&client, &base, "same", "tenant-a", &charge(1), 0).await.json().await.expect("json");
-    let b: Value = post_payment(&client, &base, "same", "tenant-b", &charge(1), 0).await.json().await.expect("json");
-    assert_ne!(a["id"], b["id"]);
-    let a_again: Value =
-        post_payment(&client, &base, "same", "tenant-a", &charge(1), 0).await.json().await.expect("json");
-    assert_eq!(a_again, a);
-    assert_eq!((charges(&h, "tenant-a").await, charges(&h, "tenant-b").await), (1, 1));
-    let b_view = client.get(format!("{base}/payments/{}", a["id"])).bearer_auth("tenant-b").send().await.expect("GET");
-    assert_eq!(b_view.status(), reqwest::StatusCode::NOT_FOUND);
-}
-
-/// After a known sequence the scraped counters match it, and `promtool check metrics` accepts the page
-/// when promtool is installed.
-async fn metrics_match_a_known_sequence_end_to_end(mode: Mode) {
-    if support::rerun_alone(mode, "metrics_match_a_known_sequence_end_to_end") {
-        return;
-    }
-    let h = Harness::start(mode).await;
-    let base = serve(&h).await;
-    let client = reqwest::Client::new();
-    let body = charge(1);
-    let slow = post_payment(&client, &base, "seq-1", "acme", &body, 800);
-    let duplicate = async {
-        wait_for_state(&h, "seq-1", State::InProgress).await;
-        post_payment(&client, &base, "seq-1", "acme", &charge(1), 0).await
-    };
-    let (first, in_flight) = tokio::join!(slow, duplicate);
-    assert_eq!((first.status(), in_flight.status()), (reqwest::StatusCode::CREATED, reqwest::StatusCode::CONFLICT));
-    for _ in 0..2 {
-        post_payment(&client, &base, "seq-1", "acme", &charge(1), 0).await;
-    }
-    post_payment(&client, &base, "seq-1", "acme", &charge(2), 0).await;
-
-    let page = client.get(format!("{base}/metrics")).send().await.expect("scrape").text().await.expect("text");
-    let count = |outcome: &str| support::counter(PAYMENTS, "idemstore_outcomes_total", &[("outcome", outcome)]);
-    assert_eq!((count("executed"), count("in_flight"), count("replayed"), count("mismatch")), (1.0, 1.0, 2.0, 1.0));
-    assert!(page.contains("idemstore_outcomes_total{operation=\"POST /payments\",outcome=\"replayed\"} 2"), "{page}");
-    assert!(page.contains("# TYPE idemstore_claim_duration_seconds histogram"));
-
-    if let Ok(mut promtool) =
-        std::process::Command::new("promtool").args(["check", "metrics"]).stdin(std::process::Stdio::piped()).spawn()
-    {
-        use std::io::Write;
-        promtool.stdin.take().expect("stdin").write_all(page.as_bytes()).expect("write to promtool");
-        assert!(promtool.wait().expect("promtool").success(), "promtool check metrics failed on:\n{page}");
-    }
 }

@@ -1,0 +1,137 @@
+//! The payments demo end to end, over a real listener and a real HTTP client, against real Redis and
+//! Postgres, in both modes: concurrent POSTs, tenants, metrics, webhooks.
+
+#[macro_use]
+mod support;
+#[path = "support/payments.rs"]
+mod payments;
+
+use futures::future::join_all;
+use idemstore::http::problem_types;
+use idemstore::{Mode, State};
+use payments::{PAYMENTS, app, charge, charges, post_payment, problem_type, serve, wait_for_state};
+use serde_json::{Value, json};
+use support::Harness;
+
+suite!(
+    fifty_concurrent_posts_charge_once_end_to_end,
+    tenants_get_their_own_charges_end_to_end,
+    metrics_match_a_known_sequence_end_to_end,
+    webhook_redelivered_five_times_is_handled_once_end_to_end,
+);
+
+/// A provider re-delivers one event five times at once to the demo's inbox: one row in
+/// `webhook_events`, every delivery acknowledged (or asked to retry), later ones marked duplicate.
+async fn webhook_redelivered_five_times_is_handled_once_end_to_end(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let provider = format!("stripe-{}", h.id());
+    let deliver = || {
+        client
+            .post(format!("{base}/webhooks/{provider}"))
+            .header("x-event-id", "evt_42")
+            .header("x-event-sequence", "3")
+            .json(&json!({"id": "evt_42", "type": "charge.succeeded"}))
+            .send()
+    };
+    let statuses: Vec<u16> =
+        join_all((0..5).map(|_| deliver())).await.iter().map(|r| r.as_ref().expect("HTTP").status().as_u16()).collect();
+    assert!(statuses.iter().all(|s| [200, 409].contains(s)), "{statuses:?}");
+    let count: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE provider = $1 AND event_id = 'evt_42'")
+            .bind(&provider)
+            .fetch_one(&h.pool)
+            .await
+            .expect("count");
+    assert_eq!(count, 1);
+    let late: Value = deliver().await.expect("HTTP").json().await.expect("json");
+    assert_eq!(late["status"], "duplicate");
+}
+
+/// 50 concurrent POSTs with one key over real HTTP: one charge row and one receipt sent through the
+/// outbox; every answer is the first response, byte for byte, or a 409.
+async fn fifty_concurrent_posts_charge_once_end_to_end(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let body = charge(42);
+    let posts = (0..50).map(|_| post_payment(&client, &base, "race-1", "acme", &body, 200));
+    let mut answers = Vec::new();
+    for response in join_all(posts).await {
+        let status = response.status();
+        answers.push((status, response.bytes().await.expect("body")));
+    }
+    assert_eq!(charges(&h, "acme").await, 1);
+    let created: Vec<_> = answers.iter().filter(|(s, _)| *s == reqwest::StatusCode::CREATED).collect();
+    assert!(!created.is_empty());
+    assert!(created.iter().all(|(_, body)| *body == created[0].1), "replays are byte-identical");
+    for (status, body) in &answers {
+        if *status != reqwest::StatusCode::CREATED {
+            assert_eq!(*status, reqwest::StatusCode::CONFLICT);
+            assert_eq!(problem_type(body), problem_types::IN_FLIGHT);
+        }
+    }
+    // The charge's receipt was committed with it, once: the relay sends exactly one.
+    let drained = app::send_receipts(&h.store).await.expect("the receipt relay");
+    assert_eq!((drained.delivered, drained.failed), (1, 0));
+    let receipts: i64 = sqlx::query_scalar("SELECT count(*) FROM receipts").fetch_one(&h.pool).await.expect("count");
+    assert_eq!(receipts, 1);
+    // Once the owner finished, every retry is the replay.
+    let late = post_payment(&client, &base, "race-1", "acme", &charge(42), 0).await;
+    assert_eq!(late.headers()["idempotent-replayed"], "true");
+    assert_eq!(late.bytes().await.expect("body"), created[0].1);
+}
+
+/// The same key from two tenants makes two charges, and neither replays the other's.
+async fn tenants_get_their_own_charges_end_to_end(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let a: Value = post_payment(&client, &base, "same", "tenant-a", &charge(1), 0).await.json().await.expect("json");
+    let b: Value = post_payment(&client, &base, "same", "tenant-b", &charge(1), 0).await.json().await.expect("json");
+    assert_ne!(a["id"], b["id"]);
+    let a_again: Value =
+        post_payment(&client, &base, "same", "tenant-a", &charge(1), 0).await.json().await.expect("json");
+    assert_eq!(a_again, a);
+    assert_eq!((charges(&h, "tenant-a").await, charges(&h, "tenant-b").await), (1, 1));
+    let b_view = client.get(format!("{base}/payments/{}", a["id"])).bearer_auth("tenant-b").send().await.expect("GET");
+    assert_eq!(b_view.status(), reqwest::StatusCode::NOT_FOUND);
+}
+
+/// After a known sequence the scraped counters match it, and `promtool check metrics` accepts the page
+/// when promtool is installed.
+async fn metrics_match_a_known_sequence_end_to_end(mode: Mode) {
+    if support::rerun_alone(mode, "metrics_match_a_known_sequence_end_to_end") {
+        return;
+    }
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let body = charge(1);
+    let slow = post_payment(&client, &base, "seq-1", "acme", &body, 800);
+    let duplicate = async {
+        wait_for_state(&h, "seq-1", State::InProgress).await;
+        post_payment(&client, &base, "seq-1", "acme", &charge(1), 0).await
+    };
+    let (first, in_flight) = tokio::join!(slow, duplicate);
+    assert_eq!((first.status(), in_flight.status()), (reqwest::StatusCode::CREATED, reqwest::StatusCode::CONFLICT));
+    for _ in 0..2 {
+        post_payment(&client, &base, "seq-1", "acme", &charge(1), 0).await;
+    }
+    post_payment(&client, &base, "seq-1", "acme", &charge(2), 0).await;
+
+    let page = client.get(format!("{base}/metrics")).send().await.expect("scrape").text().await.expect("text");
+    let count = |outcome: &str| support::counter(PAYMENTS, "idemstore_outcomes_total", &[("outcome", outcome)]);
+    assert_eq!((count("executed"), count("in_flight"), count("replayed"), count("mismatch")), (1.0, 1.0, 2.0, 1.0));
+    assert!(page.contains("idemstore_outcomes_total{operation=\"POST /payments\",outcome=\"replayed\"} 2"), "{page}");
+    assert!(page.contains("# TYPE idemstore_claim_duration_seconds histogram"));
+
+    if let Ok(mut promtool) =
+        std::process::Command::new("promtool").args(["check", "metrics"]).stdin(std::process::Stdio::piped()).spawn()
+    {
+        use std::io::Write;
+        promtool.stdin.take().expect("stdin").write_all(page.as_bytes()).expect("write to promtool");
+        assert!(promtool.wait().expect("promtool").success(), "promtool check metrics failed on:\n{page}");
+    }
+}

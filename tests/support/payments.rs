@@ -1,0 +1,82 @@
+//! The payments demo as the HTTP suites drive it: its router on a test's store, and reading back what it
+//! did (charges, problem types, record states).
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+use axum::Router;
+use idemstore::{IdempotencyKey, Scope, State};
+use serde_json::{Value, json};
+
+use super::support::Harness;
+
+#[path = "../../examples/payments/app.rs"]
+pub mod app;
+
+/// The demo's payments operation.
+pub const PAYMENTS: &str = "POST /payments";
+
+/// The demo's router on the harness's store, its migrations applied.
+pub async fn demo(h: &Harness) -> Router {
+    app::migrate(&h.store).await.expect("migrations");
+    app::router(app::App { store: h.store.clone(), metrics: super::support::recorder().clone() })
+}
+
+pub fn charge(amount: i64) -> Value {
+    json!({"amount": amount, "currency": "EUR", "customer": "cus_1"})
+}
+
+pub async fn charges(h: &Harness, tenant: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM charges WHERE tenant = $1")
+        .bind(tenant)
+        .fetch_one(&h.pool)
+        .await
+        .expect("count charges")
+}
+
+pub fn problem_type(body: &[u8]) -> String {
+    let problem: Value = serde_json::from_slice(body).expect("problem+json");
+    problem["type"].as_str().expect("a type").to_owned()
+}
+
+/// Polls the store until the demo's record for `key` is in `state`.
+pub async fn wait_for_state(h: &Harness, key: &str, state: State) {
+    let scope = Scope::new("acme", PAYMENTS).expect("scope");
+    let key = IdempotencyKey::new(key).expect("key");
+    for _ in 0..500 {
+        if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == state) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the record never reached {state:?}");
+}
+
+/// Serves the demo on 127.0.0.1:0; returns its base URL.
+pub async fn serve(h: &Harness) -> String {
+    let router = demo(h).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    format!("http://{addr}")
+}
+
+pub async fn post_payment(
+    client: &reqwest::Client,
+    base: &str,
+    key: &str,
+    tenant: &str,
+    body: &Value,
+    delay_ms: u64,
+) -> reqwest::Response {
+    client
+        .post(format!("{base}/payments"))
+        .bearer_auth(tenant)
+        .header("idempotency-key", key)
+        .header("x-demo-delay-ms", delay_ms.to_string())
+        .json(body)
+        .send()
+        .await
+        .expect("HTTP request")
+}
