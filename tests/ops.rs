@@ -20,6 +20,7 @@ suite!(
     tier_is_recorded_with_each_record,
     tiers_are_selected_by_operation_from_a_config_file,
     idemctl_commands,
+    http_records_resolve_in_the_layers_format,
 );
 
 fn policy(lease_ms: u64, redis_ttl_ms: u64, retention_ms: u64, expiry: LeaseExpiry) -> Policy {
@@ -281,4 +282,58 @@ async fn idemctl_commands(mode: Mode) {
     let (code, refused) = idemctl(&h, &["inspect", "acme", &op, "bad key"]);
     assert_eq!(code, 2);
     assert!(refused["error"].as_str().is_some_and(|e| e.contains("visible ASCII")), "{refused}");
+}
+
+/// A request of the HTTP layer dropped mid-handler under MarkIndeterminate is recovered as indeterminate,
+/// then resolved with `idemctl resolve --status --header --body`: the retry gets that response, replayed
+/// by the layer. Raw bytes (`--complete-with`) for such a record are refused with a clear error (before:
+/// they were written, and the record answered 409 not-replayable forever).
+async fn http_records_resolve_in_the_layers_format(mode: Mode) {
+    use axum::body::Body;
+    use axum::routing::post;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let strict = policy(200, 400, 800, LeaseExpiry::MarkIndeterminate);
+    let h = Harness::with(mode, strict.clone(), Servers::Any).await;
+    let operation = format!("POST /orders-{}", h.id());
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let started = std::sync::Arc::clone(&started);
+        move || async move {
+            started.notify_one();
+            std::future::pending::<&'static str>().await
+        }
+    };
+    let tenant = |_: &axum::http::request::Parts| Some("acme".to_owned());
+    let layer = idemstore::http::IdempotencyLayer::new(h.store.clone(), tenant).with_operation(&operation);
+    let router = axum::Router::new().route("/orders", post(handler).route_layer(layer.with_policy(strict)));
+    let request = || {
+        let request = axum::http::Request::post("/orders").header("idempotency-key", "dropped");
+        request.body(Body::from("{}")).expect("request")
+    };
+    let dropped = tokio::spawn(router.clone().oneshot(request()));
+    started.notified().await;
+    dropped.abort();
+    eventually("the lease ran out", async || idemctl(&h, &["recover", "--dry-run"]).1["found"] == 1).await;
+    assert_eq!(idemctl(&h, &["recover"]).1["marked_indeterminate"], 1);
+
+    let file = std::env::temp_dir().join(format!("idemctl-http-{}.json", h.prefix));
+    std::fs::write(&file, b"{\"order\":\"o_1\"}").expect("write the body file");
+    let path = file.to_string_lossy().into_owned();
+    let (code, refused) = idemctl(&h, &["resolve", "acme", &operation, "dropped", "--complete-with", &path]);
+    assert_eq!(code, 2, "{refused}");
+    assert!(refused["error"].as_str().is_some_and(|e| e.contains("--status")), "{refused}");
+    let resolve = ["resolve", "acme", &operation, "dropped", "--status", "201"];
+    let (code, resolved) =
+        idemctl(&h, &[&resolve[..], &["--header", "content-type: application/json", "--body", &path]].concat());
+    let _ = std::fs::remove_file(&file);
+    assert_eq!((code, resolved), (0, json!({ "resolved": true })));
+
+    let replay = router.oneshot(request()).await.expect("infallible");
+    assert_eq!(replay.status(), axum::http::StatusCode::CREATED);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.headers()["content-type"], "application/json");
+    let body = replay.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!(body.as_ref(), b"{\"order\":\"o_1\"}");
 }

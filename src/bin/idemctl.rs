@@ -78,9 +78,20 @@ enum Command {
     Resolve {
         #[command(flatten)]
         id: RecordId,
-        /// The work happened: store this file's bytes as the response to replay.
-        #[arg(long, conflicts_with = "release", required_unless_present = "release")]
+        /// The work happened: store this file's bytes as the result to replay (records of `run_once`
+        /// and the inbox, which store JSON).
+        #[arg(long, conflicts_with_all = ["release", "status"], required_unless_present_any = ["release", "status"])]
         complete_with: Option<PathBuf>,
+        /// The work happened: store an HTTP response with this status for the layer to replay (records
+        /// of the HTTP layer), with `--header` and `--body`.
+        #[arg(long, conflicts_with = "release")]
+        status: Option<u16>,
+        /// A header of that response, `Name: value` (repeatable).
+        #[arg(long = "header", requires = "status")]
+        headers: Vec<String>,
+        /// The file holding that response's body (default: empty).
+        #[arg(long, requires = "status")]
+        body: Option<PathBuf>,
         /// The work did not happen: let the next request execute it.
         #[arg(long)]
         release: bool,
@@ -144,6 +155,26 @@ enum CliError {
     Input(String),
     #[error("reading {path}: {source}")]
     Read { path: PathBuf, source: std::io::Error },
+}
+
+/// Whether an operation is named the way the HTTP layer names them (`"POST /payments"`, `"POST unmatched"`).
+fn is_http_operation(operation: &str) -> bool {
+    let method = operation.split_once(' ').map_or("", |(method, _)| method);
+    !method.is_empty() && method.bytes().all(|b| b.is_ascii_uppercase())
+}
+
+/// The layer's stored form of a response given on the command line.
+fn http_response(status: u16, headers: &[String], body: Vec<u8>) -> Result<Vec<u8>, CliError> {
+    let status = http::StatusCode::from_u16(status).map_err(|e| CliError::Input(format!("--status {status}: {e}")))?;
+    let mut map = http::HeaderMap::new();
+    for header in headers {
+        let invalid = |why: &str| CliError::Input(format!("--header {header:?}: {why}"));
+        let (name, value) = header.split_once(':').ok_or_else(|| invalid("not `Name: value`"))?;
+        let name = http::HeaderName::try_from(name.trim()).map_err(|_| invalid("not a header name"))?;
+        let value = http::HeaderValue::try_from(value.trim()).map_err(|_| invalid("not a header value"))?;
+        map.append(name, value);
+    }
+    Ok(idemstore::http::stored_response(status, &map, body))
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -247,13 +278,24 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
             );
             Output { json: serde_json::to_value(&recovery).unwrap_or_default(), text }
         }
-        Command::Resolve { id, complete_with, .. } => {
+        Command::Resolve { id, complete_with, status, headers, body, .. } => {
             let (scope, key) = record(id)?;
-            let resolution = match complete_with {
-                Some(path) => Resolution::Completed(
-                    std::fs::read(path).map_err(|source| CliError::Read { path: path.clone(), source })?,
-                ),
-                None => Resolution::Released,
+            let read =
+                |path: &PathBuf| std::fs::read(path).map_err(|source| CliError::Read { path: path.clone(), source });
+            let resolution = match (complete_with, status) {
+                (Some(_), _) if is_http_operation(scope.operation()) => {
+                    return Err(CliError::Input(format!(
+                        "{:?} is an operation of the HTTP layer, which replays only its own stored form: \
+                         resolve it with --status, --header and --body",
+                        scope.operation()
+                    )));
+                }
+                (Some(path), _) => Resolution::Completed(read(path)?),
+                (None, Some(status)) => {
+                    let body = body.as_ref().map(read).transpose()?.unwrap_or_default();
+                    Resolution::Completed(http_response(*status, headers, body)?)
+                }
+                (None, None) => Resolution::Released,
             };
             let resolved = store.resolve(&scope, &key, resolution).await?;
             let text = if resolved { "resolved" } else { "not resolved: the record is not indeterminate" };

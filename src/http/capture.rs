@@ -129,6 +129,13 @@ fn header_map(fields: Fields) -> HeaderMap {
     map
 }
 
+/// The stored form of an HTTP response, as the layer writes it: for an operator who settles an
+/// indeterminate record of the layer by hand ([`crate::Store::resolve`], `idemctl resolve --status`), so
+/// that retries get this response replayed. `headers` are stored as given (choose those to replay).
+pub fn stored_response(status: StatusCode, headers: &HeaderMap, body: Vec<u8>) -> Vec<u8> {
+    Stored::Response(Captured::new(status, headers, body, None)).encode()
+}
+
 /// The replayed headers of a response.
 pub(crate) fn replayed(headers: &HeaderMap, names: &[HeaderName]) -> HeaderMap {
     let kept = headers.iter().filter(|(name, _)| names.contains(name));

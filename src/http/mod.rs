@@ -50,6 +50,7 @@ mod layer;
 mod problem;
 mod service;
 
+pub use capture::stored_response;
 pub use config::{KeyRequirement, MismatchStatus, StoredStatuses};
 #[cfg(fuzzing)]
 #[doc(hidden)]
