@@ -12,9 +12,17 @@ use std::collections::HashSet;
 use std::sync::RwLock;
 use std::time::Duration;
 
-/// Answers per operation; label `outcome`: executed, replayed, in_flight, mismatch, indeterminate,
-/// expired, lease_lost, error.
+/// Answers per operation, exactly one per claim (a `begin`, a `run_once`, an HTTP request, an inbox
+/// delivery); label `outcome`: executed, replayed, in_flight, mismatch, indeterminate, expired, error
+/// (the store could not answer). The duplicate and conflict ratios divide by its sum.
 pub const OUTCOMES: &str = "idemstore_outcomes_total";
+/// An owner's write that did not land, after its claim was counted; labels `operation`, `step`
+/// (complete, release, extend) and `reason` (lease_lost: another owner took the key over; error:
+/// Postgres failed).
+pub const SETTLE_FAILURES: &str = "idemstore_settle_failures_total";
+/// Polls of a claim that waits for an in-flight duplicate (`RunOptions::wait_in_flight`); label
+/// `operation`. The wait's answer is one outcome, however many polls it took.
+pub const WAIT_POLLS: &str = "idemstore_wait_polls_total";
 /// Redis hot-path answers; label `result`: hit (answered from Redis), miss (went on to Postgres), error.
 pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";
 /// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open.
@@ -60,6 +68,8 @@ pub fn describe() {
     describe_counter!(REDIS_FALLBACKS, "Redis calls that degraded to the Postgres path, by reason.");
     describe_counter!(RECONCILIATIONS, "Records Redis had lost, served from Postgres and repaired.");
     describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
+    describe_counter!(SETTLE_FAILURES, "Owner writes (complete, release, extend) that did not land, by reason.");
+    describe_counter!(WAIT_POLLS, "Polls of claims waiting for an in-flight duplicate.");
     describe_counter!(POSTGRES_STATEMENTS, "Statements sent to Postgres, by statement.");
     describe_counter!(REDIS_CALLS, "Scripts run on Redis, by script.");
     describe_counter!(PURGED, "Expired records deleted by purge_expired.");
@@ -74,8 +84,7 @@ pub fn describe() {
 
 /// The values of each label, registered at 0 ahead of their first increment: a series that appears with
 /// its first increment has no earlier sample, so Prometheus's `rate()` and `increase()` never count it.
-const OUTCOME_NAMES: [&str; 8] =
-    ["executed", "replayed", "in_flight", "mismatch", "indeterminate", "expired", "lease_lost", "error"];
+const OUTCOME_NAMES: [&str; 7] = ["executed", "replayed", "in_flight", "mismatch", "indeterminate", "expired", "error"];
 const LOOKUP_RESULTS: [&str; 3] = ["hit", "miss", "error"];
 const FALLBACK_REASONS: [&str; 3] = ["error", "timeout", "circuit_open"];
 /// Beyond this many operations a store stops registering new ones ahead (their series still appear at
@@ -102,6 +111,11 @@ impl Registered {
                 metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
             }
             metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);
+            for step in ["complete", "release", "extend"] {
+                for reason in ["lease_lost", "error"] {
+                    settle_failure_counter(operation, step, reason).increment(0);
+                }
+            }
             if redis {
                 for result in LOOKUP_RESULTS {
                     metrics::counter!(REDIS_LOOKUPS, "operation" => operation.to_owned(), "result" => result)
@@ -127,6 +141,18 @@ fn register_jobs() {
 
 pub(crate) fn outcome(operation: &str, outcome: &'static str) {
     metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn settle_failure(operation: &str, step: &'static str, reason: &'static str) {
+    settle_failure_counter(operation, step, reason).increment(1);
+}
+
+fn settle_failure_counter(operation: &str, step: &'static str, reason: &'static str) -> metrics::Counter {
+    metrics::counter!(SETTLE_FAILURES, "operation" => operation.to_owned(), "step" => step, "reason" => reason)
+}
+
+pub(crate) fn wait_poll(operation: &str) {
+    metrics::counter!(WAIT_POLLS, "operation" => operation.to_owned()).increment(1);
 }
 
 pub(crate) fn redis_lookup(operation: &str, result: &'static str) {

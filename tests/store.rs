@@ -24,6 +24,7 @@ suite!(
     tenants_are_isolated,
     series_exist_at_zero_before_their_first_increment,
     keep_alive_stops_with_its_owner,
+    one_outcome_per_claim,
     redis_flushed_after_completion_is_reconciled,
     redis_down_degrades_to_postgres,
     redis_restart_reloads_scripts,
@@ -319,7 +320,7 @@ async fn stale_owner_is_fenced_after_takeover(mode: Mode) {
     let Begin::Completed(stored) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
     assert_eq!(stored.as_bytes(), b"\"fresh\"");
     assert_eq!(h.counter("idemstore_lease_takeovers_total", &[]), 2.0);
-    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "lease_lost")]), 2.0);
+    assert_eq!(h.counter("idemstore_settle_failures_total", &[("reason", "lease_lost")]), 2.0);
 }
 
 /// Under MarkIndeterminate, a lease that ran out makes the record indeterminate: nothing executes, and
@@ -537,7 +538,7 @@ async fn series_exist_at_zero_before_their_first_increment(mode: Mode) {
             line.starts_with(name) && line.contains(&wanted) && line.contains(&format!("{label}=\"{value}\""))
         })
     };
-    for outcome in ["mismatch", "in_flight", "replayed", "indeterminate", "expired", "lease_lost", "error"] {
+    for outcome in ["mismatch", "in_flight", "replayed", "indeterminate", "expired", "error"] {
         assert!(series("idemstore_outcomes_total", "outcome", outcome), "no {outcome} series:\n{page}");
         assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", outcome)]), 0.0);
     }
@@ -557,4 +558,29 @@ async fn keep_alive_stops_with_its_owner(mode: Mode) {
     owner.abandon();
     let Begin::Acquired(next) = begin_after_lease(&h, &scope, &k, &fp).await else { panic!("a takeover") };
     next.complete(b"1").await.expect("the new owner completes");
+}
+
+/// Exactly one outcome per claim: a waiter's polls count as wait polls and a stale owner's failed
+/// completion as a settle failure, so the outcomes sum to the claims made (before: every poll added an
+/// `in_flight`, and the failed completion a `lease_lost`, skewing the duplicate and conflict ratios).
+async fn one_outcome_per_claim(mode: Mode) {
+    let h = Harness::with(mode, policy(300, 60_000), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("counted"));
+    let fingerprint = |body: &[u8]| Fingerprint::of_json(body, &FingerprintOptions::default()).expect("fp");
+    let fp = fingerprint(br#"{"amount":1}"#);
+    let Begin::Acquired(stale) = h.store.begin(&scope, &k, &fp).await.expect("claim 1") else { panic!() };
+    let waiting = RunOptions::default().wait_in_flight(Duration::from_secs(10));
+    let Begin::Acquired(fresh) = h.store.begin_with(&scope, &k, &fp, &waiting).await.expect("claim 2") else {
+        panic!("the waiter takes over once the lease ran out")
+    };
+    assert!(matches!(stale.complete(b"1").await, Err(StoreError::LeaseLost { .. })));
+    fresh.complete(b"2").await.expect("the new owner completes");
+    assert!(matches!(h.store.begin(&scope, &k, &fp).await.expect("claim 3"), Begin::Completed(_)));
+    let other = fingerprint(br#"{"amount":2}"#);
+    assert!(matches!(h.store.begin(&scope, &k, &other).await.expect("claim 4"), Begin::Mismatch));
+    assert_eq!(h.counter("idemstore_outcomes_total", &[]), 4.0, "one outcome per claim");
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "executed")]), 2.0);
+    assert!(h.counter("idemstore_wait_polls_total", &[]) >= 1.0, "the waiter polled");
+    let failed = [("step", "complete"), ("reason", "lease_lost")];
+    assert_eq!(h.counter("idemstore_settle_failures_total", &failed), 1.0);
 }

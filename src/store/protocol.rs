@@ -59,6 +59,7 @@ impl Store {
                 Ok(Begin::InFlight { retry_after })
                     if deadline.is_some_and(|deadline| tokio::time::Instant::now() < deadline) =>
                 {
+                    telemetry::wait_poll(scope.operation());
                     let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
                     let deadline = deadline.unwrap_or_else(tokio::time::Instant::now);
                     tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(deadline)).await;
@@ -114,7 +115,7 @@ impl Store {
         response: &[u8],
     ) -> Result<Retained, StoreError> {
         let stored = self.inner.postgres.complete(lease, response, Some(tx)).await;
-        self.fenced_step(lease, stored)
+        self.fenced_step(lease, "complete", stored)
     }
 
     fn candidate(&self, scope: &Scope, key: &IdempotencyKey, fingerprint: &Fingerprint, policy: Arc<Policy>) -> Lease {
@@ -131,7 +132,7 @@ impl Store {
     /// Stores `response` as the result of the leased key ([`Owner::complete`]).
     pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
         let stored = self.inner.postgres.complete(lease, response, None).await;
-        let retained = self.fenced_step(lease, stored)?;
+        let retained = self.fenced_step(lease, "complete", stored)?;
         // Fault tests: the process "dies" after the commit, before Redis hears of it.
         #[cfg(feature = "failpoints")]
         fail::fail_point!("complete-before-redis", |_| Ok(()));
@@ -142,7 +143,7 @@ impl Store {
     /// Gives the key up ([`Owner::release`]).
     pub(crate) async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         let released = self.inner.postgres.release(lease).await;
-        self.fenced_step(lease, released.map(|matched| matched.then_some(())))?;
+        self.fenced_step(lease, "release", released.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
             let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, true).await;
             self.degrade(lease.scope.operation(), deleted);
@@ -153,7 +154,7 @@ impl Store {
     /// Extends the lease by the policy's lease duration from now ([`Owner::extend`]).
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<(), StoreError> {
         let extended = self.inner.postgres.extend(lease).await;
-        self.fenced_step(lease, extended.map(|matched| matched.then_some(())))?;
+        self.fenced_step(lease, "extend", extended.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
             let lease_ms = millis(lease.policy.lease);
             let extended = redis.extend(&self.record_key(redis, lease), &lease.owner, lease_ms).await;
@@ -318,16 +319,22 @@ impl Store {
     }
 
     /// Maps a fenced Postgres write: no row matched means the lease was lost.
-    fn fenced_step<T>(&self, lease: &Lease, result: Result<Option<T>, StoreError>) -> Result<T, StoreError> {
+    /// Counted apart from the claim's outcome, which was counted when the key was claimed.
+    fn fenced_step<T>(
+        &self,
+        lease: &Lease,
+        step: &'static str,
+        result: Result<Option<T>, StoreError>,
+    ) -> Result<T, StoreError> {
         let operation = lease.scope.operation();
         match result {
             Ok(Some(done)) => Ok(done),
             Ok(None) => {
-                telemetry::outcome(operation, "lease_lost");
+                telemetry::settle_failure(operation, step, "lease_lost");
                 Err(StoreError::LeaseLost { fence: lease.fence })
             }
             Err(error) => {
-                telemetry::outcome(operation, "error");
+                telemetry::settle_failure(operation, step, "error");
                 Err(error)
             }
         }
