@@ -454,7 +454,8 @@ impl Outbox {
         let row = self.store.bounded(&DISCARD, query).await?;
         let message = row.as_ref().map(Message::from_row).transpose().map_err(|source| DISCARD.failed(source))?;
         if let Some(message) = &message {
-            tracing::warn!(id, topic = message.topic, payload = message.payload, "outbox row discarded");
+            // The payload is returned to the caller, never logged: it may carry personal data.
+            tracing::warn!(id, topic = message.topic, payload_bytes = message.payload.len(), "outbox row discarded");
         }
         Ok(message)
     }

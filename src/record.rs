@@ -130,6 +130,13 @@ pub(crate) struct Lease {
     pub(crate) policy: Arc<Policy>,
 }
 
+impl Lease {
+    /// The span of a write of this lease (`complete`, `release`, `extend`).
+    pub(crate) fn span(&self, step: &'static str) -> tracing::Span {
+        crate::telemetry::write_span(step, self.scope.operation(), self.key.as_str(), self.fence)
+    }
+}
+
 /// A record as Postgres holds it, for operators and tests ([`crate::Store::lookup`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -9,6 +9,7 @@
 //! ```
 
 use std::collections::HashSet;
+use std::fmt;
 use std::sync::RwLock;
 use std::time::Duration;
 
@@ -136,6 +137,34 @@ fn register_jobs() {
     metrics::counter!(PURGED).increment(0);
     for action in ["released", "marked_indeterminate"] {
         metrics::counter!(RECOVERED, "action" => action).increment(0);
+    }
+}
+
+/// A key as logs and traces show it: the first 8 hex digits of its SHA-256, never the key (keys may be
+/// guessable or carry an order number); computed only when a subscriber records it.
+pub(crate) struct KeyTag<'a>(pub(crate) &'a str);
+
+impl fmt::Display for KeyTag<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(self.0.as_bytes());
+        digest[..4].iter().try_for_each(|byte| write!(f, "{byte:02x}"))
+    }
+}
+
+/// The span of one claim (`idemstore.claim`): operation and key tag; its outcome and, when acquired,
+/// the fence are recorded when it is answered.
+pub(crate) fn claim_span(operation: &str, key: &str) -> tracing::Span {
+    let (outcome, fence) = (tracing::field::Empty, tracing::field::Empty);
+    tracing::debug_span!("idemstore.claim", operation, key = %KeyTag(key), outcome, fence)
+}
+
+/// The span of an owner's write (`idemstore.complete`, `idemstore.release`, `idemstore.extend`).
+pub(crate) fn write_span(step: &'static str, operation: &str, key: &str, fence: i64) -> tracing::Span {
+    match step {
+        "complete" => tracing::debug_span!("idemstore.complete", operation, key = %KeyTag(key), fence),
+        "release" => tracing::debug_span!("idemstore.release", operation, key = %KeyTag(key), fence),
+        _ => tracing::trace_span!("idemstore.extend", operation, key = %KeyTag(key), fence),
     }
 }
 

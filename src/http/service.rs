@@ -12,6 +12,7 @@ use bytes::Bytes;
 use http::{Request, Response, request::Parts};
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use tower::{BoxError, Service, ServiceExt};
+use tracing::Instrument;
 
 use super::TenantResolver;
 use super::answer::{self, Boxed, own};
@@ -85,15 +86,19 @@ where
         let fresh = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, fresh);
         let config = Arc::clone(&self.config);
-        Box::pin(async move {
-            match admit(&config, request).await {
-                Admission::PassThrough(request) => {
-                    inner.oneshot(request.map(Either::Left)).await.map(|response| response.map(Either::Left))
+        let span = tracing::debug_span!("idemstore.http", method = %request.method());
+        Box::pin(
+            async move {
+                match admit(&config, request).await {
+                    Admission::PassThrough(request) => {
+                        inner.oneshot(request.map(Either::Left)).await.map(|response| response.map(Either::Left))
+                    }
+                    Admission::Refused(response) => Ok(own(response)),
+                    Admission::Admitted(admitted) => execute(inner, &config, admitted).await.map(own),
                 }
-                Admission::Refused(response) => Ok(own(response)),
-                Admission::Admitted(admitted) => execute(inner, &config, admitted).await.map(own),
             }
-        })
+            .instrument(span),
+        )
     }
 }
 

@@ -19,6 +19,7 @@ use crate::owner::Owner;
 use crate::policy::{LeaseExpiry, Policy, millis};
 use crate::record::{Begin, Lease, Record, State, StoredResponse};
 use crate::telemetry;
+use tracing::Instrument;
 
 impl Store {
     /// Claims `key` for a request with this `fingerprint`, or answers from what the key already holds.
@@ -50,25 +51,30 @@ impl Store {
         options: &RunOptions,
     ) -> Result<Begin, StoreError> {
         self.register(scope.operation());
+        let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let deadline = options.wait.map(|wait| tokio::time::Instant::now() + wait);
         let mut backoff = Duration::from_millis(5);
-        let answer = loop {
-            let candidate = self.candidate(scope, key, fingerprint, Arc::clone(&policy));
-            match self.claim(candidate, options.heartbeat, None).await {
-                Ok(Begin::InFlight { retry_after })
-                    if deadline.is_some_and(|deadline| tokio::time::Instant::now() < deadline) =>
-                {
-                    telemetry::wait_poll(scope.operation());
-                    let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
-                    let deadline = deadline.unwrap_or_else(tokio::time::Instant::now);
-                    tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(deadline)).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
+        let answer = async {
+            loop {
+                let candidate = self.candidate(scope, key, fingerprint, Arc::clone(&policy));
+                match self.claim(candidate, options.heartbeat, None).await {
+                    Ok(Begin::InFlight { retry_after })
+                        if deadline.is_some_and(|deadline| tokio::time::Instant::now() < deadline) =>
+                    {
+                        telemetry::wait_poll(scope.operation());
+                        let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
+                        let deadline = deadline.unwrap_or_else(tokio::time::Instant::now);
+                        tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(deadline)).await;
+                        backoff = (backoff * 2).min(Duration::from_millis(200));
+                    }
+                    answer => break answer,
                 }
-                answer => break answer,
             }
-        };
-        record_outcome(scope.operation(), &answer);
+        }
+        .instrument(span.clone())
+        .await;
+        record_outcome(scope.operation(), &answer, &span);
         answer
     }
 
@@ -82,9 +88,10 @@ impl Store {
         tx: &mut PgConnection,
     ) -> Result<Begin, StoreError> {
         self.register(scope.operation());
+        let span = telemetry::claim_span(scope.operation(), key.as_str());
         let candidate = self.candidate(scope, key, fingerprint, self.shared_policy(scope.operation()));
-        let answer = self.claim(candidate, Heartbeat::Off, Some(tx)).await;
-        record_outcome(scope.operation(), &answer);
+        let answer = self.claim(candidate, Heartbeat::Off, Some(tx)).instrument(span.clone()).await;
+        record_outcome(scope.operation(), &answer, &span);
         answer
     }
 
@@ -131,6 +138,10 @@ impl Store {
 
     /// Stores `response` as the result of the leased key ([`Owner::complete`]).
     pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
+        self.complete_traced(lease, response).instrument(lease.span("complete")).await
+    }
+
+    async fn complete_traced(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
         let stored = self.inner.postgres.complete(lease, response, None).await;
         let retained = self.fenced_step(lease, "complete", stored)?;
         // Fault tests: the process "dies" after the commit, before Redis hears of it.
@@ -142,6 +153,10 @@ impl Store {
 
     /// Gives the key up ([`Owner::release`]).
     pub(crate) async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.release_traced(lease).instrument(lease.span("release")).await
+    }
+
+    async fn release_traced(&self, lease: &Lease) -> Result<(), StoreError> {
         let released = self.inner.postgres.release(lease).await;
         self.fenced_step(lease, "release", released.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
@@ -153,6 +168,10 @@ impl Store {
 
     /// Extends the lease by the policy's lease duration from now ([`Owner::extend`]).
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.extend_traced(lease).instrument(lease.span("extend")).await
+    }
+
+    async fn extend_traced(&self, lease: &Lease) -> Result<(), StoreError> {
         let extended = self.inner.postgres.extend(lease).await;
         self.fenced_step(lease, "extend", extended.map(|matched| matched.then_some(())))?;
         if let Some(redis) = &self.inner.redis {
@@ -368,8 +387,8 @@ fn redis_ttl(ttl: Duration, expires_in: Option<Duration>) -> Duration {
     expires_in.map_or(ttl, |expires_in| ttl.min(expires_in))
 }
 
-/// Counts the answer of a claim by operation.
-fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>) {
+/// Counts the answer of a claim by operation, and records it in the claim's span.
+fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>, span: &tracing::Span) {
     let outcome = match answer {
         Ok(Begin::Acquired(_)) => "executed",
         Ok(Begin::Completed(_)) => "replayed",
@@ -379,5 +398,9 @@ fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>) {
         Ok(Begin::Expired) => "expired",
         Err(_) => "error",
     };
+    span.record("outcome", outcome);
+    if let Ok(Begin::Acquired(owner)) = answer {
+        span.record("fence", owner.fence());
+    }
     telemetry::outcome(operation, outcome);
 }
