@@ -323,8 +323,8 @@ impl Outbox {
         Ok(drained)
     }
 
-    /// The pending-rows and oldest-age gauges, from one aggregate (cheaper than [`Outbox::backlog`]).
-    async fn refresh_gauges(&self) -> Result<(), StoreError> {
+    /// The pending-rows and oldest-row gauges, from one aggregate (cheaper than [`Outbox::backlog`]).
+    pub(crate) async fn refresh_gauges(&self) -> Result<(), StoreError> {
         let gauges = sqlx::query_as::<_, (i64, f64)>(GAUGES.sql).fetch_one(self.store.pg_pool());
         let (pending, oldest) = self.store.bounded(&GAUGES, gauges).await?;
         telemetry::outbox_backlog(

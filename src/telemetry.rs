@@ -45,7 +45,8 @@ pub const REDIS_CALLS: &str = "idemstore_redis_calls_total";
 pub const PURGED: &str = "idemstore_purged_records_total";
 /// Stale in-progress records recovered by `recover_stale`; label `action`: released, marked_indeterminate.
 pub const RECOVERED: &str = "idemstore_recovered_records_total";
-/// Records awaiting an operator, as last counted by `recover_stale` or `resolve`.
+/// Records awaiting an operator: counted by `Store::refresh_gauges` (and `recover_stale`, `resolve`), and
+/// raised by the request path when it marks one.
 pub const INDETERMINATE: &str = "idemstore_indeterminate_records";
 /// Rows the outbox sink accepted; label `topic`. A row redelivered after a relay crash counts again.
 pub const OUTBOX_DELIVERIES: &str = "idemstore_outbox_deliveries_total";
@@ -55,6 +56,9 @@ pub const OUTBOX_FAILURES: &str = "idemstore_outbox_failures_total";
 pub const OUTBOX_PENDING: &str = "idemstore_outbox_pending_rows";
 /// Age of the oldest undelivered outbox row, as last counted; it grows while a topic is stuck.
 pub const OUTBOX_OLDEST_AGE: &str = "idemstore_outbox_oldest_pending_age_seconds";
+/// When the oldest undelivered outbox row was enqueued (Unix time; 0 when none is pending), as last
+/// counted: unlike the age, `time() - it` keeps growing between refreshes.
+pub const OUTBOX_OLDEST_ENQUEUED: &str = "idemstore_outbox_oldest_pending_enqueued_timestamp_seconds";
 /// Time of one claim call; label `tier`: redis or postgres.
 pub const CLAIM_DURATION: &str = "idemstore_claim_duration_seconds";
 
@@ -80,6 +84,11 @@ pub fn describe() {
     describe_counter!(OUTBOX_FAILURES, "Outbox deliveries refused or timed out, by topic.");
     metrics::describe_gauge!(OUTBOX_PENDING, "Undelivered outbox rows, as last counted.");
     metrics::describe_gauge!(OUTBOX_OLDEST_AGE, Unit::Seconds, "Age of the oldest undelivered outbox row.");
+    metrics::describe_gauge!(
+        OUTBOX_OLDEST_ENQUEUED,
+        Unit::Seconds,
+        "Unix time the oldest undelivered row was enqueued."
+    );
     describe_histogram!(CLAIM_DURATION, Unit::Seconds, "Duration of one claim call, by tier.");
 }
 
@@ -216,6 +225,11 @@ pub(crate) fn recovered(action: &'static str) {
     metrics::counter!(RECOVERED, "action" => action).increment(1);
 }
 
+/// The request path marked a record indeterminate: the gauge goes up before the next count.
+pub(crate) fn indeterminate_marked() {
+    metrics::gauge!(INDETERMINATE).increment(1.0);
+}
+
 pub(crate) fn indeterminate(records: u64) {
     metrics::gauge!(INDETERMINATE).set(records as f64);
 }
@@ -235,6 +249,9 @@ pub(crate) fn outbox_failure(topic: &str) {
 pub(crate) fn outbox_backlog(pending: u64, oldest: Duration) {
     metrics::gauge!(OUTBOX_PENDING).set(pending as f64);
     metrics::gauge!(OUTBOX_OLDEST_AGE).set(oldest.as_secs_f64());
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let enqueued = if pending == 0 { 0.0 } else { now.saturating_sub(oldest).as_secs_f64() };
+    metrics::gauge!(OUTBOX_OLDEST_ENQUEUED).set(enqueued);
 }
 
 pub(crate) fn claim_duration(tier: &'static str, elapsed: Duration) {

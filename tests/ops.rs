@@ -21,6 +21,7 @@ suite!(
     tiers_are_selected_by_operation_from_a_config_file,
     idemctl_commands,
     http_records_resolve_in_the_layers_format,
+    gauges_follow_the_database,
 );
 
 fn policy(lease_ms: u64, redis_ttl_ms: u64, retention_ms: u64, expiry: LeaseExpiry) -> Policy {
@@ -336,4 +337,39 @@ async fn http_records_resolve_in_the_layers_format(mode: Mode) {
     assert_eq!(replay.headers()["content-type"], "application/json");
     let body = replay.into_body().collect().await.expect("body").to_bytes();
     assert_eq!(body.as_ref(), b"{\"order\":\"o_1\"}");
+}
+
+/// The gauges follow Postgres, not the job runner: the request path raises the indeterminate gauge when it
+/// marks a record; a resolution by `idemctl` (another process) reaches this process's gauge at its next
+/// `refresh_gauges`; the outbox gauges give the oldest pending row's enqueue time (before: the
+/// indeterminate gauge moved only when this process ran `recover_stale` or `resolve`).
+async fn gauges_follow_the_database(mode: Mode) {
+    if support::rerun_alone(mode, "gauges_follow_the_database") {
+        return;
+    }
+    let h = Harness::with(mode, policy(200, 400, 800, LeaseExpiry::MarkIndeterminate), Servers::Any).await;
+    let gauge = |name: &str| support::total(name);
+    h.store.refresh_gauges().await.expect("refresh");
+    assert_eq!(gauge("idemstore_indeterminate_records"), 0.0);
+
+    let (scope, fp) = (h.scope("acme"), fingerprint(&h, &json!({"n": 1})));
+    let Ok(Begin::Acquired(owner)) = h.store.begin(&scope, &key("stuck"), &fp).await else { panic!() };
+    owner.abandon();
+    h.pass_lease(&scope, &key("stuck")).await;
+    assert!(matches!(h.store.begin(&scope, &key("stuck"), &fp).await, Ok(Begin::Indeterminate)));
+    assert_eq!(gauge("idemstore_indeterminate_records"), 1.0, "raised by the request path");
+
+    assert_eq!(idemctl(&h, &["resolve", "acme", &h.operation, "stuck", "--release"]).1["resolved"], true);
+    assert_eq!(gauge("idemstore_indeterminate_records"), 1.0, "another process resolved it");
+    h.store.refresh_gauges().await.expect("refresh");
+    assert_eq!(gauge("idemstore_indeterminate_records"), 0.0, "counted from Postgres");
+
+    let mut tx = h.pool.begin().await.expect("begin");
+    h.store.outbox().enqueue(&mut tx, "receipts", &json!({"n": 1})).await.expect("enqueue");
+    tx.commit().await.expect("commit");
+    h.store.refresh_gauges().await.expect("refresh");
+    assert_eq!(gauge("idemstore_outbox_pending_rows"), 1.0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_secs_f64();
+    let enqueued = gauge("idemstore_outbox_oldest_pending_enqueued_timestamp_seconds");
+    assert!((now - 60.0..=now + 1.0).contains(&enqueued), "{enqueued} vs {now}");
 }

@@ -53,6 +53,17 @@ async fn main() -> Result<(), Box<dyn Error>> {
         }
     });
 
+    // Gauges follow the database, whoever changed it (an operator's idemctl included).
+    let observer = store.clone();
+    tokio::spawn(async move {
+        loop {
+            if let Err(e) = observer.refresh_gauges().await {
+                eprintln!("gauges: {e}");
+            }
+            tokio::time::sleep(Duration::from_secs(15)).await;
+        }
+    });
+
     let app = app::router(app::App { store, metrics });
     axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
     drop(servers);

@@ -334,6 +334,19 @@ impl Store {
         Ok(resolved)
     }
 
+    /// Sets the gauges from what Postgres holds now: records awaiting an operator
+    /// (`idemstore_indeterminate_records`, on a partial index) and the outbox backlog (pending rows, the
+    /// oldest one's age and enqueue time). Schedule it (every 15 to 60 s) in each process that exports
+    /// metrics: jobs run elsewhere (`idemctl`, another service) move the database, not this process's
+    /// gauges. Two short statements.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    pub async fn refresh_gauges(&self) -> Result<(), StoreError> {
+        self.indeterminate_gauge().await?;
+        self.outbox().refresh_gauges().await
+    }
+
     /// Records by operation, state and tier, with how many expire within `window`.
     ///
     /// # Errors

@@ -303,7 +303,10 @@ impl Store {
                 let stale = Lease { fence: record.fence, ..candidate.clone() };
                 let marked = self.inner.postgres.mark_indeterminate(&stale, tx).await;
                 match marked? {
-                    true => Begin::Indeterminate,
+                    true => {
+                        telemetry::indeterminate_marked();
+                        Begin::Indeterminate
+                    }
                     // The owner extended or finished meanwhile: a retry sees which.
                     false => Begin::InFlight { retry_after: Duration::ZERO },
                 }
