@@ -8,13 +8,11 @@
 //! transaction commits: rows of one producer (or of one transaction) go out in the order they were
 //! enqueued, while the order between transactions that commit concurrently is not defined.
 
-use std::collections::{HashMap, VecDeque};
 use std::fmt::Display;
 use std::future::Future;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use futures_util::StreamExt as _;
-use futures_util::stream::FuturesUnordered;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::Row as _;
@@ -34,12 +32,13 @@ const ENQUEUE: Statement = Statement::new(
 /// The newest row when a drain starts: it delivers nothing newer, so it ends even while producers write.
 const HORIZON: Statement = Statement::new("outbox_horizon", "SELECT COALESCE(max(id), 0) FROM idempotency_outbox");
 
-/// One batch, locked for this relay's transaction, of rows up to the drain's horizon (`$3`). A topic's
-/// head (its oldest row) is the topic's lock: relays skip heads that another relay holds, and take the
-/// rows behind a head only with it, so no two relays deliver one topic at once and its rows go out in id
-/// order. Topics are found by a loose index
-/// scan (one probe per topic), so a long backlog in one topic costs no scan. A head that is backing off
-/// holds its whole topic back: order before progress.
+/// One topic's batch, locked for this relay's transaction: the oldest due head (a topic's oldest row, up
+/// to the drain's horizon `$3`) that no other relay holds, and the rows behind it in id order, at most
+/// `$1`. The head is the topic's lock: no two relays (or workers of one drain) deliver one topic at once,
+/// and its rows go out in id order. One topic per batch, so a slow topic holds back only itself, never
+/// the commit of other topics' deliveries. Topics are found by a loose index scan (one probe per topic),
+/// so a long backlog in one topic costs no scan. A head that is backing off holds its whole topic back:
+/// order before progress.
 const LOCK_BATCH: Statement = Statement::new(
     "outbox_lock",
     "
@@ -57,7 +56,7 @@ const LOCK_BATCH: Statement = Statement::new(
                        FROM topics t WHERE t.topic IS NOT NULL)
           AND o.next_attempt_at <= now() AND o.id <= $3
         ORDER BY o.id
-        LIMIT $1
+        LIMIT 1
         FOR UPDATE SKIP LOCKED
     )
     SELECT o.id, o.topic, o.payload::text AS payload, o.attempts
@@ -65,7 +64,7 @@ const LOCK_BATCH: Statement = Statement::new(
     WHERE o.id <= $3
     ORDER BY o.id
     LIMIT $1
-    FOR UPDATE OF o",
+    FOR UPDATE OF o SKIP LOCKED",
 );
 
 /// The batch's outcome in one round trip: delivered rows are deleted, failed ones back off. The backoff
@@ -217,7 +216,7 @@ impl Store {
             batch_size: 100,
             backoff: (Duration::from_secs(1), Duration::from_secs(300)),
             delivery_timeout: Duration::from_secs(30),
-            concurrency: 1,
+            concurrency: 4,
             max_payload: 1 << 20,
         }
     }
@@ -251,9 +250,10 @@ impl Outbox {
         self
     }
 
-    /// Most topics whose rows are with the sink at once (default 1, at least 1): a slow downstream then
-    /// holds back one topic, not the whole batch. The rows of one topic are always delivered one after
-    /// the other, in order.
+    /// Most topics whose rows are with the sink at once (default 4, at least 1): each is a worker of the
+    /// drain taking one topic's batch at a time in its own transaction, so a slow downstream holds back
+    /// its own topic and one worker, never the others. The rows of one topic are always delivered one
+    /// after the other, in order.
     pub fn with_concurrency(mut self, topics: usize) -> Self {
         self.concurrency = topics.max(1);
         self
@@ -298,7 +298,7 @@ impl Outbox {
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed; the current batch is delivered again later.
-    pub async fn drain<F, Fut, E>(&self, mut sink: F) -> Result<Drained, StoreError>
+    pub async fn drain<F, Fut, E>(&self, sink: F) -> Result<Drained, StoreError>
     where
         F: FnMut(Message) -> Fut,
         Fut: Future<Output = Result<(), E>>,
@@ -306,15 +306,15 @@ impl Outbox {
     {
         let horizon = sqlx::query_scalar(HORIZON.sql).fetch_one(self.store.pg_pool());
         let horizon: i64 = self.store.bounded(&HORIZON, horizon).await?;
+        // The workers share the sink: each call only makes a delivery's future, so the lock is held for
+        // no await (a Mutex, not a RefCell, keeps the drain's future Send).
+        let sink = Mutex::new(sink);
+        let workers = (0..self.concurrency).map(|_| self.drain_topics(&sink, horizon));
         let mut drained = Drained::default();
-        loop {
-            let (batch, full) = self.drain_batch(&mut sink, horizon).await?;
-            drained.delivered += batch.delivered;
-            drained.failed += batch.failed;
-            // A batch short of its size found everything that was due.
-            if batch.delivered == 0 || !full {
-                break;
-            }
+        for worker in futures_util::future::join_all(workers).await {
+            let worker = worker?;
+            drained.delivered += worker.delivered;
+            drained.failed += worker.failed;
         }
         // The rows are settled by now: a failed gauge refresh must not report the drain as failed.
         if let Err(error) = self.refresh_gauges().await {
@@ -334,8 +334,23 @@ impl Outbox {
         Ok(())
     }
 
-    /// One batch; also says whether it was full (more may be due).
-    async fn drain_batch<F, Fut, E>(&self, sink: &mut F, horizon: i64) -> Result<(Drained, bool), StoreError>
+    /// One worker of a drain: one topic's batch after another, until no due topic is left to it.
+    async fn drain_topics<F, Fut, E>(&self, sink: &Mutex<F>, horizon: i64) -> Result<Drained, StoreError>
+    where
+        F: FnMut(Message) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: Display,
+    {
+        let mut drained = Drained::default();
+        while let Some(batch) = self.drain_batch(sink, horizon).await? {
+            drained.delivered += batch.delivered;
+            drained.failed += batch.failed;
+        }
+        Ok(drained)
+    }
+
+    /// One topic's batch, delivered and settled in one transaction; `None` when no due topic was free.
+    async fn drain_batch<F, Fut, E>(&self, sink: &Mutex<F>, horizon: i64) -> Result<Option<Drained>, StoreError>
     where
         F: FnMut(Message) -> Fut,
         Fut: Future<Output = Result<(), E>>,
@@ -347,9 +362,8 @@ impl Outbox {
             sqlx::query(LOCK_BATCH.sql).bind(i64::from(self.batch_size)).bind(self.topics.as_deref()).bind(horizon);
         let rows = store.bounded(&LOCK_BATCH, lock.fetch_all(&mut *tx)).await?;
         if rows.is_empty() {
-            return Ok((Drained::default(), false));
+            return Ok(None);
         }
-        let full = rows.len() == self.batch_size as usize;
         let messages = rows.iter().map(Message::from_row).collect::<Result<Vec<_>, _>>();
         let messages = messages.map_err(|source| LOCK_BATCH.failed(source))?;
         let settlement = self.deliver(sink, messages).await;
@@ -361,67 +375,38 @@ impl Outbox {
             .bind(settlement.delays_ms);
         store.bounded(&SETTLE, settle.execute(&mut *tx)).await?;
         store.bounded(&COMMIT, tx.commit()).await?;
-        Ok((drained, full))
+        Ok(Some(drained))
     }
 
-    /// Hands a batch to the sink: each topic's rows one after the other in id order, up to
-    /// `concurrency` topics side by side. A failed row holds the rest of its topic back.
-    async fn deliver<F, Fut, E>(&self, sink: &mut F, messages: Vec<Message>) -> Settlement
+    /// Hands one topic's rows to the sink, one after the other in id order; a failed row backs off and
+    /// holds the rest back.
+    async fn deliver<F, Fut, E>(&self, sink: &Mutex<F>, messages: Vec<Message>) -> Settlement
     where
         F: FnMut(Message) -> Fut,
         Fut: Future<Output = Result<(), E>>,
         E: Display,
     {
-        let mut topics: Vec<VecDeque<Message>> = Vec::new();
-        let mut index = HashMap::new();
-        for message in messages {
-            let topic = *index.entry(message.topic.clone()).or_insert_with(|| {
-                topics.push(VecDeque::new());
-                topics.len() - 1
-            });
-            topics[topic].push_back(message);
-        }
         let timeout = self.delivery_timeout;
-        let mut send = |topic: usize, message: Message| {
-            let (id, attempt, name) = (message.id, message.attempt, message.topic.clone());
-            let delivery = tokio::time::timeout(timeout, sink(message));
-            async move { (topic, id, attempt, name, delivery.await) }
-        };
-        let mut in_flight = FuturesUnordered::new();
-        let mut not_started = 0..topics.len();
-        for topic in not_started.by_ref().take(self.concurrency) {
-            if let Some(message) = topics[topic].pop_front() {
-                in_flight.push(send(topic, message));
-            }
-        }
         let mut settlement = Settlement::default();
-        while let Some((topic, id, attempt, name, answer)) = in_flight.next().await {
-            let error = match answer {
+        for message in messages {
+            let (id, attempt, topic) = (message.id, message.attempt, message.topic.clone());
+            let delivery = tokio::time::timeout(timeout, (sink.lock().unwrap_or_else(PoisonError::into_inner))(message));
+            let error = match delivery.await {
                 Ok(Ok(())) => None,
                 Ok(Err(error)) => Some(error.to_string()),
                 Err(_) => Some(format!("no answer within {timeout:?}")),
             };
-            match error {
-                None => {
-                    telemetry::outbox_delivery(&name);
-                    settlement.delivered.push(id);
-                }
-                Some(error) => {
-                    tracing::warn!(id, topic = name, attempt, error, "outbox delivery failed");
-                    telemetry::outbox_failure(&name);
-                    settlement.failed.push(id);
-                    settlement.errors.push(error);
-                    settlement.delays_ms.push(millis(self.backoff_after(attempt)) as f64);
-                    topics[topic].clear();
-                }
-            }
-            let next = topics[topic]
-                .pop_front()
-                .map(|message| (topic, message))
-                .or_else(|| not_started.by_ref().find_map(|t| topics[t].pop_front().map(|message| (t, message))));
-            if let Some((topic, message)) = next {
-                in_flight.push(send(topic, message));
-            }
+            let Some(error) = error else {
+                telemetry::outbox_delivery(&topic);
+                settlement.delivered.push(id);
+                continue;
+            };
+            tracing::warn!(id, topic, attempt, error, "outbox delivery failed");
+            telemetry::outbox_failure(&topic);
+            settlement.failed.push(id);
+            settlement.errors.push(error);
+            settlement.delays_ms.push(millis(self.backoff_after(attempt)) as f64);
+            break;
         }
         settlement
     }
