@@ -390,7 +390,8 @@ impl Outbox {
         let mut settlement = Settlement::default();
         for message in messages {
             let (id, attempt, topic) = (message.id, message.attempt, message.topic.clone());
-            let delivery = tokio::time::timeout(timeout, (sink.lock().unwrap_or_else(PoisonError::into_inner))(message));
+            let delivery =
+                tokio::time::timeout(timeout, (sink.lock().unwrap_or_else(PoisonError::into_inner))(message));
             let error = match delivery.await {
                 Ok(Ok(())) => None,
                 Ok(Err(error)) => Some(error.to_string()),

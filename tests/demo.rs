@@ -18,6 +18,7 @@ suite!(
     tenants_get_their_own_charges_end_to_end,
     metrics_match_a_known_sequence_end_to_end,
     webhook_redelivered_five_times_is_handled_once_end_to_end,
+    every_metric_ops_uses_is_emitted,
 );
 
 /// A provider re-delivers one event five times at once to the demo's inbox: one row in
@@ -133,5 +134,45 @@ async fn metrics_match_a_known_sequence_end_to_end(mode: Mode) {
         use std::io::Write;
         promtool.stdin.take().expect("stdin").write_all(page.as_bytes()).expect("write to promtool");
         assert!(promtool.wait().expect("promtool").success(), "promtool check metrics failed on:\n{page}");
+    }
+}
+
+/// Every metric the rules and the dashboard in ops/ read is on the demo's /metrics page after one
+/// request and a gauge refresh (the Redis ones in two-tier mode): an alert never watches a name the
+/// library does not emit.
+async fn every_metric_ops_uses_is_emitted(mode: Mode) {
+    if support::rerun_alone(mode, "every_metric_ops_uses_is_emitted") {
+        return;
+    }
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    post_payment(&client, &base, "ops-1", "acme", &charge(1), 0).await;
+    h.store.refresh_gauges().await.expect("refresh the gauges");
+    let page = client.get(format!("{base}/metrics")).send().await.expect("scrape").text().await.expect("text");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ops");
+    let mut used = std::collections::BTreeSet::new();
+    for file in ["idemstore.rules.yml", "grafana-dashboard.json"] {
+        let text = std::fs::read_to_string(root.join(file)).expect("an ops file");
+        for (start, _) in text.match_indices("idemstore_") {
+            let name: String = text[start..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            // `operation:idemstore_duplicate_ratio:rate5m`: a recording rule, Prometheus's own series.
+            let recorded = text[..start].ends_with(':') || text[start + name.len()..].starts_with(':');
+            if !recorded {
+                used.insert(name);
+            }
+        }
+    }
+    assert!(used.len() >= 6, "{used:?}");
+    for name in used {
+        if mode == Mode::PostgresOnly && name.starts_with("idemstore_redis_")
+            || name == "idemstore_reconciliations_total" && mode == Mode::PostgresOnly
+        {
+            continue;
+        }
+        assert!(
+            page.lines().any(|line| line.starts_with(&format!("{name}{{")) || line.starts_with(&format!("{name} "))),
+            "{name} is not emitted:\n{page}"
+        );
     }
 }
