@@ -72,8 +72,10 @@
 //! - [`Inbox`] (`Store::inbox`): webhook and message consumers handle each event once.
 //! - [`Outbox`] (`Store::outbox`): rows written in the application's transaction, delivered after the
 //!   commit by a relay the application schedules.
-//! - [`http`] (feature `http`): the tower/axum `Idempotency-Key` middleware.
-//! - [`telemetry`]: metric names; the library never installs a recorder.
+//! - [`http`] (feature `http`): the `Idempotency-Key` middleware for any tower service (axum routes,
+//!   tonic servers), built on the public API like any user's middleware would be.
+//! - [`telemetry`]: metric names (every series registered at 0 when an operation is first seen) and the
+//!   `tracing` spans; the library never installs a recorder, and never logs a key or a payload.
 //! - `testkit` (feature): throwaway Redis and Postgres servers for tests, examples and benchmarks.
 
 #![forbid(unsafe_code)]
