@@ -38,7 +38,9 @@ const HORIZON: Statement = Statement::new("outbox_horizon", "SELECT COALESCE(max
 /// and its rows go out in id order. One topic per batch, so a slow topic holds back only itself, never
 /// the commit of other topics' deliveries. Topics are found by a loose index scan (one probe per topic),
 /// so a long backlog in one topic costs no scan. A head that is backing off holds its whole topic back:
-/// order before progress.
+/// order before progress. The rows behind the head are locked waiting, never skipped: a row another
+/// relay holds (it saw an older head, before a producer's earlier row committed) is that relay's to
+/// deliver first. `$4`: topics that failed earlier in this drain, left for the next one.
 const LOCK_BATCH: Statement = Statement::new(
     "outbox_lock",
     "
@@ -54,7 +56,7 @@ const LOCK_BATCH: Statement = Statement::new(
         SELECT o.topic FROM idempotency_outbox o
         WHERE o.id IN (SELECT (SELECT h.id FROM idempotency_outbox h WHERE h.topic = t.topic ORDER BY h.id LIMIT 1)
                        FROM topics t WHERE t.topic IS NOT NULL)
-          AND o.next_attempt_at <= now() AND o.id <= $3
+          AND o.next_attempt_at <= now() AND o.id <= $3 AND o.topic <> ALL($4)
         ORDER BY o.id
         LIMIT 1
         FOR UPDATE SKIP LOCKED
@@ -64,7 +66,7 @@ const LOCK_BATCH: Statement = Statement::new(
     WHERE o.id <= $3
     ORDER BY o.id
     LIMIT $1
-    FOR UPDATE OF o SKIP LOCKED",
+    FOR UPDATE OF o",
 );
 
 /// The batch's outcome in one round trip: delivered rows are deleted, failed ones back off. The backoff
@@ -309,7 +311,8 @@ impl Outbox {
         // The workers share the sink: each call only makes a delivery's future, so the lock is held for
         // no await (a Mutex, not a RefCell, keeps the drain's future Send).
         let sink = Mutex::new(sink);
-        let workers = (0..self.concurrency).map(|_| self.drain_topics(&sink, horizon));
+        let failed = Mutex::new(Vec::new());
+        let workers = (0..self.concurrency).map(|_| self.drain_topics(&sink, horizon, &failed));
         let mut drained = Drained::default();
         for worker in futures_util::future::join_all(workers).await {
             let worker = worker?;
@@ -334,15 +337,22 @@ impl Outbox {
         Ok(())
     }
 
-    /// One worker of a drain: one topic's batch after another, until no due topic is left to it.
-    async fn drain_topics<F, Fut, E>(&self, sink: &Mutex<F>, horizon: i64) -> Result<Drained, StoreError>
+    /// One worker of a drain: one topic's batch after another, until no due topic is left to it. A topic
+    /// whose delivery failed is not taken again in this drain (whatever its backoff), so a drain ends:
+    /// each batch delivers a row up to the horizon, or retires a topic.
+    async fn drain_topics<F, Fut, E>(
+        &self,
+        sink: &Mutex<F>,
+        horizon: i64,
+        failed: &Mutex<Vec<String>>,
+    ) -> Result<Drained, StoreError>
     where
         F: FnMut(Message) -> Fut,
         Fut: Future<Output = Result<(), E>>,
         E: Display,
     {
         let mut drained = Drained::default();
-        while let Some(batch) = self.drain_batch(sink, horizon).await? {
+        while let Some(batch) = self.drain_batch(sink, horizon, failed).await? {
             drained.delivered += batch.delivered;
             drained.failed += batch.failed;
         }
@@ -350,7 +360,12 @@ impl Outbox {
     }
 
     /// One topic's batch, delivered and settled in one transaction; `None` when no due topic was free.
-    async fn drain_batch<F, Fut, E>(&self, sink: &Mutex<F>, horizon: i64) -> Result<Option<Drained>, StoreError>
+    async fn drain_batch<F, Fut, E>(
+        &self,
+        sink: &Mutex<F>,
+        horizon: i64,
+        failed: &Mutex<Vec<String>>,
+    ) -> Result<Option<Drained>, StoreError>
     where
         F: FnMut(Message) -> Fut,
         Fut: Future<Output = Result<(), E>>,
@@ -358,15 +373,23 @@ impl Outbox {
     {
         let store = &self.store;
         let mut tx = store.bounded(&BEGIN, store.pg_pool().begin()).await?;
-        let lock =
-            sqlx::query(LOCK_BATCH.sql).bind(i64::from(self.batch_size)).bind(self.topics.as_deref()).bind(horizon);
+        let retired = failed.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let lock = sqlx::query(LOCK_BATCH.sql)
+            .bind(i64::from(self.batch_size))
+            .bind(self.topics.as_deref())
+            .bind(horizon)
+            .bind(retired);
         let rows = store.bounded(&LOCK_BATCH, lock.fetch_all(&mut *tx)).await?;
         if rows.is_empty() {
             return Ok(None);
         }
         let messages = rows.iter().map(Message::from_row).collect::<Result<Vec<_>, _>>();
         let messages = messages.map_err(|source| LOCK_BATCH.failed(source))?;
+        let topic = messages[0].topic.clone();
         let settlement = self.deliver(sink, messages).await;
+        if !settlement.failed.is_empty() {
+            failed.lock().unwrap_or_else(PoisonError::into_inner).push(topic);
+        }
         let drained = Drained { delivered: settlement.delivered.len() as u64, failed: settlement.failed.len() as u64 };
         let settle = sqlx::query(SETTLE.sql)
             .bind(settlement.delivered)

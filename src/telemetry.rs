@@ -109,7 +109,8 @@ impl Registered {
     /// Registers every series of `operation` at 0 the first time it is seen (the Redis ones when
     /// `redis`); a read lock on every later call.
     pub(crate) fn operation(&self, operation: &str, redis: bool) {
-        if self.0.read().map_or(true, |seen| seen.contains(operation)) {
+        // Past the cap, nothing is registered: a read lock, never the write lock, on every later call.
+        if self.0.read().map_or(true, |seen| seen.contains(operation) || seen.len() >= MAX_REGISTERED_OPERATIONS) {
             return;
         }
         let Ok(mut seen) = self.0.write() else { return };
@@ -121,6 +122,7 @@ impl Registered {
                 metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
             }
             metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);
+            metrics::counter!(WAIT_POLLS, "operation" => operation.to_owned()).increment(0);
             for step in ["complete", "release", "extend"] {
                 for reason in ["lease_lost", "error"] {
                     settle_failure_counter(operation, step, reason).increment(0);
@@ -149,14 +151,17 @@ fn register_jobs() {
     }
 }
 
-/// A key as logs and traces show it: the first 8 hex digits of its SHA-256, never the key (keys may be
-/// guessable or carry an order number); computed only when a subscriber records it.
+/// A key as logs and traces show it: 8 hex digits of a SHA-256 keyed with a random per-process salt,
+/// never the key. Stable within a process (one key's claim, writes and retries share a tag), and not
+/// reversible by hashing candidate keys (order numbers, sequential ids); computed only when a subscriber
+/// records it.
 pub(crate) struct KeyTag<'a>(pub(crate) &'a str);
 
 impl fmt::Display for KeyTag<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         use sha2::Digest;
-        let digest = sha2::Sha256::digest(self.0.as_bytes());
+        static SALT: std::sync::LazyLock<[u8; 16]> = std::sync::LazyLock::new(rand::random);
+        let digest = sha2::Sha256::new().chain_update(*SALT).chain_update(self.0.as_bytes()).finalize();
         digest[..4].iter().try_for_each(|byte| write!(f, "{byte:02x}"))
     }
 }

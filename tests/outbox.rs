@@ -21,6 +21,7 @@ suite!(
     drain_ends_while_producers_keep_writing,
     topics_are_delivered_side_by_side,
     a_slow_topic_holds_back_only_itself,
+    a_drain_ends_though_a_topic_keeps_failing_without_backoff,
     relay_killed_mid_batch_redelivers_with_the_same_key,
     postgres_crash_mid_drain_loses_no_row,
 );
@@ -336,6 +337,21 @@ async fn a_slow_topic_holds_back_only_itself(mode: Mode) {
     let last_fast = started.iter().filter(|(topic, _)| *topic != slow).map(|(_, at)| *at).max().expect("fast rows");
     println!("REPORT outbox fairness: last fast row {:?} before the second slow row", second_slow - last_fast);
     assert!(last_fast < second_slow, "a fast row waited for the slow topic");
+}
+
+/// A sink that always refuses, with no backoff at all: the failed topic is retired for the rest of the
+/// drain, so the drain ends with one failure instead of retrying the head for ever (a regression the
+/// review of the fair relay caught: its workers had no stop rule for a head due again at once).
+async fn a_drain_ends_though_a_topic_keeps_failing_without_backoff(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let outbox = h.store.outbox().with_backoff(Duration::ZERO, Duration::ZERO);
+    let (failing, fine) = (format!("failing-{}", h.id()), format!("fine-{}", h.id()));
+    enqueue_committed(&outbox, &h, &failing, json!({ "n": 1 })).await;
+    enqueue_committed(&outbox, &h, &fine, json!({ "n": 1 })).await;
+    let sink = |m: Message| std::future::ready(if m.topic == failing { Err("refused") } else { Ok(()) });
+    let drained = tokio::time::timeout(Duration::from_secs(10), outbox.drain(sink)).await;
+    let drained = drained.expect("the drain ends").expect("drain");
+    assert_eq!((drained.delivered, drained.failed), (1, 1));
 }
 
 /// An outbox relay process SIGKILLed mid-batch, after its sink accepted 3 of 10 rows: nothing was

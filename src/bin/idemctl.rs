@@ -128,7 +128,7 @@ enum OutboxCommand {
         #[arg(long, default_value_t = 100)]
         batch: u32,
         /// Topics delivered side by side (each topic's rows stay in order).
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 4)]
         concurrency: usize,
         /// Longest a delivery may take before it counts as failed (e.g. 30s, 2m).
         #[arg(long, default_value = "30s", value_parser = parse_duration)]
@@ -165,7 +165,10 @@ fn is_http_operation(operation: &str) -> bool {
 
 /// The layer's stored form of a response given on the command line.
 fn http_response(status: u16, headers: &[String], body: Vec<u8>) -> Result<Vec<u8>, CliError> {
-    let status = http::StatusCode::from_u16(status).map_err(|e| CliError::Input(format!("--status {status}: {e}")))?;
+    let status = http::StatusCode::from_u16(status)
+        .ok()
+        .filter(|status| (100..600).contains(&status.as_u16()))
+        .ok_or_else(|| CliError::Input(format!("--status {status}: not an HTTP status (100 to 599)")))?;
     let mut map = http::HeaderMap::new();
     for header in headers {
         let invalid = |why: &str| CliError::Input(format!("--header {header:?}: {why}"));
@@ -290,7 +293,17 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
                         scope.operation()
                     )));
                 }
-                (Some(path), _) => Resolution::Completed(read(path)?),
+                (Some(path), _) => {
+                    let bytes = read(path)?;
+                    // run_once and the inbox store JSON: anything else would fail every retry's decode.
+                    serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).map_err(|e| {
+                        CliError::Input(format!(
+                            "{}: not JSON ({e}); records of run_once and the inbox hold JSON",
+                            path.display()
+                        ))
+                    })?;
+                    Resolution::Completed(bytes)
+                }
                 (None, Some(status)) => {
                     let body = body.as_ref().map(read).transpose()?.unwrap_or_default();
                     Resolution::Completed(http_response(*status, headers, body)?)

@@ -131,9 +131,25 @@ fn header_map(fields: Fields) -> HeaderMap {
 
 /// The stored form of an HTTP response, as the layer writes it: for an operator who settles an
 /// indeterminate record of the layer by hand ([`crate::Store::resolve`], `idemctl resolve --status`), so
-/// that retries get this response replayed. `headers` are stored as given (choose those to replay).
+/// that retries get this response replayed. `headers` are stored as given (choose those to replay),
+/// except those that frame a message rather than describe the response (`Content-Length`,
+/// `Transfer-Encoding`, `Connection` and the other hop-by-hop headers), which a replay computes anew.
 pub fn stored_response(status: StatusCode, headers: &HeaderMap, body: Vec<u8>) -> Vec<u8> {
-    Stored::Response(Captured::new(status, headers, body, None)).encode()
+    const FRAMING: [&str; 8] = [
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+    ];
+    let mut headers = headers.clone();
+    for name in FRAMING {
+        headers.remove(name);
+    }
+    Stored::Response(Captured::new(status, &headers, body, None)).encode()
 }
 
 /// The replayed headers of a response.
@@ -185,6 +201,23 @@ mod tests {
         let collected = decoded.replay(None).into_body().collect().await.expect("replayed body");
         assert_eq!(collected.trailers(), Some(&trailers));
         assert_eq!(collected.to_bytes().as_ref(), b"msg");
+    }
+
+    /// An operator's response keeps its headers but not those that frame a message: a replay with a
+    /// stale `Content-Length` would be malformed.
+    #[test]
+    fn stored_responses_drop_framing_headers() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.insert("content-length", HeaderValue::from_static("999"));
+        headers.insert("transfer-encoding", HeaderValue::from_static("chunked"));
+        let stored = stored_response(StatusCode::CREATED, &headers, b"{}".to_vec());
+        let Some(Stored::Response(captured)) = Stored::decode(&stored) else { panic!("a response") };
+        let replay = captured.replay(None);
+        assert_eq!(replay.headers()["content-type"], "application/json");
+        assert!(
+            replay.headers().get("content-length").is_none() && replay.headers().get("transfer-encoding").is_none()
+        );
     }
 
     #[test]

@@ -27,8 +27,27 @@ pub(crate) enum RedisBegin {
 /// A reply that does not follow a script's contract (a different script under the same SHA, a proxy
 /// in the way): treated like any other Redis failure, so the request takes the Postgres path.
 #[derive(Debug, thiserror::Error)]
-#[error("unexpected reply from begin.lua: {0:?}")]
+#[error("unexpected reply from begin.lua: {}", shape(.0))]
 pub(crate) struct UnexpectedReply(Value);
+
+/// A reply's shape for the log: its kinds and sizes, never its bytes (they may be a stored response).
+fn shape(reply: &Value) -> String {
+    match reply {
+        Value::Array(items) => format!("[{}]", items.iter().map(shape).collect::<Vec<_>>().join(", ")),
+        Value::BulkString(bytes) => format!("{} bytes", bytes.len()),
+        Value::Int(_) => "an integer".into(),
+        Value::Nil => "nil".into(),
+        other => format!(
+            "a {}",
+            match other {
+                Value::SimpleString(_) => "simple string",
+                Value::Okay => "OK",
+                Value::ServerError(_) => "server error",
+                _ => "value of another type",
+            }
+        ),
+    }
+}
 
 impl RedisBegin {
     pub(crate) fn decode(reply: Value) -> Result<Self, UnexpectedReply> {
