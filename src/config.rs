@@ -8,7 +8,7 @@
 //! lease = "60s"
 //! lease_expiry = "mark_indeterminate"
 //!
-//! [tiers.partner]                 # a tier of your own, starting from `standard`
+//! [tiers.partner]                 # a tier of your own, starting from the built-in `standard`
 //! redis_ttl = "2h"
 //! retention = "30d"               # or "never"
 //! tombstone = "90d"               # how long a purged key answers "expired"; or "never"

@@ -442,10 +442,11 @@ impl Outbox {
     }
 
     /// Lets `topic`'s head be delivered at the next drain instead of after its backoff (once the
-    /// downstream is fixed); returns how many rows were waiting.
+    /// downstream is fixed); returns how many rows were waiting. If a relay holds the topic, this waits for
+    /// its batch to end, up to the store's statement timeout.
     ///
     /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    /// [`StoreError::StoreUnavailable`] if Postgres failed, or a relay held the topic past the timeout.
     pub async fn retry(&self, topic: &str) -> Result<u64, StoreError> {
         let query = sqlx::query(RETRY.sql).bind(topic).execute(self.store.pg_pool());
         Ok(self.store.bounded(&RETRY, query).await?.rows_affected())
@@ -454,10 +455,10 @@ impl Outbox {
     /// Deletes the undelivered row `id` without delivering it, and returns it (to keep, or to replay by
     /// hand): the way out for a row no downstream will ever accept, which otherwise holds its topic back.
     /// `None` if there is no such row (delivered, or discarded already). If a relay holds the row, this
-    /// waits for its batch to end.
+    /// waits for its batch to end, up to the store's statement timeout.
     ///
     /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    /// [`StoreError::StoreUnavailable`] if Postgres failed, or a relay held the row past the timeout.
     pub async fn discard(&self, id: i64) -> Result<Option<Message>, StoreError> {
         let query = sqlx::query(DISCARD.sql).bind(id).fetch_optional(self.store.pg_pool());
         let row = self.store.bounded(&DISCARD, query).await?;

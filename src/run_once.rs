@@ -157,7 +157,7 @@ impl Store {
     /// statements (on the transaction handed to `work`) and the completion commit together, or not at all.
     ///
     /// A concurrent duplicate is told "in flight" by Redis, or waits on the claim's row lock in Postgres
-    /// and then replays the result. If `work` fails, or the process dies before the commit, nothing was
+    /// (at most the lock timeout, half the Postgres timeout, then "in flight") and replays the result. If `work` fails, or the process dies before the commit, nothing was
     /// written (the claim included) and a retry executes cleanly. One commit per new key instead of two.
     /// Effects outside this database (an e-mail, another API) are not covered: pass them a
     /// [derived key](IdempotencyKey::derive) or put them in an outbox row written by `work`.

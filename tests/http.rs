@@ -440,14 +440,19 @@ async fn store_unavailable_answers_503_and_runs_nothing(mode: Mode) {
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
 
-/// A request without a tenant gets 401 and runs nothing.
+/// A request without a tenant, or with one the store cannot hold (here 300 bytes long), gets 401
+/// missing-tenant and runs nothing (before: an invalid name was answered 400 invalid-body).
 async fn missing_tenant_gets_401(mode: Mode) {
     let h = Harness::start(mode).await;
     let (router, runs) = counting(layer(&h), |_| StatusCode::CREATED.into_response());
     let mut anonymous = payment(Some("a1"), "acme", &charge(1));
     anonymous.headers_mut().remove("authorization");
-    let (status, _, body) = send(&router, anonymous).await;
-    assert_eq!((status, problem_type(&body)), (StatusCode::UNAUTHORIZED, problem_types::MISSING_TENANT.to_owned()));
+    let invalid = payment(Some("a2"), &"t".repeat(300), &charge(1));
+    for request in [anonymous, invalid] {
+        let (status, _, body) = send(&router, request).await;
+        let answer = (status, problem_type(&body));
+        assert_eq!(answer, (StatusCode::UNAUTHORIZED, problem_types::MISSING_TENANT.to_owned()));
+    }
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
 

@@ -213,6 +213,10 @@ async fn idemctl_commands(mode: Mode) {
     let h = Harness::with(mode, policy(200, 400, 800, LeaseExpiry::MarkIndeterminate), Servers::Any).await;
     let op = h.operation.clone();
     assert_eq!(idemctl(&h, &["migrate"]), (0, json!({ "migrated": true })));
+    // Bad usage exits 2, as the usage says: a missing DATABASE_URL included (before: 1).
+    let bare =
+        Command::new(env!("CARGO_BIN_EXE_idemctl")).args(["--json", "stats"]).env_remove("DATABASE_URL").output();
+    assert_eq!(bare.expect("run idemctl").status.code(), Some(2));
 
     complete(&h, "kept").await;
     let (code, inspected) = idemctl(&h, &["inspect", "acme", &op, "kept"]);

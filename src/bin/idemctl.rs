@@ -200,7 +200,12 @@ async fn main() -> ExitCode {
             } else {
                 eprintln!("idemctl: {message}");
             }
-            if matches!(error, CliError::Input(_)) { ExitCode::from(2) } else { ExitCode::from(1) }
+            // Bad usage (a missing URL included) is 2, a store that failed is 1.
+            if matches!(error, CliError::Input(_) | CliError::NoDatabase) {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
         }
     }
 }

@@ -130,5 +130,6 @@ pub(crate) fn unavailable() -> Response<Boxed> {
 
 /// The handler's body failed before the record could be settled with it.
 pub(crate) fn response_failed() -> Response<Boxed> {
-    Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::UNAVAILABLE, "Response failed", "").into_response()
+    let detail = "the handler ran, and its response body failed; a retry is told it cannot be replayed";
+    Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::RESPONSE_FAILED, "Response failed", detail).into_response()
 }

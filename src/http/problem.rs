@@ -31,6 +31,9 @@ pub mod problem_types {
     pub const EXPIRED: &str = "urn:idemstore:problem:expired";
     /// 503: the idempotency store is unavailable; nothing was executed.
     pub const UNAVAILABLE: &str = "urn:idemstore:problem:store-unavailable";
+    /// 500: the handler ran, and its response body failed before it could be sent; the record says the
+    /// response cannot be replayed, so a retry gets 409 `not-replayable`.
+    pub const RESPONSE_FAILED: &str = "urn:idemstore:problem:response-failed";
 }
 
 pub(crate) struct Problem {

@@ -141,6 +141,8 @@ where
     let Some(tenant) = config.tenant.tenant(&parts) else { return Admission::Refused(answer::missing_tenant()) };
     let scope = match Scope::new(tenant, operation(config, &parts)) {
         Ok(scope) => scope,
+        // The tenant resolver gave a name the store cannot hold: the request has no usable tenant.
+        Err(InputError::InvalidScope { field: "tenant", .. }) => return Admission::Refused(answer::missing_tenant()),
         Err(error) => return Admission::Refused(answer::invalid_body(error)),
     };
     let body = match Limited::new(body, config.max_request_body).collect().await {
