@@ -6,12 +6,13 @@ mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+
 use std::time::Duration;
 
 use idemstore::{InputError, LeaseExpiry, Message, Mode, Outbox, Scope, StoreError};
 use serde_json::{Value, json};
 use support::{Harness, Servers, attach_to_parent, key, short_lease};
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 
 suite!(
     rolled_back_enqueue_delivers_nothing,
@@ -261,9 +262,10 @@ async fn drain_ends_while_producers_keep_writing(mode: Mode) {
     assert_eq!(backlog.iter().map(|t| t.pending).sum::<u64>(), 8, "the rows written meanwhile wait");
 }
 
-/// With a concurrency of 2, a row waiting on its downstream holds back its own topic only: the first
-/// row of `slow` completes only once the other topic's first row has been delivered (it would time out
-/// if topics went one at a time); never more than 2 rows are with the sink, and each topic keeps its order.
+/// With a concurrency of 2, a row waiting on its downstream holds back its own topic only: the first row
+/// of `slow` completes only once the first row of `quick` is with the sink, and that one only once the
+/// slow row is (it would time out if topics went one at a time); never more than 2 rows are with the sink,
+/// and each topic keeps its order.
 async fn topics_are_delivered_side_by_side(mode: Mode) {
     let h = Harness::start(mode).await;
     let outbox = h.store.outbox().with_concurrency(2).with_delivery_timeout(Duration::from_secs(10));
@@ -273,24 +275,27 @@ async fn topics_are_delivered_side_by_side(mode: Mode) {
             enqueue_committed(&outbox, &h, topic, json!({ "n": n })).await;
         }
     }
-    let (quick_started, log) = (Arc::new(tokio::sync::Notify::new()), Log::default());
+    let (quick_here, slow_here, log) = (Arc::new(Notify::new()), Arc::new(Notify::new()), Log::default());
     let (in_flight, most_in_flight) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let slow_started = AtomicBool::new(false);
+    let (slow_started, quick_started) = (AtomicBool::new(false), AtomicBool::new(false));
     let mut record = logging_sink(&log, 0);
     let sink = |m: Message| {
-        let (quick_started, in_flight, most_in_flight) =
-            (Arc::clone(&quick_started), Arc::clone(&in_flight), Arc::clone(&most_in_flight));
-        // Only the first row of `slow` waits for `quick`'s first row.
-        let wait = m.topic == slow && !slow_started.swap(true, Ordering::SeqCst);
-        let signal = m.topic == quick;
+        let (in_flight, most_in_flight) = (Arc::clone(&in_flight), Arc::clone(&most_in_flight));
+        // The first rows of `slow` and `quick` meet: each is with the sink until the other is.
+        let first_of = |topic: &str, started: &AtomicBool| m.topic == topic && !started.swap(true, Ordering::SeqCst);
+        let meeting = if first_of(&slow, &slow_started) {
+            Some((Arc::clone(&slow_here), Arc::clone(&quick_here)))
+        } else if first_of(&quick, &quick_started) {
+            Some((Arc::clone(&quick_here), Arc::clone(&slow_here)))
+        } else {
+            None
+        };
         let logged = record(m);
         async move {
             most_in_flight.fetch_max(in_flight.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
-            if signal {
-                quick_started.notify_one();
-            }
-            if wait {
-                quick_started.notified().await;
+            if let Some((here, other)) = meeting {
+                here.notify_one();
+                other.notified().await;
             }
             in_flight.fetch_sub(1, Ordering::SeqCst);
             logged.await
