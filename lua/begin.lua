@@ -6,9 +6,12 @@
 -- ARGV[1]  payload fingerprint (hex SHA-256)
 -- ARGV[2]  owner token of the caller
 -- ARGV[3]  lease in milliseconds (the marker's PX)
+-- ARGV[4]  the key's digest if the caller waits for an in-flight owner and follows the settled channel,
+--          else ''
 --
 -- Hash fields: s = state ('p' in progress, 'c' completed, 'i' indeterminate), h = fingerprint,
---              t = owner token (in progress only), r = stored response (completed only).
+--              t = owner token (in progress only), r = stored response (completed only),
+--              w = the digest to publish when the in-progress record settles (only once a caller waits).
 --
 -- Returns one of:
 --   {'claimed'}                  no record (or a malformed one): the marker is written, claim in
@@ -18,7 +21,7 @@
 --   {'unconfirmed'}              an in-progress marker holds a different fingerprint; it may be the marker
 --                                of a request that Postgres is about to refuse, so ask Postgres instead
 --                                (nothing is written)
---   {'in_flight', pttl_ms}       another owner holds the key
+--   {'in_flight', pttl_ms}       another owner holds the key (a waiting caller's digest is written first)
 --   {'completed', response}      replay this response
 --   {'indeterminate'}            the key awaits resolution
 local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r')
@@ -48,5 +51,8 @@ if state == 'c' then
 end
 if state == 'i' then
   return {'indeterminate'}
+end
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[1], 'w', ARGV[4])
 end
 return {'in_flight', redis.call('PTTL', KEYS[1])}

@@ -8,9 +8,14 @@
 -- ARGV[3]  owner token ('' unless in progress)
 -- ARGV[4]  stored response ('' unless completed)
 -- ARGV[5]  time to live in milliseconds
+-- ARGV[6]  the channel settlements are published on
+--
+-- A record that a caller waits for (field w) is published once it settles (completed, indeterminate);
+-- an in-progress one keeps its waiters.
 --
 -- Returns 1 if written, 0 if a completed record was kept.
-if ARGV[1] ~= 'c' and redis.call('HGET', KEYS[1], 's') == 'c' then
+local prior = redis.call('HMGET', KEYS[1], 's', 'w')
+if ARGV[1] ~= 'c' and prior[1] == 'c' then
   return 0
 end
 redis.call('DEL', KEYS[1])
@@ -20,4 +25,11 @@ else
   redis.call('HSET', KEYS[1], 's', ARGV[1], 'h', ARGV[2], 't', ARGV[3])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
+if prior[2] then
+  if ARGV[1] == 'p' then
+    redis.call('HSET', KEYS[1], 'w', prior[2])
+  else
+    redis.call('PUBLISH', ARGV[6], prior[2])
+  end
+end
 return 1

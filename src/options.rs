@@ -27,8 +27,15 @@ pub struct RunOptions {
 }
 
 impl RunOptions {
-    /// Waits up to `wait` for an in-flight duplicate to finish, then replays its result, instead of
-    /// answering "in flight" at once.
+    /// Waits up to `wait` for an in-flight duplicate to finish, then replays its result (or, if its owner
+    /// released the key, claims it), instead of answering "in flight" at once; "in flight" at the bound.
+    ///
+    /// The waiting claim is woken by the owner's settlement, in any process: the owner's completion or
+    /// release publishes it on Redis (when the store was built with
+    /// [`StoreBuilder::redis_url`](crate::StoreBuilder::redis_url)) or with Postgres `NOTIFY` (Postgres-only
+    /// mode, a ready-made Redis pool, or Redis unavailable). Only records someone waits for pay for a
+    /// notification. A lost notification costs at most a second: the claim also asks again every second,
+    /// and when the owner's lease runs out.
     pub fn wait_in_flight(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
         self

@@ -21,9 +21,11 @@ pub const OUTCOMES: &str = "idemstore_outcomes_total";
 /// (complete, release, extend) and `reason` (lease_lost: another owner took the key over; error:
 /// Postgres failed).
 pub const SETTLE_FAILURES: &str = "idemstore_settle_failures_total";
-/// Polls of a claim that waits for an in-flight duplicate (`RunOptions::wait_in_flight`); label
-/// `operation`. The wait's answer is one outcome, however many polls it took.
-pub const WAIT_POLLS: &str = "idemstore_wait_polls_total";
+/// Wake-ups of a claim that waits for an in-flight duplicate (`RunOptions::wait_in_flight`); labels
+/// `operation` and `by`: notification (the owner settled), timer (the lease or wait ran out, or the
+/// periodic re-check that covers a lost notification). The wait's answer is one outcome, however many
+/// wake-ups it took.
+pub const WAIT_WAKEUPS: &str = "idemstore_wait_wakeups_total";
 /// Redis hot-path answers; label `result`: hit (answered from Redis), miss (went on to Postgres), error.
 pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";
 /// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open.
@@ -33,7 +35,7 @@ pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
 pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
 /// Statements sent to Postgres; label `statement`: claim, complete, release, extend, mark_indeterminate,
-/// lookup, the jobs' purge, purge_tombstones, count_expired, stale, release_stale, resolve, stats,
+/// lookup, wait and notify (a claim waiting for an in-flight duplicate, its owner's announcement), the jobs' purge, purge_tombstones, count_expired, stale, release_stale, resolve, stats,
 /// count_indeterminate, and outbox_enqueue, outbox_horizon, outbox_lock, outbox_settle, outbox_backlog,
 /// outbox_gauges, outbox_retry, outbox_discard. The same name is the `step` of a
 /// `StoreError::StoreUnavailable` it caused.
@@ -74,7 +76,7 @@ pub fn describe() {
     describe_counter!(RECONCILIATIONS, "Records Redis had lost, served from Postgres and repaired.");
     describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
     describe_counter!(SETTLE_FAILURES, "Owner writes (complete, release, extend) that did not land, by reason.");
-    describe_counter!(WAIT_POLLS, "Polls of claims waiting for an in-flight duplicate.");
+    describe_counter!(WAIT_WAKEUPS, "Wake-ups of claims waiting for an in-flight duplicate, by cause.");
     describe_counter!(POSTGRES_STATEMENTS, "Statements sent to Postgres, by statement.");
     describe_counter!(REDIS_CALLS, "Scripts run on Redis, by script.");
     describe_counter!(PURGED, "Expired records deleted by purge_expired.");
@@ -122,7 +124,9 @@ impl Registered {
                 metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
             }
             metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);
-            metrics::counter!(WAIT_POLLS, "operation" => operation.to_owned()).increment(0);
+            for by in ["notification", "timer"] {
+                metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(0);
+            }
             for step in ["complete", "release", "extend"] {
                 for reason in ["lease_lost", "error"] {
                     settle_failure_counter(operation, step, reason).increment(0);
@@ -194,8 +198,10 @@ fn settle_failure_counter(operation: &str, step: &'static str, reason: &'static 
     metrics::counter!(SETTLE_FAILURES, "operation" => operation.to_owned(), "step" => step, "reason" => reason)
 }
 
-pub(crate) fn wait_poll(operation: &str) {
-    metrics::counter!(WAIT_POLLS, "operation" => operation.to_owned()).increment(1);
+/// A waiting claim woke up, by a notification or its timer.
+pub(crate) fn wait_wakeup(operation: &str, notified: bool) {
+    let by = if notified { "notification" } else { "timer" };
+    metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(1);
 }
 
 pub(crate) fn redis_lookup(operation: &str, result: &'static str) {

@@ -560,7 +560,7 @@ async fn keep_alive_stops_with_its_owner(mode: Mode) {
     next.complete(b"1").await.expect("the new owner completes");
 }
 
-/// Exactly one outcome per claim: a waiter's polls count as wait polls and a stale owner's failed
+/// Exactly one outcome per claim: a waiter's wake-ups count as wake-ups and a stale owner's failed
 /// completion as a settle failure, so the outcomes sum to the claims made (before: every poll added an
 /// `in_flight`, and the failed completion a `lease_lost`, skewing the duplicate and conflict ratios).
 async fn one_outcome_per_claim(mode: Mode) {
@@ -580,7 +580,8 @@ async fn one_outcome_per_claim(mode: Mode) {
     assert!(matches!(h.store.begin(&scope, &k, &other).await.expect("claim 4"), Begin::Mismatch));
     assert_eq!(h.counter("idemstore_outcomes_total", &[]), 4.0, "one outcome per claim");
     assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "executed")]), 2.0);
-    assert!(h.counter("idemstore_wait_polls_total", &[]) >= 1.0, "the waiter polled");
+    let by_timer = h.counter("idemstore_wait_wakeups_total", &[("by", "timer")]);
+    assert!(by_timer >= 1.0, "the waiter woke when the lease ran out");
     let failed = [("step", "complete"), ("reason", "lease_lost")];
     assert_eq!(h.counter("idemstore_settle_failures_total", &failed), 1.0);
 }

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{HeaderName, Method};
 use tower::Layer;
@@ -95,6 +96,15 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// store's policy for the operation.
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.config.options = self.config.options.policy(policy);
+        self
+    }
+
+    /// Holds a retry that arrives while the first request with its key is still running for up to
+    /// `wait`, and answers it with that request's response once stored (woken when the owner settles,
+    /// not by polling), instead of 409 `in-flight` at once. At the bound it gets the 409. If the first
+    /// request fails and releases the key, the waiting retry runs the handler itself.
+    pub fn with_wait_in_flight(mut self, wait: Duration) -> Self {
+        self.config.options = self.config.options.wait_in_flight(wait);
         self
     }
 

@@ -7,6 +7,7 @@ mod protocol;
 mod redis_tier;
 mod scripts;
 mod statement;
+mod wakeup;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -59,6 +60,8 @@ struct Inner {
     patterns: Vec<(String, Arc<Policy>)>,
     /// Operations whose metric series are registered at 0.
     registered: telemetry::Registered,
+    /// Claims waiting for an in-flight duplicate, and the subscriptions that wake them.
+    wakeups: wakeup::Wakeups,
 }
 
 impl fmt::Debug for Store {
@@ -191,13 +194,17 @@ impl StoreBuilder {
         self
     }
 
-    /// Uses an existing Redis pool.
+    /// Uses an existing Redis pool. A pool does not tell its URL, so claims that wait for an in-flight
+    /// duplicate ([`RunOptions::wait_in_flight`](crate::RunOptions::wait_in_flight)) are then woken
+    /// through Postgres (a flag on the record, `LISTEN`/`NOTIFY`) rather than Redis pub/sub; with
+    /// [`StoreBuilder::redis_url`] they follow Redis.
     pub fn redis(mut self, pool: deadpool_redis::Pool) -> Self {
         self.redis_pool = Some(pool);
         self
     }
 
-    /// Connects lazily to Redis at `url`.
+    /// Connects lazily to Redis at `url` (and, once a claim first waits for an in-flight duplicate, a
+    /// second connection subscribes to settlements).
     pub fn redis_url(mut self, url: impl Into<String>) -> Self {
         self.redis_url = Some(url.into());
         self
@@ -284,14 +291,16 @@ impl StoreBuilder {
             }
             (None, None) => return Err(ConfigError::MissingPostgres),
         };
-        let redis_pool = match (self.redis_pool, self.redis_url) {
-            (Some(pool), _) => Some(pool),
-            (None, Some(url)) => Some(
-                deadpool_redis::Config::from_url(url)
-                    .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-                    .map_err(ConfigError::Redis)?,
-            ),
-            (None, None) => None,
+        // A client of its own for the subscription that wakes waiting claims: a pool given ready-made
+        // does not tell its URL, and its waiters follow Postgres instead.
+        let (redis_pool, subscriber) = match (self.redis_pool, self.redis_url) {
+            (Some(pool), _) => (Some(pool), None),
+            (None, Some(url)) => {
+                let config = deadpool_redis::Config::from_url(url.as_str());
+                let pool = config.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(ConfigError::Redis)?;
+                (Some(pool), redis::Client::open(url).ok())
+            }
+            (None, None) => (None, None),
         };
         let redis = redis_pool.map(|pool| {
             RedisTier::new(
@@ -311,6 +320,8 @@ impl StoreBuilder {
         // Series are registered when an operation is first seen, not here: a recorder installed after the
         // store was built would miss them.
         let registered = telemetry::Registered::default();
+        let subscriber = subscriber.zip(redis.as_ref().map(|redis| redis.channel().to_owned()));
+        let wakeups = wakeup::Wakeups::new(subscriber, pg_pool.clone());
         Ok(Store {
             inner: Arc::new(Inner {
                 postgres: PostgresTier::new(pg_pool, timeout),
@@ -319,6 +330,7 @@ impl StoreBuilder {
                 patterns,
                 policies,
                 registered,
+                wakeups,
             }),
         })
     }

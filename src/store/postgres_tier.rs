@@ -102,7 +102,7 @@ const CLAIM: Statement = Statement::new(
             on_lease_expiry = COALESCE(r.on_lease_expiry, EXCLUDED.on_lease_expiry),
             retention_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.retention_ms ELSE r.retention_ms END,
             tombstone_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.tombstone_ms ELSE r.tombstone_ms END,
-            updated_at = now()
+            waited = false, updated_at = now()
         WHERE (r.state = 'released' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
            OR (r.state = 'in_progress' AND r.lease_expires_at <= now()
                AND COALESCE(r.on_lease_expiry = 'take_over', $8)
@@ -155,7 +155,7 @@ const COMPLETE: Statement = Statement::new(
         updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
       AND state IN ('in_progress', 'indeterminate')
-    RETURNING CASE WHEN expires_at IS NOT NULL
+    RETURNING waited, CASE WHEN expires_at IS NOT NULL
                    THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms",
 );
 
@@ -165,8 +165,23 @@ const RELEASE: Statement = Statement::new(
     UPDATE idempotency_records
     SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state IN ('in_progress', 'indeterminate')",
+      AND state IN ('in_progress', 'indeterminate')
+    RETURNING waited",
 );
+
+/// A claim that waits for the record's live owner asks to hear of its settlement. Unfenced: a waiter
+/// told "in flight" by Redis has no fence, and the flag only costs an owner a notification.
+const WAIT: Statement = Statement::new(
+    "wait",
+    "
+    UPDATE idempotency_records SET waited = true
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
+      AND state = 'in_progress' AND lease_expires_at > now()",
+);
+
+/// Tells waiting claims (of any store) that a waited-for record settled: sent after the settling commit,
+/// in a transaction of its own.
+const NOTIFY: Statement = Statement::new("notify", "SELECT pg_notify($1, $2)");
 
 /// A lease extended past the record's expiry pushes the expiry along: retention never cuts a live lease.
 const EXTEND: Statement = Statement::new(
@@ -196,6 +211,8 @@ const MARK_INDETERMINATE: Statement = Statement::new(
 pub(crate) struct Retained {
     /// Time until the record expires; `None` if it is kept forever.
     pub(crate) expires_in: Option<Duration>,
+    /// A claim waits for this settlement and asked Postgres to announce it.
+    pub(crate) waited: bool,
 }
 
 /// What the claim statement found or wrote.
@@ -233,6 +250,10 @@ impl PostgresTier {
     /// told "in flight" after that wait to come back.
     pub(crate) fn lock_wait(&self) -> Duration {
         self.timeout / 2
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     pub(crate) fn pool(&self) -> &PgPool {
@@ -309,7 +330,8 @@ impl PostgresTier {
             Some(conn) => self.bounded(&COMPLETE, query.fetch_optional(conn)).await?,
             None => self.bounded(&COMPLETE, query.fetch_optional(&self.pool)).await?,
         };
-        let retained = row.map(|row| Ok(Retained { expires_in: millis_column(&row, "expires_ms")? }));
+        let retained = row
+            .map(|row| Ok(Retained { expires_in: millis_column(&row, "expires_ms")?, waited: row.try_get("waited")? }));
         retained.transpose().map_err(|e| COMPLETE.failed(e))
     }
 
@@ -328,8 +350,24 @@ impl PostgresTier {
         done.map(matched)
     }
 
-    pub(crate) async fn release(&self, lease: &Lease) -> Result<bool, StoreError> {
-        self.bounded(&RELEASE, fenced(&RELEASE, lease).execute(&self.pool)).await.map(matched)
+    /// The fenced release: `None` when it matched no record (the lease was lost), else whether a claim
+    /// waits for it.
+    pub(crate) async fn release(&self, lease: &Lease) -> Result<Option<bool>, StoreError> {
+        let waited = fenced(&RELEASE, lease).fetch_optional(&self.pool);
+        let row = self.bounded(&RELEASE, waited).await?;
+        row.map(|row| row.try_get("waited")).transpose().map_err(|e| RELEASE.failed(e))
+    }
+
+    /// Flags the key's in-progress record as waited for; false when it is not in progress (any more).
+    pub(crate) async fn wait(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let flag = sqlx::query(WAIT.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str());
+        self.bounded(&WAIT, flag.execute(&self.pool)).await.map(matched)
+    }
+
+    /// Announces the settlement of the key named `digest` to waiting claims.
+    pub(crate) async fn notify(&self, digest: &str) -> Result<(), StoreError> {
+        let notify = sqlx::query(NOTIFY.sql).bind(super::wakeup::POSTGRES_CHANNEL).bind(digest);
+        self.bounded(&NOTIFY, notify.execute(&self.pool)).await.map(drop)
     }
 
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<bool, StoreError> {

@@ -11,6 +11,7 @@ use sqlx::postgres::PgConnection;
 use super::postgres_tier::Retained;
 use super::redis_tier::RedisTier;
 use super::scripts::RedisBegin;
+use super::wakeup::{self, Watch};
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
@@ -38,8 +39,8 @@ impl Store {
         self.begin_with(scope, key, fingerprint, &RunOptions::default()).await
     }
 
-    /// [`Store::begin`] with options: another policy, a wait for an in-flight duplicate to finish (polled
-    /// with a growing interval, never past the wait or the owner's lease), the owner's heartbeat.
+    /// [`Store::begin`] with options: another policy, a wait for an in-flight duplicate to finish (woken
+    /// by the owner's settlement, see [`RunOptions::wait_in_flight`]), the owner's heartbeat.
     ///
     /// # Errors
     /// As [`Store::begin`].
@@ -53,23 +54,32 @@ impl Store {
         self.register(scope.operation());
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
-        let deadline = options.wait.map(|wait| tokio::time::Instant::now() + wait);
-        let mut backoff = Duration::from_millis(5);
         let answer = async {
+            let Some(wait) = options.wait else {
+                return self
+                    .claim(self.candidate(scope, key, fingerprint, policy), options.heartbeat, None, None)
+                    .await;
+            };
+            let deadline = tokio::time::Instant::now() + wait;
+            let mut waiting = self.waiting(scope, key).await;
+            let mut backoff = Duration::from_millis(5);
             loop {
                 let candidate = self.candidate(scope, key, fingerprint, Arc::clone(&policy));
-                match self.claim(candidate, options.heartbeat, None).await {
-                    Ok(Begin::InFlight { retry_after })
-                        if deadline.is_some_and(|deadline| tokio::time::Instant::now() < deadline) =>
-                    {
-                        telemetry::wait_poll(scope.operation());
-                        let pause = backoff.min(retry_after.max(Duration::from_millis(1)));
-                        let deadline = deadline.unwrap_or_else(tokio::time::Instant::now);
-                        tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(deadline)).await;
-                        backoff = (backoff * 2).min(Duration::from_millis(200));
-                    }
-                    answer => break answer,
+                let answer = self.claim(candidate, options.heartbeat, None, Some(&waiting)).await;
+                let now = tokio::time::Instant::now();
+                let Ok(Begin::InFlight { retry_after }) = answer else { break answer };
+                if now >= deadline {
+                    break answer;
                 }
+                // Zero: the owner just settled, or its claim is not visible yet; ask again soon.
+                let pause = if retry_after.is_zero() {
+                    let next = (backoff * 2).min(Duration::from_millis(200));
+                    std::mem::replace(&mut backoff, next)
+                } else {
+                    retry_after.min(wakeup::RECHECK_EVERY)
+                };
+                let notified = waiting.watch.notified_before((now + pause).min(deadline)).await;
+                telemetry::wait_wakeup(scope.operation(), notified);
             }
         }
         .instrument(span.clone())
@@ -90,7 +100,7 @@ impl Store {
         self.register(scope.operation());
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let candidate = self.candidate(scope, key, fingerprint, self.shared_policy(scope.operation()));
-        let answer = self.claim(candidate, Heartbeat::Off, Some(tx)).instrument(span.clone()).await;
+        let answer = self.claim(candidate, Heartbeat::Off, Some(tx), None).instrument(span.clone()).await;
         record_outcome(scope.operation(), &answer, &span);
         answer
     }
@@ -104,13 +114,47 @@ impl Store {
     }
 
     /// Mirrors a completion into Redis, after Postgres committed it, for no longer than Postgres keeps
-    /// it: a replay from Redis never outlives the record.
+    /// it: a replay from Redis never outlives the record. Then wakes the claims that wait for it.
     pub(crate) async fn cache_completion(&self, lease: &Lease, response: &[u8], retained: &Retained) {
         if let Some(redis) = &self.inner.redis {
             let ttl = redis_ttl(lease.policy.redis_ttl, retained.expires_in);
             let record_key = self.record_key(redis, lease);
             let put = redis.put(&record_key, State::Completed, lease.fingerprint.as_hex(), "", response, millis(ttl));
             self.degrade(lease.scope.operation(), put.await);
+        }
+        if retained.waited {
+            self.announce(lease).await;
+        }
+    }
+
+    /// Tells the claims that asked Postgres to hear of this lease's settlement (see [`wakeup`]). Best
+    /// effort: a waiter that misses it asks again within [`wakeup::RECHECK_EVERY`].
+    async fn announce(&self, lease: &Lease) {
+        if let Err(error) = self.inner.postgres.notify(&wakeup::digest(&lease.scope, &lease.key)).await {
+            tracing::debug!(%error, "could not announce a settlement; waiters ask again");
+        }
+    }
+
+    /// Registers a claim that is about to wait, and chooses how it asks to be woken: through Redis when
+    /// this store's subscription there is open, else through Postgres.
+    async fn waiting(&self, scope: &Scope, key: &IdempotencyKey) -> Waiting {
+        let watch = self.inner.wakeups.watch(scope, key);
+        let via_redis = match &self.inner.redis {
+            Some(redis) => self.inner.wakeups.follows_redis(redis.budget()).await,
+            None => false,
+        };
+        Waiting { watch, via_redis }
+    }
+
+    /// Flags the key's record in Postgres for a waiting claim; the pause before asking again:
+    /// `retry_after`, or zero when the record is no longer in progress.
+    async fn wait_in_postgres(&self, candidate: &Lease, retry_after: Duration) -> Duration {
+        if !self.inner.wakeups.follows_postgres(self.inner.postgres.timeout()).await {
+            return retry_after;
+        }
+        match self.inner.postgres.wait(&candidate.scope, &candidate.key).await {
+            Ok(false) => Duration::ZERO,
+            Ok(true) | Err(_) => retry_after,
         }
     }
 
@@ -158,10 +202,13 @@ impl Store {
 
     async fn release_traced(&self, lease: &Lease) -> Result<(), StoreError> {
         let released = self.inner.postgres.release(lease).await;
-        self.fenced_step(lease, "release", released.map(|matched| matched.then_some(())))?;
+        let waited = self.fenced_step(lease, "release", released)?;
         if let Some(redis) = &self.inner.redis {
             let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, true).await;
             self.degrade(lease.scope.operation(), deleted);
+        }
+        if waited {
+            self.announce(lease).await;
         }
         Ok(())
     }
@@ -195,6 +242,7 @@ impl Store {
         candidate: Lease,
         heartbeat: Heartbeat,
         tx: Option<&mut PgConnection>,
+        waiting: Option<&Waiting>,
     ) -> Result<Begin, StoreError> {
         let operation = candidate.scope.operation();
         // Set when our marker is in Redis: Postgres then arbitrates, and Redis is repaired if it had lost
@@ -204,7 +252,8 @@ impl Store {
             let record_key = self.record_key(redis, &candidate);
             let started = Instant::now();
             let lease_ms = millis(candidate.policy.lease);
-            match redis.begin(&record_key, candidate.fingerprint.as_hex(), &candidate.owner, lease_ms).await {
+            let waiter = waiting.filter(|waiting| waiting.via_redis).map(|waiting| waiting.watch.digest());
+            match redis.begin(&record_key, candidate.fingerprint.as_hex(), &candidate.owner, lease_ms, waiter).await {
                 Ok(answer) => {
                     telemetry::claim_duration("redis", started.elapsed());
                     let answer_is_claimed = answer == RedisBegin::Claimed;
@@ -217,7 +266,13 @@ impl Store {
                     };
                     if let Some(answer) = answered {
                         telemetry::redis_lookup(operation, "hit");
-                        return Ok(answer);
+                        return Ok(match answer {
+                            // The marker could not carry the digest: the waiter asks Postgres instead.
+                            Begin::InFlight { retry_after } if waiter.is_none() && waiting.is_some() => {
+                                Begin::InFlight { retry_after: self.wait_in_postgres(&candidate, retry_after).await }
+                            }
+                            answer => answer,
+                        });
                     }
                     telemetry::redis_lookup(operation, "miss");
                     if answer_is_claimed {
@@ -265,7 +320,13 @@ impl Store {
             let lease = Lease { fence: claim.record.fence, policy, ..candidate };
             return Ok(Begin::Acquired(Owner::new(self.clone(), lease, heartbeat, tx.is_some())));
         }
-        let answer = self.answer_from(&candidate, &claim.record, tx).await;
+        let mut answer = self.answer_from(&candidate, &claim.record, tx).await;
+        if let (Some(_), Ok(Begin::InFlight { retry_after })) = (waiting, &mut answer)
+            && claim.record.state == State::InProgress
+            && !retry_after.is_zero()
+        {
+            *retry_after = self.wait_in_postgres(&candidate, *retry_after).await;
+        }
         if let Some((redis, record_key)) = &marked {
             telemetry::reconciliation(operation);
             let state = match &answer {
@@ -377,6 +438,13 @@ impl Store {
     fn record_key(&self, redis: &RedisTier, lease: &Lease) -> String {
         redis.record_key(&lease.scope, &lease.key)
     }
+}
+
+/// How a claim that waits for an in-flight duplicate asks to be woken.
+struct Waiting {
+    watch: Watch,
+    /// This store follows Redis: the claim's marker lookups carry the key's digest.
+    via_redis: bool,
 }
 
 /// Whether Postgres gave up waiting for a row lock (`lock_timeout`, SQLSTATE 55P03).

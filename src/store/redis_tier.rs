@@ -83,6 +83,8 @@ pub(crate) struct RedisTier {
     /// round trips; the pool is only asked again after a failure.
     shared: RwLock<Option<MultiplexedConnection>>,
     prefix: String,
+    /// Where settlements of waited-for records are published (`<prefix>:settled`).
+    channel: String,
     budget: Duration,
     cooldown: Duration,
     /// Keys whose copy may lag behind Postgres, deleted before Redis answers again.
@@ -98,6 +100,7 @@ impl RedisTier {
             pool,
             shared: RwLock::new(None),
             lagging: LaggingKeys::default(),
+            channel: format!("{prefix}:settled"),
             prefix,
             budget,
             cooldown,
@@ -108,6 +111,14 @@ impl RedisTier {
 
     /// `prefix:{len:tenant:len:operation:key}`. The lengths make the name unambiguous (no tenant can
     /// forge another tenant's name with separators), and the braces are the Redis Cluster hash tag.
+    pub(crate) fn budget(&self) -> Duration {
+        self.budget
+    }
+
+    pub(crate) fn channel(&self) -> &str {
+        &self.channel
+    }
+
     pub(crate) fn record_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
         let (tenant, operation) = (scope.tenant(), scope.operation());
         format!("{}:{{{}:{tenant}:{}:{operation}:{key}}}", self.prefix, tenant.len(), operation.len())
@@ -119,9 +130,10 @@ impl RedisTier {
         fingerprint: &str,
         owner: &str,
         lease_ms: i64,
+        waiter: Option<&str>,
     ) -> Result<RedisBegin, RedisUnavailable> {
         let lease = lease_ms.to_string();
-        let args = [fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes()];
+        let args = [fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes(), waiter.unwrap_or("").as_bytes()];
         let reply =
             self.invoke("begin", &scripts::BEGIN, record_key, &args, Call::Answer).await.inspect_err(|error| {
                 // A call that timed out may still have written its marker.
@@ -153,7 +165,7 @@ impl RedisTier {
         // answered by Postgres's tombstone.
         let Some(tag) = tag_of(state) else { return Ok(()) };
         let ttl = ttl_ms.max(1).to_string();
-        let args = [tag, fingerprint.as_bytes(), owner.as_bytes(), response, ttl.as_bytes()];
+        let args = [tag, fingerprint.as_bytes(), owner.as_bytes(), response, ttl.as_bytes(), self.channel.as_bytes()];
         let put = self.invoke("put", &scripts::PUT, record_key, &args, Call::Settle).await;
         put.map(drop).inspect_err(|_| self.left_behind(record_key))
     }
@@ -162,7 +174,7 @@ impl RedisTier {
     /// fence), an indeterminate copy too.
     pub(crate) async fn release(&self, record_key: &str, owner: &str, released: bool) -> Result<(), RedisUnavailable> {
         let mode: &[u8] = if released { b"released" } else { b"" };
-        let args = [owner.as_bytes(), mode];
+        let args = [owner.as_bytes(), mode, self.channel.as_bytes()];
         let released = self.invoke("release", &scripts::RELEASE, record_key, &args, Call::Settle).await;
         released.map(drop).inspect_err(|_| self.left_behind(record_key))
     }

@@ -1,0 +1,181 @@
+//! Claims that wait for an in-flight duplicate (`RunOptions::wait_in_flight`, the layer's
+//! `with_wait_in_flight`): woken by the owner's settlement in another store (another process), through
+//! Redis pub/sub or Postgres `NOTIFY`, not by polling. Real Redis and Postgres, both modes.
+
+#[macro_use]
+mod support;
+
+use std::convert::Infallible;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use idemstore::http::{IdempotencyLayer, RequestBody};
+use idemstore::{Begin, Fingerprint, FingerprintOptions, IdempotencyKey, Mode, Policy, RunOptions, Scope, Store};
+use redis::AsyncCommands;
+use support::{Harness, Servers, key};
+use tokio::sync::Notify;
+use tower::{Layer, ServiceExt};
+
+suite!(
+    a_waiter_in_another_store_is_woken_when_the_owner_completes,
+    a_waiter_is_woken_when_the_owner_releases_and_claims_the_key,
+    a_waiter_answers_in_flight_at_its_bound,
+    an_http_retry_waits_for_the_first_response,
+);
+
+const WAKEUPS: &str = "idemstore_wait_wakeups_total";
+
+/// A lease far longer than any test: only a settlement (or the wait's bound) ends a wait.
+fn long_lease() -> Policy {
+    Policy::builder().lease(Duration::from_secs(60)).build().expect("valid policy")
+}
+
+fn fingerprint() -> Fingerprint {
+    Fingerprint::of_json(br#"{"amount":1}"#, &FingerprintOptions::default()).expect("fingerprint")
+}
+
+/// Waits until a claim has asked to hear of the record's settlement: the digest in the Redis marker, or
+/// the `waited` flag in Postgres (`in_redis` chooses).
+async fn flagged(h: &Harness, scope: &Scope, k: &IdempotencyKey, in_redis: bool) {
+    let started = Instant::now();
+    loop {
+        let flagged = if in_redis {
+            let field: Option<String> =
+                h.redis_connection().await.hget(h.redis_key(scope, k), "w").await.expect("hget");
+            field.is_some()
+        } else {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT waited FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3",
+            )
+            .bind(scope.tenant())
+            .bind(scope.operation())
+            .bind(k.as_str())
+            .fetch_optional(&h.pool)
+            .await
+            .expect("read the flag")
+            .unwrap_or(false)
+        };
+        if flagged {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "the waiter never asked to be woken");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Starts a claim on `store` that waits up to `wait` for the key's owner.
+fn wait_on(store: &Store, scope: &Scope, k: &IdempotencyKey, wait: Duration) -> tokio::task::JoinHandle<Begin> {
+    let (store, scope, k) = (store.clone(), scope.clone(), k.clone());
+    tokio::spawn(async move {
+        let options = RunOptions::default().wait_in_flight(wait);
+        store.begin_with(&scope, &k, &fingerprint(), &options).await.expect("the waiting claim")
+    })
+}
+
+/// A second store (a second process) waits for the owner of a 60 s lease; the owner completes and the
+/// waiter replays its result, woken by the notification (its 1 s re-check never fired).
+async fn a_waiter_in_another_store_is_woken_when_the_owner_completes(mode: Mode) {
+    let h = Harness::with(mode, long_lease(), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("awaited"));
+    let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
+    let waiter = wait_on(&h.new_store(long_lease()), &scope, &k, Duration::from_secs(30));
+    flagged(&h, &scope, &k, mode == Mode::TwoTier).await;
+    owner.complete(b"the result").await.expect("complete");
+    let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
+    assert_eq!(stored.as_bytes(), b"the result");
+    assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
+    assert_eq!(h.counter(WAKEUPS, &[("by", "timer")]), 0.0, "woken by the owner, not by a re-check");
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "replayed")]), 1.0);
+}
+
+/// The owner's work failed and it released the key: the waiter hears of it and claims the key itself.
+async fn a_waiter_is_woken_when_the_owner_releases_and_claims_the_key(mode: Mode) {
+    let h = Harness::with(mode, long_lease(), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("released"));
+    let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
+    let waiter = wait_on(&h.new_store(long_lease()), &scope, &k, Duration::from_secs(30));
+    flagged(&h, &scope, &k, mode == Mode::TwoTier).await;
+    owner.release().await.expect("release");
+    let Begin::Acquired(next) = waiter.await.expect("join") else { panic!("the waiter claims the released key") };
+    next.complete(b"second try").await.expect("the waiter completes");
+    assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
+    assert_eq!(h.counter(WAKEUPS, &[("by", "timer")]), 0.0);
+}
+
+/// An owner that never settles: the waiter answers "in flight" once its wait is over, woken by its
+/// timer only.
+async fn a_waiter_answers_in_flight_at_its_bound(mode: Mode) {
+    let h = Harness::with(mode, long_lease(), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("stuck"));
+    let Begin::Acquired(_owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
+    let started = Instant::now();
+    let answer = wait_on(&h.store, &scope, &k, Duration::from_millis(300)).await.expect("join");
+    assert!(matches!(answer, Begin::InFlight { .. }), "{answer:?}");
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(h.counter(WAKEUPS, &[("by", "timer")]) >= 1.0);
+    assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 0.0);
+}
+
+/// Through the layer: a retry that arrives while the first request runs gets the first request's 201
+/// (not 409), and the handler runs once.
+async fn an_http_retry_waits_for_the_first_response(mode: Mode) {
+    let h = Harness::with(mode, long_lease(), Servers::Any).await;
+    let entered = std::sync::Arc::new(Notify::new());
+    let finish = std::sync::Arc::new(Notify::new());
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = {
+        let (entered, finish, runs) = (entered.clone(), finish.clone(), runs.clone());
+        tower::service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+            let (entered, finish, runs) = (entered.clone(), finish.clone(), runs.clone());
+            async move {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                entered.notify_one();
+                finish.notified().await;
+                let mut response = Response::new(Full::new(Bytes::from_static(b"charged")));
+                *response.status_mut() = StatusCode::CREATED;
+                Ok::<_, Infallible>(response)
+            }
+        })
+    };
+    let tenant = |_: &http::request::Parts| Some("acme".to_owned());
+    let service = IdempotencyLayer::new(h.store.clone(), tenant)
+        .with_operation(h.operation.clone())
+        .with_wait_in_flight(Duration::from_secs(30))
+        .layer(handler);
+    let request = || {
+        let body = Full::new(Bytes::from_static(b"{}"));
+        Request::post("/charges").header("idempotency-key", "waited-over-http").body(body).expect("request")
+    };
+    let first = tokio::spawn(service.clone().oneshot(request()));
+    entered.notified().await;
+    let retry = tokio::spawn(service.clone().oneshot(request()));
+    let scope = h.scope("acme");
+    flagged(&h, &scope, &key("waited-over-http"), mode == Mode::TwoTier).await;
+    finish.notify_one();
+    for answer in [first.await.expect("join"), retry.await.expect("join")] {
+        let response = answer.expect("infallible");
+        assert_eq!(response.status(), StatusCode::CREATED);
+        assert_eq!(response.into_body().collect().await.expect("body").to_bytes().as_ref(), b"charged");
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
+}
+
+/// Two-tier, with the owner's marker lost from Redis: the waiter is told "in flight" by Postgres, so it
+/// asks Postgres to announce the settlement, and the owner's completion reaches it by `NOTIFY`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_follows_postgres_when_redis_lost_the_marker() {
+    let h = Harness::with(Mode::TwoTier, long_lease(), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("marker-lost"));
+    let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
+    let _: () = h.redis_connection().await.del(h.redis_key(&scope, &k)).await.expect("drop the marker");
+    let waiter = wait_on(&h.new_store(long_lease()), &scope, &k, Duration::from_secs(30));
+    flagged(&h, &scope, &k, false).await;
+    owner.complete(b"the result").await.expect("complete");
+    let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
+    assert_eq!(stored.as_bytes(), b"the result");
+    assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
+    assert_eq!(h.counter(WAKEUPS, &[("by", "timer")]), 0.0);
+}
