@@ -3,7 +3,8 @@
 -- A "claimed" answer never means "execute": Postgres decides that.
 --
 -- KEYS[1]  the record hash, idem:{...}
--- ARGV[1]  payload fingerprint (hex SHA-256)
+-- ARGV[1]  payload fingerprint (hex SHA-256), the version new records store
+-- ARGV[5]  the same payload's version-1 fingerprint, which older records hold ('' if it has none)
 -- ARGV[2]  owner token of the caller
 -- ARGV[3]  lease in milliseconds (the marker's PX)
 -- ARGV[4]  the key's digest if the caller waits for an in-flight owner and follows the settled channel,
@@ -24,8 +25,8 @@
 --   {'in_flight', pttl_ms}       another owner holds the key (a waiting caller's digest is written first)
 --   {'completed', response}      replay this response
 --   {'indeterminate'}            the key awaits resolution
-local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r')
-local state, fingerprint, response = rec[1], rec[2], rec[3]
+local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r', 'w')
+local state, fingerprint, response, waiter = rec[1], rec[2], rec[3], rec[4]
 
 -- No record, or a hash outside this contract (fields lost, or written by something else): a miss. It is
 -- replaced by the caller's marker, and Postgres decides.
@@ -40,7 +41,7 @@ if not valid then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {'claimed'}
 end
-if fingerprint ~= ARGV[1] then
+if fingerprint ~= ARGV[1] and (ARGV[5] == '' or fingerprint ~= ARGV[5]) then
   if state == 'p' then
     return {'unconfirmed'}
   end
@@ -52,7 +53,7 @@ end
 if state == 'i' then
   return {'indeterminate'}
 end
-if ARGV[4] ~= '' then
+if ARGV[4] ~= '' and waiter ~= ARGV[4] then
   redis.call('HSET', KEYS[1], 'w', ARGV[4])
 end
 return {'in_flight', redis.call('PTTL', KEYS[1])}

@@ -3,16 +3,21 @@
 --
 -- KEYS[1]  the record hash, idem:{...}
 -- ARGV[1]  owner token of the caller
--- ARGV[2]  'released' once Postgres released the record under the caller's fence: an indeterminate
---          copy of it is stale then and goes too ('' otherwise: only the caller's own marker goes)
--- ARGV[3]  the channel settlements are published on: a caller waiting for the marker (field w) hears
---          of the release
+-- ARGV[2]  what taking the marker back means:
+--          'released'    Postgres released the record under the caller's fence: an indeterminate copy of
+--                        it is stale then and goes too, and a caller waiting for it (field w) hears of it
+--          'rolled_back' the caller's claim was rolled back (it owned the key until then): waiters hear
+--          ''            the caller's marker answered for a key Postgres gave to someone else, or to no
+--                        one: only the marker goes, and no one is told (a waiter flagged on such a marker
+--                        asks again within its re-check; telling it would have every waiter's marker
+--                        wake the others in turn)
+-- ARGV[3]  the channel settlements are published on
 --
 -- Returns 1 if the copy was deleted, 0 if it belongs to someone else or is gone.
 local rec = redis.call('HMGET', KEYS[1], 's', 't', 'w')
 if (rec[1] == 'p' and rec[2] == ARGV[1]) or (rec[1] == 'i' and ARGV[2] == 'released') then
   redis.call('DEL', KEYS[1])
-  if rec[3] then
+  if rec[3] and ARGV[2] ~= '' then
     redis.call('PUBLISH', ARGV[3], rec[3])
   end
   return 1

@@ -165,8 +165,8 @@ impl Record {
     /// Whether a request with `fingerprint` is the one this record holds (a tombstone keeps a prefix).
     pub(crate) fn matches(&self, fingerprint: &Fingerprint) -> bool {
         match self.state {
-            State::Expired => fingerprint.as_hex().starts_with(&self.fingerprint),
-            _ => self.fingerprint == fingerprint.as_hex(),
+            State::Expired => fingerprint.starts_with(&self.fingerprint),
+            _ => fingerprint.is(&self.fingerprint),
         }
     }
 }

@@ -179,3 +179,26 @@ async fn a_waiter_follows_postgres_when_redis_lost_the_marker() {
     assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
     assert_eq!(h.counter(WAKEUPS, &[("by", "timer")]), 0.0);
 }
+
+/// Two-tier, the owner's marker lost, two waiters: each one's stand-in marker (written while Postgres
+/// decides, then taken back) must not wake the other (before: taking it back published the other's
+/// digest, both asked again, wrote new markers, and woke each other in a loop until the owner finished).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_do_not_wake_each_other_in_turn() {
+    let h = Harness::with(Mode::TwoTier, long_lease(), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("two-waiters"));
+    let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
+    let _: () = h.redis_connection().await.del(h.redis_key(&scope, &k)).await.expect("drop the marker");
+    let waiters = h.new_store(long_lease());
+    let first = wait_on(&waiters, &scope, &k, Duration::from_secs(30));
+    let second = wait_on(&waiters, &scope, &k, Duration::from_secs(30));
+    flagged(&h, &scope, &k, false).await;
+    // What the waiters do while the owner works: a loop shows as hundreds of wake-ups in this window.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let woken = h.counter(WAKEUPS, &[]);
+    assert!(woken <= 2.0, "{woken} wake-ups while the owner worked");
+    owner.complete(b"the result").await.expect("complete");
+    for waiter in [first, second] {
+        assert!(matches!(waiter.await.expect("join"), Begin::Completed(_)));
+    }
+}

@@ -1,8 +1,9 @@
-//! The canonicalizer on arbitrary bytes: a typed answer, never a panic or a stack overflow, and the
-//! same fingerprint for the same input (no hidden state, no unordered iteration).
+//! The canonicalizer on arbitrary bytes: a typed answer, never a panic or a stack overflow, the same
+//! fingerprint for the same input (no hidden state, no unordered iteration), and every document
+//! `serde_json` accepts is accepted (unless over the limits, or repeating a member).
 #![no_main]
 
-use idemstore::{Fingerprint, FingerprintOptions};
+use idemstore::{Fingerprint, FingerprintOptions, InputError};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -10,11 +11,13 @@ fuzz_target!(|data: &[u8]| {
     let first = Fingerprint::of_json(data, &options);
     let second = Fingerprint::of_json(data, &options);
     assert_eq!(first.as_ref().ok(), second.as_ref().ok());
-    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(data)
-        && let Ok(fingerprint) = first
-    {
-        // Re-serializing the value changes the layout, never the fingerprint.
-        let relaid = serde_json::to_vec_pretty(&value).expect("a parsed value serializes");
-        assert_eq!(Fingerprint::of_json(&relaid, &options).ok(), Some(fingerprint));
+    if serde_json::from_slice::<serde_json::Value>(data).is_ok() {
+        assert!(
+            matches!(
+                first,
+                Ok(_) | Err(InputError::TooDeep { .. } | InputError::DuplicateMember { .. })
+            ),
+            "{first:?}"
+        );
     }
 });

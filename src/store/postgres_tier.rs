@@ -65,7 +65,8 @@ macro_rules! in_progress_expiry {
 /// only for records older than stored rules); another payload re-acquires only once the record expired.
 /// Completed and indeterminate records, live leases and tombstones are never written: the statement
 /// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
-/// row lock. `prior` also says what was re-acquired (for the takeover metric).
+/// row lock. `prior` also says what was re-acquired (for the takeover metric). A record stored by an
+/// earlier release may hold the payload's version-1 fingerprint (`$11`, NULL when it has none).
 const CLAIM: Statement = Statement::new(
     "claim",
     concat!(
@@ -103,10 +104,10 @@ const CLAIM: Statement = Statement::new(
             retention_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.retention_ms ELSE r.retention_ms END,
             tombstone_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.tombstone_ms ELSE r.tombstone_ms END,
             waited = false, updated_at = now()
-        WHERE (r.state = 'released' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
+        WHERE (r.state = 'released' AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
            OR (r.state = 'in_progress' AND r.lease_expires_at <= now()
                AND COALESCE(r.on_lease_expiry = 'take_over', $8)
-               AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
+               AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
         RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
     )
     SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, ",
@@ -169,14 +170,23 @@ const RELEASE: Statement = Statement::new(
     RETURNING waited",
 );
 
-/// A claim that waits for the record's live owner asks to hear of its settlement. Unfenced: a waiter
-/// told "in flight" by Redis has no fence, and the flag only costs an owner a notification.
+/// A claim that waits for the record's live owner asks to hear of its settlement: true if the record is
+/// flagged (already, or now). A flagged record is not written again. Unfenced: a waiter told "in flight"
+/// by Redis has no fence, and the flag only costs an owner a notification.
 const WAIT: Statement = Statement::new(
     "wait",
     "
-    UPDATE idempotency_records SET waited = true
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
-      AND state = 'in_progress' AND lease_expires_at > now()",
+    WITH live AS (
+        SELECT waited FROM idempotency_records
+        WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
+          AND state = 'in_progress' AND lease_expires_at > now()
+    ), flagged AS (
+        UPDATE idempotency_records SET waited = true
+        WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
+          AND state = 'in_progress' AND lease_expires_at > now() AND NOT waited
+        RETURNING 1
+    )
+    SELECT EXISTS (SELECT 1 FROM live WHERE waited) OR EXISTS (SELECT 1 FROM flagged)",
 );
 
 /// Tells waiting claims (of any store) that a waited-for record settled: sent after the settling commit,
@@ -288,6 +298,7 @@ impl PostgresTier {
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                 .bind(policy.name())
                 .bind(policy.tombstone.map(|t| millis(t) as f64))
+                .bind(lease.fingerprint.legacy_hex())
                 .fetch_optional(&mut *conn);
             let row = self.bounded(&CLAIM, claim).await?;
             if let Some(row) = row {
@@ -360,8 +371,8 @@ impl PostgresTier {
 
     /// Flags the key's in-progress record as waited for; false when it is not in progress (any more).
     pub(crate) async fn wait(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let flag = sqlx::query(WAIT.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str());
-        self.bounded(&WAIT, flag.execute(&self.pool)).await.map(matched)
+        let flag = sqlx::query_scalar(WAIT.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str());
+        self.bounded(&WAIT, flag.fetch_one(&self.pool)).await
     }
 
     /// Announces the settlement of the key named `digest` to waiting claims.

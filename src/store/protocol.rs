@@ -9,7 +9,7 @@ use super::Store;
 use sqlx::postgres::PgConnection;
 
 use super::postgres_tier::Retained;
-use super::redis_tier::RedisTier;
+use super::redis_tier::{RedisTier, Takeback};
 use super::scripts::RedisBegin;
 use super::wakeup::{self, Watch};
 use crate::error::StoreError;
@@ -55,22 +55,24 @@ impl Store {
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let answer = async {
-            let Some(wait) = options.wait else {
-                return self
-                    .claim(self.candidate(scope, key, fingerprint, policy), options.heartbeat, None, None)
-                    .await;
-            };
+            let candidate = || self.candidate(scope, key, fingerprint, Arc::clone(&policy));
+            let Some(wait) = options.wait else { return self.claim(candidate(), options.heartbeat, None, None).await };
             let deadline = tokio::time::Instant::now() + wait;
-            let mut waiting = self.waiting(scope, key).await;
+            // Registered at the first "in flight" only: a claim that finds no owner pays nothing for waiting.
+            let mut waiting: Option<Waiting> = None;
             let mut backoff = Duration::from_millis(5);
             loop {
-                let candidate = self.candidate(scope, key, fingerprint, Arc::clone(&policy));
-                let answer = self.claim(candidate, options.heartbeat, None, Some(&waiting)).await;
-                let now = tokio::time::Instant::now();
+                let answer = self.claim(candidate(), options.heartbeat, None, waiting.as_ref()).await;
                 let Ok(Begin::InFlight { retry_after }) = answer else { break answer };
+                let now = tokio::time::Instant::now();
                 if now >= deadline {
                     break answer;
                 }
+                let Some(waiting) = waiting.as_mut() else {
+                    // Ask again at once, now flagged: a settlement from here on wakes this claim.
+                    waiting = Some(self.waiting(scope, key, deadline).await);
+                    continue;
+                };
                 // Zero: the owner just settled, or its claim is not visible yet; ask again soon.
                 let pause = if retry_after.is_zero() {
                     let next = (backoff * 2).min(Duration::from_millis(200));
@@ -108,7 +110,7 @@ impl Store {
     /// Takes the Redis marker of a lease whose claim never committed (its transaction rolled back).
     pub(crate) async fn release_marker(&self, lease: &Lease) {
         if let Some(redis) = &self.inner.redis {
-            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, false).await;
+            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, Takeback::RolledBack).await;
             self.degrade(lease.scope.operation(), deleted);
         }
     }
@@ -135,21 +137,23 @@ impl Store {
         }
     }
 
-    /// Registers a claim that is about to wait, and chooses how it asks to be woken: through Redis when
-    /// this store's subscription there is open, else through Postgres.
-    async fn waiting(&self, scope: &Scope, key: &IdempotencyKey) -> Waiting {
+    /// Registers a claim that is about to wait (until `deadline`), and chooses how it asks to be woken:
+    /// through Redis when this store's subscription there is open, else through Postgres.
+    async fn waiting(&self, scope: &Scope, key: &IdempotencyKey, deadline: tokio::time::Instant) -> Waiting {
         let watch = self.inner.wakeups.watch(scope, key);
         let via_redis = match &self.inner.redis {
             Some(redis) => self.inner.wakeups.follows_redis(redis.budget()).await,
             None => false,
         };
-        Waiting { watch, via_redis }
+        Waiting { watch, via_redis, deadline }
     }
 
     /// Flags the key's record in Postgres for a waiting claim; the pause before asking again:
     /// `retry_after`, or zero when the record is no longer in progress.
-    async fn wait_in_postgres(&self, candidate: &Lease, retry_after: Duration) -> Duration {
-        if !self.inner.wakeups.follows_postgres(self.inner.postgres.timeout()).await {
+    async fn wait_in_postgres(&self, candidate: &Lease, waiting: &Waiting, retry_after: Duration) -> Duration {
+        let within =
+            self.inner.postgres.timeout().min(waiting.deadline.saturating_duration_since(tokio::time::Instant::now()));
+        if !self.inner.wakeups.follows_postgres(within).await {
             return retry_after;
         }
         match self.inner.postgres.wait(&candidate.scope, &candidate.key).await {
@@ -204,7 +208,7 @@ impl Store {
         let released = self.inner.postgres.release(lease).await;
         let waited = self.fenced_step(lease, "release", released)?;
         if let Some(redis) = &self.inner.redis {
-            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, true).await;
+            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, Takeback::Released).await;
             self.degrade(lease.scope.operation(), deleted);
         }
         if waited {
@@ -253,7 +257,7 @@ impl Store {
             let started = Instant::now();
             let lease_ms = millis(candidate.policy.lease);
             let waiter = waiting.filter(|waiting| waiting.via_redis).map(|waiting| waiting.watch.digest());
-            match redis.begin(&record_key, candidate.fingerprint.as_hex(), &candidate.owner, lease_ms, waiter).await {
+            match redis.begin(&record_key, &candidate.fingerprint, &candidate.owner, lease_ms, waiter).await {
                 Ok(answer) => {
                     telemetry::claim_duration("redis", started.elapsed());
                     let answer_is_claimed = answer == RedisBegin::Claimed;
@@ -268,8 +272,12 @@ impl Store {
                         telemetry::redis_lookup(operation, "hit");
                         return Ok(match answer {
                             // The marker could not carry the digest: the waiter asks Postgres instead.
-                            Begin::InFlight { retry_after } if waiter.is_none() && waiting.is_some() => {
-                                Begin::InFlight { retry_after: self.wait_in_postgres(&candidate, retry_after).await }
+                            Begin::InFlight { retry_after }
+                                if let Some(waiting) = waiting.filter(|_| waiter.is_none()) =>
+                            {
+                                Begin::InFlight {
+                                    retry_after: self.wait_in_postgres(&candidate, waiting, retry_after).await,
+                                }
                             }
                             answer => answer,
                         });
@@ -294,7 +302,7 @@ impl Store {
                 // Fail closed, and take the marker back so retries are not told "in flight" for work
                 // that never started.
                 if let Some((redis, record_key)) = &marked {
-                    self.degrade(operation, redis.release(record_key, &candidate.owner, false).await);
+                    self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
                 }
                 // The row is locked past the lock timeout: an owner is working on it inside its own
                 // transaction (`run_once_in_tx`), which is what "in flight" means.
@@ -321,11 +329,11 @@ impl Store {
             return Ok(Begin::Acquired(Owner::new(self.clone(), lease, heartbeat, tx.is_some())));
         }
         let mut answer = self.answer_from(&candidate, &claim.record, tx).await;
-        if let (Some(_), Ok(Begin::InFlight { retry_after })) = (waiting, &mut answer)
+        if let (Some(waiting), Ok(Begin::InFlight { retry_after })) = (waiting, &mut answer)
             && claim.record.state == State::InProgress
             && !retry_after.is_zero()
         {
-            *retry_after = self.wait_in_postgres(&candidate, *retry_after).await;
+            *retry_after = self.wait_in_postgres(&candidate, waiting, *retry_after).await;
         }
         if let Some((redis, record_key)) = &marked {
             telemetry::reconciliation(operation);
@@ -393,7 +401,8 @@ impl Store {
             }
             State::Indeterminate => (&[][..], candidate.policy.lease),
             _ => {
-                self.degrade(candidate.scope.operation(), redis.release(record_key, &candidate.owner, false).await);
+                let takeback = redis.release(record_key, &candidate.owner, Takeback::Unclaimed);
+                self.degrade(candidate.scope.operation(), takeback.await);
                 return;
             }
         };
@@ -445,6 +454,8 @@ struct Waiting {
     watch: Watch,
     /// This store follows Redis: the claim's marker lookups carry the key's digest.
     via_redis: bool,
+    /// When the wait ends: no step of it waits past that.
+    deadline: tokio::time::Instant,
 }
 
 /// Whether Postgres gave up waiting for a row lock (`lock_timeout`, SQLSTATE 55P03).

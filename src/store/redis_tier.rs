@@ -11,6 +11,7 @@ use redis::{Script, Value};
 
 use super::lagging::LaggingKeys;
 use super::scripts::{self, RedisBegin};
+use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::record::State;
 use crate::telemetry;
@@ -25,6 +26,18 @@ enum Call {
     /// skipped write would leave another process reading a stale copy until this one catches up;
     /// during an outage it costs the settling request up to one budget (a refused connection fails fast).
     Settle,
+}
+
+/// What taking a marker back means (release.lua): whether the caller owned the key, and so whether
+/// claims waiting for it hear of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Takeback {
+    /// Postgres released the record under the caller's fence: an indeterminate copy goes too.
+    Released,
+    /// The caller's claim was rolled back with its transaction.
+    RolledBack,
+    /// The caller's marker answered for a key it never got: Postgres holds another owner, or failed.
+    Unclaimed,
 }
 
 /// Why a Redis call was not answered; every one degrades the call to the Postgres path.
@@ -127,13 +140,20 @@ impl RedisTier {
     pub(crate) async fn begin(
         &self,
         record_key: &str,
-        fingerprint: &str,
+        fingerprint: &Fingerprint,
         owner: &str,
         lease_ms: i64,
         waiter: Option<&str>,
     ) -> Result<RedisBegin, RedisUnavailable> {
         let lease = lease_ms.to_string();
-        let args = [fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes(), waiter.unwrap_or("").as_bytes()];
+        let legacy = fingerprint.legacy_hex().unwrap_or("");
+        let args = [
+            fingerprint.as_hex().as_bytes(),
+            owner.as_bytes(),
+            lease.as_bytes(),
+            waiter.unwrap_or("").as_bytes(),
+            legacy.as_bytes(),
+        ];
         let reply =
             self.invoke("begin", &scripts::BEGIN, record_key, &args, Call::Answer).await.inspect_err(|error| {
                 // A call that timed out may still have written its marker.
@@ -170,10 +190,18 @@ impl RedisTier {
         put.map(drop).inspect_err(|_| self.left_behind(record_key))
     }
 
-    /// Deletes the caller's own marker; with `released` (Postgres released the record under the caller's
-    /// fence), an indeterminate copy too.
-    pub(crate) async fn release(&self, record_key: &str, owner: &str, released: bool) -> Result<(), RedisUnavailable> {
-        let mode: &[u8] = if released { b"released" } else { b"" };
+    /// Deletes the caller's own marker (and, once Postgres released the record, an indeterminate copy).
+    pub(crate) async fn release(
+        &self,
+        record_key: &str,
+        owner: &str,
+        takeback: Takeback,
+    ) -> Result<(), RedisUnavailable> {
+        let mode: &[u8] = match takeback {
+            Takeback::Released => b"released",
+            Takeback::RolledBack => b"rolled_back",
+            Takeback::Unclaimed => b"",
+        };
         let args = [owner.as_bytes(), mode, self.channel.as_bytes()];
         let released = self.invoke("release", &scripts::RELEASE, record_key, &args, Call::Settle).await;
         released.map(drop).inspect_err(|_| self.left_behind(record_key))

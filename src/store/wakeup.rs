@@ -33,6 +33,9 @@ pub(crate) const RECHECK_EVERY: Duration = Duration::from_secs(1);
 /// Pause before a lost subscription is opened again.
 const RECONNECT_AFTER: Duration = Duration::from_millis(500);
 
+/// Longest attempt to open a subscription.
+const CONNECT_WITHIN: Duration = Duration::from_secs(2);
+
 /// Names a key in notifications: 32 hex digits of SHA-256 over its length-prefixed tenant, operation
 /// and key (as `idempotency_key_digest` in Postgres), so no tenant can name another tenant's key. A
 /// collision only wakes a waiter that then asks again.
@@ -101,7 +104,7 @@ enum Source {
 /// A subscription, opened by the first waiter that needs it and followed by a task for the store's life.
 struct Feed {
     source: Source,
-    /// True once the subscription was first open.
+    /// Whether the subscription is open now.
     open: watch::Sender<bool>,
     task: OnceLock<AbortOnDrop>,
 }
@@ -176,14 +179,17 @@ impl Wakeups {
 }
 
 async fn follow_redis(client: redis::Client, channel: String, open: watch::Sender<bool>, waiters: Weak<Waiters>) {
+    let mut lost = false;
     loop {
         let subscribed = async {
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.subscribe(&channel).await?;
             Ok::<_, redis::RedisError>(pubsub)
         };
-        if let Ok(Ok(pubsub)) = tokio::time::timeout(RECONNECT_AFTER * 4, subscribed).await {
-            open.send_replace(true);
+        if let Ok(Ok(pubsub)) = tokio::time::timeout(CONNECT_WITHIN, subscribed).await {
+            if !reopened(&open, &waiters, lost) {
+                return;
+            }
             let mut messages = pubsub.into_on_message();
             while let Some(message) = messages.next().await {
                 let Some(waiters) = waiters.upgrade() else { return };
@@ -191,38 +197,46 @@ async fn follow_redis(client: redis::Client, channel: String, open: watch::Sende
                     waiters.wake(digest);
                 }
             }
+            open.send_replace(false);
+            lost = true;
         }
-        let Some(waiters) = waiters.upgrade() else { return };
-        waiters.wake_all();
-        drop(waiters);
         tokio::time::sleep(RECONNECT_AFTER).await;
     }
 }
 
 async fn follow_postgres(pool: PgPool, open: watch::Sender<bool>, waiters: Weak<Waiters>) {
+    let mut lost = false;
     loop {
         let listening = async {
             let mut listener = PgListener::connect_with(&pool).await?;
             listener.listen(POSTGRES_CHANNEL).await?;
             Ok::<_, sqlx::Error>(listener)
         };
-        if let Ok(Ok(mut listener)) = tokio::time::timeout(RECONNECT_AFTER * 4, listening).await {
-            open.send_replace(true);
-            // `None`: the connection was lost (the next call connects and listens again); an error:
-            // it could not.
-            while let Ok(notification) = listener.try_recv().await {
-                let Some(waiters) = waiters.upgrade() else { return };
-                match notification {
-                    Some(notification) => waiters.wake(notification.payload()),
-                    None => waiters.wake_all(),
-                }
+        if let Ok(Ok(mut listener)) = tokio::time::timeout(CONNECT_WITHIN, listening).await {
+            if !reopened(&open, &waiters, lost) {
+                return;
             }
+            // `None`: the connection was lost; the listener is dropped and a new one listens again.
+            while let Ok(Some(notification)) = listener.try_recv().await {
+                let Some(waiters) = waiters.upgrade() else { return };
+                waiters.wake(notification.payload());
+            }
+            open.send_replace(false);
+            lost = true;
         }
-        let Some(waiters) = waiters.upgrade() else { return };
-        waiters.wake_all();
-        drop(waiters);
         tokio::time::sleep(RECONNECT_AFTER).await;
     }
+}
+
+/// Marks a subscription open; after a loss, wakes every waiter, since what it carried meanwhile is
+/// lost. False once the store is gone.
+fn reopened(open: &watch::Sender<bool>, waiters: &Weak<Waiters>, lost: bool) -> bool {
+    let Some(waiters) = waiters.upgrade() else { return false };
+    open.send_replace(true);
+    if lost {
+        waiters.wake_all();
+    }
+    true
 }
 
 #[cfg(test)]

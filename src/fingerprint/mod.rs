@@ -6,19 +6,35 @@
 //! [`FingerprintOptions::ignore_field`] removed (client timestamps, trace ids). Parsing is bounded in size
 //! and depth, so hostile input gets an [`InputError`], never a stack overflow, and objects that repeat a
 //! member are refused because two parsers may disagree about which copy counts.
+//!
+//! # Versions
+//! Fingerprints are stored with every record, for as long as the record (forever in a ledger tier), so
+//! their form is versioned. **Version 2** (written since 0.2) reads every number from its decimal text:
+//! any integer and any decimal exactly, in an output at most a few bytes longer than its input per number.
+//! **Version 1** (earlier releases) read numbers as `f64`, so integers beyond 2^64 and decimals beyond 17
+//! significant digits could share a fingerprint with a neighbour. A JSON request carries both forms: new
+//! records store version 2, and a record stored by version 1 is compared with the request's version-1
+//! form, so upgrading never turns a retry into a mismatch. (The two are hashed under different prefixes,
+//! so neither can equal the other's; which one a record holds needs no column of its own.)
+
+mod json;
+mod number;
 
 use std::borrow::Cow;
-use std::cell::Cell;
 use std::fmt;
 
-use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
 
 use crate::error::InputError;
+use json::Canon;
 
-/// SHA-256 of a canonical request, as 64 lowercase hex digits (the form stored in both tiers).
+/// SHA-256 of a canonical request, as 64 lowercase hex digits (the form stored in both tiers), in the
+/// current version; for JSON, also the version-1 form that older records hold.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Fingerprint(String);
+pub struct Fingerprint {
+    hex: String,
+    legacy: Option<String>,
+}
 
 impl Fingerprint {
     /// Fingerprints a JSON body in its canonical form.
@@ -28,14 +44,18 @@ impl Fingerprint {
     /// [`InputError::InvalidJson`].
     pub fn of_json(body: &[u8], options: &FingerprintOptions) -> Result<Self, InputError> {
         options.check_size(body.len())?;
-        let mut canon = parse(body, options.max_depth)?;
+        let mut canon = json::parse(body, options.max_depth)?;
         for pointer in &options.ignored {
             pointer.blank(&mut canon);
         }
-        let mut out = Vec::with_capacity(body.len() + 8);
+        let mut out = Vec::with_capacity(body.len() + 16);
+        out.extend_from_slice(b"json-v2\0");
+        canon.write_exact(&mut out)?;
+        let hex = hex(&Sha256::digest(&out));
+        out.clear();
         out.extend_from_slice(b"json\0");
-        canon.write(&mut out);
-        Ok(Self::digest(&out))
+        let legacy = canon.write_legacy(&mut out).map(|()| hex_of(&out));
+        Ok(Self { hex, legacy })
     }
 
     /// Fingerprints any serializable value through its JSON form, with the same canonical rules.
@@ -50,7 +70,8 @@ impl Fingerprint {
         Self::of_json(&body, options)
     }
 
-    /// Fingerprints an opaque body byte for byte (for content that is not JSON).
+    /// Fingerprints an opaque body byte for byte (for content that is not JSON; the same in every
+    /// version).
     ///
     /// # Errors
     /// [`InputError::PayloadTooLarge`].
@@ -59,41 +80,68 @@ impl Fingerprint {
         let mut hasher = Sha256::new();
         hasher.update(b"raw\0");
         hasher.update(body);
-        Ok(Self(format!("{:x}", hasher.finalize())))
+        Ok(Self { hex: hex(&hasher.finalize()), legacy: None })
     }
 
     /// This fingerprint bound to a context (such as the HTTP method and target), so that the same body
     /// sent to two different targets gives two different fingerprints.
     pub fn within(&self, context: &[&str]) -> Self {
-        let mut hasher = Sha256::new();
-        hasher.update(b"ctx\0");
-        for part in context {
-            // Length-prefixed, so no two different contexts hash the same bytes.
-            hasher.update((part.len() as u64).to_le_bytes());
-            hasher.update(part.as_bytes());
-        }
-        hasher.update(self.0.as_bytes());
-        Self(format!("{:x}", hasher.finalize()))
+        let bind = |fingerprint: &str| {
+            let mut hasher = Sha256::new();
+            hasher.update(b"ctx\0");
+            for part in context {
+                // Length-prefixed, so no two different contexts hash the same bytes.
+                hasher.update((part.len() as u64).to_le_bytes());
+                hasher.update(part.as_bytes());
+            }
+            hasher.update(fingerprint.as_bytes());
+            hex(&hasher.finalize())
+        };
+        Self { hex: bind(&self.hex), legacy: self.legacy.as_deref().map(bind) }
     }
 
     /// A fingerprint read back from storage.
     pub(crate) fn from_hex(hex: String) -> Self {
-        Self(hex)
+        Self { hex, legacy: None }
     }
 
-    /// The fingerprint as 64 lowercase hex digits.
+    /// The fingerprint as 64 lowercase hex digits, in the current version (what new records store).
     pub fn as_hex(&self) -> &str {
-        &self.0
+        &self.hex
     }
 
-    fn digest(canonical: &[u8]) -> Self {
-        Self(format!("{:x}", Sha256::digest(canonical)))
+    /// The version-1 form, which records stored by earlier releases hold; `None` for raw bodies (the
+    /// same in every version) and for payloads version 1 refused.
+    pub(crate) fn legacy_hex(&self) -> Option<&str> {
+        self.legacy.as_deref()
     }
+
+    /// Whether a stored fingerprint (of either version) is this request's.
+    pub(crate) fn is(&self, stored: &str) -> bool {
+        self.hex == stored || self.legacy.as_deref() == Some(stored)
+    }
+
+    /// Whether a stored prefix (a tombstone keeps 16 hex digits) is this request's.
+    pub(crate) fn starts_with(&self, prefix: &str) -> bool {
+        self.hex.starts_with(prefix) || self.legacy.as_deref().is_some_and(|legacy| legacy.starts_with(prefix))
+    }
+}
+
+fn hex(digest: &[u8]) -> String {
+    digest.iter().fold(String::with_capacity(64), |mut hex, byte| {
+        hex.push(char::from(HEX[usize::from(byte >> 4)]));
+        hex.push(char::from(HEX[usize::from(byte & 0xf)]));
+        hex
+    })
+}
+
+fn hex_of(canonical: &[u8]) -> String {
+    hex(&Sha256::digest(canonical))
 }
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", &self.0[..12])
+        write!(f, "Fingerprint({})", &self.hex[..12])
     }
 }
 
@@ -146,28 +194,27 @@ impl FingerprintOptions {
     }
 }
 
-/// A parsed JSON value, borrowing its strings from the body where no escape forced a copy. Objects keep
-/// their members sorted by name (byte order) once parsed.
-#[derive(Debug, PartialEq)]
-enum Canon<'a> {
-    Null,
-    Bool(bool),
-    Int(i64),
-    UInt(u64),
-    Float(f64),
-    String(Cow<'a, str>),
-    Array(Vec<Canon<'a>>),
-    Object(Vec<(Cow<'a, str>, Canon<'a>)>),
-}
-
 impl Canon<'_> {
-    fn write(&self, out: &mut Vec<u8>) {
+    /// Writes the version-2 canonical form (exact numbers).
+    fn write_exact(&self, out: &mut Vec<u8>) -> Result<(), InputError> {
+        self.write(out, &mut number::write_exact)
+    }
+
+    /// Writes the version-1 canonical form; `None` if version 1 refused the payload.
+    fn write_legacy(&self, out: &mut Vec<u8>) -> Option<()> {
+        self.write(out, &mut |text, out| number::write_legacy(text, out).ok_or(())).ok()
+    }
+
+    /// The canonical form, numbers spelled by `number` (an error stops the writing).
+    fn write<E>(
+        &self,
+        out: &mut Vec<u8>,
+        number: &mut impl FnMut(&str, &mut Vec<u8>) -> Result<(), E>,
+    ) -> Result<(), E> {
         match self {
             Canon::Null => out.extend_from_slice(b"null"),
             Canon::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
-            Canon::Int(n) => write_display(n, out),
-            Canon::UInt(n) => write_display(n, out),
-            Canon::Float(v) => write_float(*v, out),
+            Canon::Number(text) => number(text, out)?,
             Canon::String(s) => write_string(s, out),
             Canon::Array(items) => {
                 out.push(b'[');
@@ -175,7 +222,7 @@ impl Canon<'_> {
                     if i > 0 {
                         out.push(b',');
                     }
-                    item.write(out);
+                    item.write(out, number)?;
                 }
                 out.push(b']');
             }
@@ -187,18 +234,13 @@ impl Canon<'_> {
                     }
                     write_string(name, out);
                     out.push(b':');
-                    value.write(out);
+                    value.write(out, number)?;
                 }
                 out.push(b'}');
             }
         }
+        Ok(())
     }
-}
-
-fn write_display(value: &impl fmt::Display, out: &mut Vec<u8>) {
-    use std::io::Write as _;
-    // Writing into a Vec cannot fail.
-    let _ = write!(out, "{value}");
 }
 
 /// Copies runs of bytes that need no escape at once; escapes `"`, `\` and control characters.
@@ -222,150 +264,6 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
-
-/// One spelling per numeric value: integers (and floats holding an integer below 2^53) as plain
-/// integers, other floats in Rust's shortest round-trip form. Integers beyond 64 bits are compared as
-/// IEEE-754 doubles, as RFC 8785 does.
-fn write_float(v: f64, out: &mut Vec<u8>) {
-    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
-    if v.fract() == 0.0 && v.abs() < EXACT { write_display(&(v as i64), out) } else { write_display(&v, out) }
-}
-
-fn parse(body: &[u8], max_depth: usize) -> Result<Canon<'_>, InputError> {
-    let refusal = Cell::new(None);
-    let seed = CanonSeed { depth: 0, max_depth, refusal: &refusal };
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let parsed = seed.deserialize(&mut de).and_then(|canon| de.end().map(|()| canon));
-    parsed.map_err(|err| refusal.take().unwrap_or(InputError::InvalidJson(err)))
-}
-
-/// Builds a [`Canon`] while parsing, enforcing the depth limit and refusing repeated members. A refusal
-/// is kept in `refusal` so that it reaches the caller typed, not as serde's message.
-struct CanonSeed<'r> {
-    depth: usize,
-    max_depth: usize,
-    refusal: &'r Cell<Option<InputError>>,
-}
-
-impl CanonSeed<'_> {
-    fn nested<E: de::Error>(&self) -> Result<Self, E> {
-        if self.depth >= self.max_depth {
-            return Err(self.refuse(InputError::TooDeep { limit: self.max_depth }));
-        }
-        Ok(CanonSeed { depth: self.depth + 1, max_depth: self.max_depth, refusal: self.refusal })
-    }
-
-    fn nested_copy(&self) -> Self {
-        CanonSeed { depth: self.depth, max_depth: self.max_depth, refusal: self.refusal }
-    }
-
-    fn refuse<E: de::Error>(&self, error: InputError) -> E {
-        self.refusal.set(Some(error));
-        E::custom("payload refused")
-    }
-}
-
-impl<'de> DeserializeSeed<'de> for CanonSeed<'_> {
-    type Value = Canon<'de>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Canon<'de>, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for CanonSeed<'_> {
-    type Value = Canon<'de>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_unit<E>(self) -> Result<Canon<'de>, E> {
-        Ok(Canon::Null)
-    }
-
-    fn visit_bool<E>(self, v: bool) -> Result<Canon<'de>, E> {
-        Ok(Canon::Bool(v))
-    }
-
-    fn visit_u64<E>(self, v: u64) -> Result<Canon<'de>, E> {
-        Ok(Canon::UInt(v))
-    }
-
-    fn visit_i64<E>(self, v: i64) -> Result<Canon<'de>, E> {
-        Ok(Canon::Int(v))
-    }
-
-    fn visit_f64<E>(self, v: f64) -> Result<Canon<'de>, E> {
-        Ok(Canon::Float(v))
-    }
-
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Canon<'de>, E> {
-        Ok(Canon::String(Cow::Borrowed(v)))
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<Canon<'de>, E> {
-        Ok(Canon::String(Cow::Owned(v.to_owned())))
-    }
-
-    fn visit_string<E>(self, v: String) -> Result<Canon<'de>, E> {
-        Ok(Canon::String(Cow::Owned(v)))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Canon<'de>, A::Error> {
-        let inner = self.nested()?;
-        let mut items = Vec::new();
-        while let Some(item) = seq.next_element_seed(inner.nested_copy())? {
-            items.push(item);
-        }
-        Ok(Canon::Array(items))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Canon<'de>, A::Error> {
-        let inner = self.nested()?;
-        let mut members = Vec::new();
-        while let Some(name) = map.next_key_seed(MemberName)? {
-            members.push((name, map.next_value_seed(inner.nested_copy())?));
-        }
-        // Byte order, as `str` compares; a repeated name ends up next to itself.
-        members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        if let Some(pair) = members.windows(2).find(|pair| pair[0].0 == pair[1].0) {
-            return Err(self.refuse(InputError::DuplicateMember { name: pair[0].0.clone().into_owned() }));
-        }
-        Ok(Canon::Object(members))
-    }
-}
-
-/// An object member's name, borrowed from the body unless it holds an escape.
-struct MemberName;
-
-impl<'de> DeserializeSeed<'de> for MemberName {
-    type Value = Cow<'de, str>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Cow<'de, str>, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for MemberName {
-    type Value = Cow<'de, str>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a member name")
-    }
-
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Cow<'de, str>, E> {
-        Ok(Cow::Borrowed(v))
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<Cow<'de, str>, E> {
-        Ok(Cow::Owned(v.to_owned()))
-    }
-
-    fn visit_string<E>(self, v: String) -> Result<Cow<'de, str>, E> {
-        Ok(Cow::Owned(v))
-    }
-}
 
 /// An RFC 6901 pointer, split into unescaped reference tokens.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -437,50 +335,89 @@ mod tests {
     }
 
     /// Found by `fuzz/`: without correctly rounded float parsing, an integer beyond 64 bits and its
-    /// shortest float spelling could parse to neighbouring doubles and fingerprint differently.
+    /// shortest float spelling could parse to neighbouring doubles and fingerprint differently in version
+    /// 1 (which compares them as doubles). Version 2 compares exact values: they differ.
     #[test]
-    fn big_integers_and_their_float_spelling_agree() {
+    fn big_integers_and_their_float_spelling_agree_in_version_1_only() {
         let big = "1111111111555555555555555";
-        let respelled = serde_json::to_string(&serde_json::from_str::<serde_json::Value>(big).expect("valid"));
-        assert_eq!(fp(big), fp(&respelled.expect("serializable")));
+        let respelled = fp(&format!("{:e}", big.parse::<f64>().expect("a float")));
+        assert_eq!(fp(big).legacy_hex(), respelled.legacy_hex());
+        assert_ne!(fp(big).as_hex(), respelled.as_hex());
     }
 
-    /// Fingerprints are stored in both tiers: the canonical form must never change across versions, or
-    /// retries that span an upgrade would be refused as mismatches.
+    /// Two amounts that differ in the 21st digit: version 1 gave them one fingerprint (so the second
+    /// request was answered with the first one's response); version 2 tells them apart.
+    #[test]
+    fn amounts_beyond_64_bits_differ() {
+        let a = fp(r#"{"amount_wei":100000000000000000001}"#);
+        let b = fp(r#"{"amount_wei":100000000000000000000}"#);
+        assert_eq!(a.legacy_hex(), b.legacy_hex(), "the version-1 collision this replaces");
+        assert_ne!(a.as_hex(), b.as_hex());
+        assert!(!a.is(b.as_hex()));
+        let c = fp(r#"{"price":0.30000000000000000000000000001}"#);
+        assert_ne!(c.as_hex(), fp(r#"{"price":0.3}"#).as_hex());
+    }
+
+    /// A body of large exponents: version 1 wrote `1e308` as 309 digits (a 1 MiB body built a ~54 MB
+    /// canonical buffer); version 2 writes it in 5 bytes.
+    #[test]
+    fn canonical_form_stays_near_the_input_size() {
+        let body = format!("[{}1e308]", "1e308,".repeat(100_000));
+        let canon = json::parse(body.as_bytes(), 64).expect("valid");
+        let mut exact = Vec::new();
+        canon.write_exact(&mut exact).expect("in range");
+        assert!(exact.len() <= body.len() + 16, "{} canonical bytes for {} input bytes", exact.len(), body.len());
+        let mut legacy = Vec::new();
+        canon.write_legacy(&mut legacy).expect("in f64 range");
+        assert!(legacy.len() > 50 * body.len(), "version 1 is the blow-up this replaces");
+    }
+
+    /// Fingerprints are stored in both tiers: each version's canonical form must never change, or
+    /// retries that span an upgrade would be refused as mismatches. Version 1 stays what earlier releases
+    /// stored (its golden values are theirs); version 2 is frozen here.
     #[test]
     fn fingerprints_are_a_stored_format() {
         let golden = [
             (
                 r#"{"amount":1200,"currency":"EUR","customer":{"id":"cus_1"},"items":[1,2.5,-3,true,null,[],{}]}"#,
                 "de6d95321feefe4df4205416bf9b2f37944d1144bf01eafabc9eb2499639abe5",
+                "b7e6823004ef9976262c1a7cd61189291cdc31d79a7f64cc07c6b6a8fddd263e",
             ),
             (
                 r#"{"b":"quote \" backslash \\ tab \t nul \u0000 bell \u0007","a":"é ü 日本 🎉 \ud83c\udf89"}"#,
                 "d14938111673ff62920231ab3915827e670590c485794efffb8a73c9cfcffe2f",
+                "6e2f6cdaf15f3f97454dd93f1ab294960de325854055965c57b2284ad85b7fe3",
             ),
             (
                 r#"[0,-0,-0.0,1e0,1.5e3,1e-7,1e21,1e300,18446744073709551615,-9223372036854775808,123456789012345678901234567890]"#,
                 "0fa092f3c0e405784b52288d4f43252c294c860ecf6ee8daa49c62829b0a76e7",
+                "e1eafd753c71a57cbfd8cd4bf06a5b2306977f22c72acf9b6f0cb05c64e7e686",
             ),
             (
                 r#"{"z":1,"é":2,"Z":3,"a b":4,"a\nb":5,"":6,"aa":7,"a":8}"#,
                 "5e983d579120fd406aff1d7ad87d928a08193d35bf5b0ee00ed0c1b8db301ae9",
+                "d8c4fee85ba52405d5d3dd88cb79d02402073ca2ff7db95e936c5535ecc01016",
             ),
-            (r#""just a string""#, "9bcf318e16d168781747d788c05ae170d43178940982410bfd90246ff4be00ec"),
+            (
+                r#""just a string""#,
+                "9bcf318e16d168781747d788c05ae170d43178940982410bfd90246ff4be00ec",
+                "f761a302d0eb203a2494ec16ff99aa51d638c02417d5dcfdae5bda0ce1d24e4c",
+            ),
             (
                 r#"[[[[{"deep":[{"x":{"y":[]}}]}]]]]"#,
                 "ac9427bd1b6b0a355ab3c1ed12aec471d71145f8ddb4b9ddbac066ed488d1091",
+                "4ca8f986c07b6157f6dd2e0fe0603a3cef2d29560432f65718977d6c3a5eea93",
             ),
         ];
-        for (body, hex) in golden {
-            assert_eq!(fp(body).as_hex(), hex, "{body}");
+        for (body, v1, v2) in golden {
+            assert_eq!(fp(body).legacy_hex(), Some(v1), "{body}");
+            assert_eq!(fp(body).as_hex(), v2, "{body}");
         }
         let options = FingerprintOptions::default().ignore_field("/meta/ts").and_then(|o| o.ignore_field("/items/1"));
         let ignored = Fingerprint::of_json(br#"{"meta":{"ts":5,"id":1},"items":[1,2,3]}"#, &options.expect("pointers"));
-        assert_eq!(
-            ignored.expect("valid").as_hex(),
-            "93cb7b9205ef87799a3f3b30cc6b728ff8dc6b1645e661a0c1ed33dd757d4a8e"
-        );
+        let ignored = ignored.expect("valid");
+        assert_eq!(ignored.legacy_hex(), Some("93cb7b9205ef87799a3f3b30cc6b728ff8dc6b1645e661a0c1ed33dd757d4a8e"));
+        assert_eq!(ignored.as_hex(), "0c57f7720b661deea92f1645144ec5a8f83a4ec6800bda07e39ee0f23b080e9b");
     }
 
     #[test]
@@ -540,7 +477,13 @@ mod tests {
         let huge = vec![b' '; 100 << 20];
         assert!(matches!(Fingerprint::of_json(&huge, &options), Err(InputError::PayloadTooLarge { .. })));
         assert!(matches!(Fingerprint::of_bytes(&huge, &options), Err(InputError::PayloadTooLarge { .. })));
-        assert!(matches!(Fingerprint::of_json(b"1e400", &options), Err(InputError::InvalidJson(_))));
+        // Beyond f64: version 1 refused it, version 2 keeps it exactly (and has no version-1 form).
+        assert_eq!(Fingerprint::of_json(b"1e400", &options).expect("exact").legacy_hex(), None);
+        let exponent = b"1e1234567890123456789";
+        assert!(matches!(Fingerprint::of_json(exponent, &options), Err(InputError::InvalidJson(_))));
+        for invalid in [&b"01"[..], b"1.", b".5", b"-", b"+1", b"1e", b"tru", b"[1,]", b"{\"a\"}", b"\"\\ud800\""] {
+            assert!(matches!(Fingerprint::of_json(invalid, &options), Err(InputError::InvalidJson(_))), "{invalid:?}");
+        }
         assert!(matches!(Fingerprint::of_json(b"\"\xff\xfe\"", &options), Err(InputError::InvalidJson(_))));
         assert!(matches!(
             Fingerprint::of_json(b"{\"a\":1,\"b\":{\"c\":1,\"c\":2}}", &options),
@@ -566,6 +509,62 @@ mod tests {
         })
     }
 
+    /// Version 1 as earlier releases computed it: `serde_json`'s parse, numbers as it read them.
+    fn version_1(value: &serde_json::Value, out: &mut Vec<u8>) {
+        use serde_json::Value;
+        match value {
+            Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => out.extend_from_slice(u.to_string().as_bytes()),
+                (_, Some(i)) => out.extend_from_slice(i.to_string().as_bytes()),
+                _ => number::write_legacy(&n.as_f64().expect("finite").to_string(), out).expect("finite"),
+            },
+            Value::Array(items) => {
+                out.push(b'[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    version_1(item, out);
+                }
+                out.push(b']');
+            }
+            Value::Object(members) => {
+                let mut members: Vec<_> = members.iter().collect();
+                members.sort_by(|a, b| a.0.cmp(b.0));
+                out.push(b'{');
+                for (i, (name, item)) in members.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write_string(name, out);
+                    out.push(b':');
+                    version_1(item, out);
+                }
+                out.push(b'}');
+            }
+            Value::String(s) => write_string(s, out),
+            other => out.extend_from_slice(other.to_string().as_bytes()),
+        }
+    }
+
+    /// Structural equality with numbers compared by exact value.
+    fn same_value(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+        use serde_json::Value;
+        let exact = |n: &serde_json::Number| {
+            let mut out = Vec::new();
+            number::write_exact(&n.to_string(), &mut out).expect("in range");
+            out
+        };
+        match (a, b) {
+            (Value::Number(x), Value::Number(y)) => exact(x) == exact(y),
+            (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_value(x, y)),
+            (Value::Object(x), Value::Object(y)) => {
+                x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_value(v, w)))
+            }
+            _ => a == b,
+        }
+    }
+
     proptest! {
         /// Layout never changes the fingerprint, and the canonical form itself parses back to the same value.
         #[test]
@@ -578,11 +577,21 @@ mod tests {
                 Fingerprint::of_json(&pretty, &options).ok()
             );
             let mut canonical = Vec::new();
-            parse(&compact, 64).expect("valid").write(&mut canonical);
-            let reparsed: serde_json::Value = serde_json::from_slice(&canonical).expect("canonical form is JSON");
+            json::parse(&compact, 64).expect("valid").write_exact(&mut canonical).expect("in range");
             let mut again = Vec::new();
-            parse(&serde_json::to_vec(&reparsed).expect("ser"), 64).expect("valid").write(&mut again);
+            json::parse(&canonical, 64).expect("canonical form is JSON").write_exact(&mut again).expect("in range");
             prop_assert_eq!(canonical, again);
+        }
+
+        /// The version-1 form is what earlier releases stored for the same body.
+        #[test]
+        fn version_1_is_unchanged(value in json_value()) {
+            let body = serde_json::to_vec_pretty(&value).expect("serializable");
+            let mut expected = b"json\0".to_vec();
+            version_1(&serde_json::from_slice(&body).expect("valid"), &mut expected);
+            let fingerprint = Fingerprint::of_json(&body, &FingerprintOptions::default()).expect("valid");
+            let expected = hex_of(&expected);
+            prop_assert_eq!(fingerprint.legacy_hex(), Some(expected.as_str()));
         }
 
         /// Two payloads share a fingerprint exactly when their canonical values are equal.
@@ -590,8 +599,9 @@ mod tests {
         fn different_values_differ(a in json_value(), b in json_value()) {
             let (a, b) = (serde_json::to_vec(&a).expect("ser"), serde_json::to_vec(&b).expect("ser"));
             let options = FingerprintOptions::default();
-            let same_value = parse(&a, 64).ok() == parse(&b, 64).ok();
-            let same_fingerprint = Fingerprint::of_json(&a, &options).ok() == Fingerprint::of_json(&b, &options).ok();
+            let same_value = same_value(&serde_json::from_slice(&a).expect("de"), &serde_json::from_slice(&b).expect("de"));
+            let (a, b) = (Fingerprint::of_json(&a, &options).expect("valid"), Fingerprint::of_json(&b, &options).expect("valid"));
+            let same_fingerprint = a.as_hex() == b.as_hex();
             prop_assert_eq!(same_fingerprint, same_value);
         }
     }
