@@ -1,5 +1,10 @@
 //! The webhook inbox: consumers of at-least-once deliveries (webhooks, queue messages) run their
 //! handler once per event, however often the provider re-delivers it.
+//!
+//! A delivery's identity is (consumer, event id); its body is not. Providers re-deliver an event with
+//! bookkeeping changed (Stripe counts `pending_webhooks` down), so comparing whole bodies would refuse
+//! every re-delivery after a failed first attempt, for as long as the record is kept. By default the
+//! body is not compared at all; [`Inbox::compare_fields`] names the fields whose change is a conflict.
 
 use std::future::Future;
 use std::time::Duration;
@@ -7,11 +12,15 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use sqlx::postgres::PgConnection;
+
 use crate::error::{InputError, StoreError};
+use crate::fingerprint::{Fingerprint, FingerprintOptions};
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::RunOptions;
 use crate::policy::{Policy, Tier};
-use crate::run_once::{RunError, RunOutcome};
+use crate::record::State;
+use crate::run_once::{RunError, RunOutcome, TxFuture};
 use crate::store::Store;
 
 /// One consumer's inbox (for example `"stripe"`), on the same store as everything else.
@@ -21,6 +30,8 @@ pub struct Inbox {
     scope: Scope,
     /// The webhook tier, unless [`Inbox::with_policy`] says otherwise.
     options: RunOptions,
+    /// The fields compared between deliveries of one event; none by default.
+    compared: Option<FingerprintOptions>,
 }
 
 /// What [`Inbox::receive`] did with a delivery.
@@ -49,6 +60,22 @@ pub enum Received<T> {
     Expired,
 }
 
+/// The handler of [`Inbox::receive_in_tx`], its outcome wrapped in an [`Entry`].
+fn recorded_with<T, E, F>(
+    sequence: Option<i64>,
+    handler: F,
+) -> impl for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, Entry<T>, E>
+where
+    T: Send + 'static,
+    E: Send + 'static,
+    F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
+{
+    move |tx| {
+        let handled = handler(tx);
+        Box::pin(async move { handled.await.map(|outcome| Entry { sequence, outcome }) })
+    }
+}
+
 /// What the store keeps for each event: the handler's outcome and the provider's sequence number.
 /// Out-of-order deliveries are the handler's concern; the sequence is kept for it to compare.
 #[derive(Serialize, Deserialize)]
@@ -66,7 +93,7 @@ impl Store {
     /// [`InputError::InvalidScope`] if `consumer` is not a valid tenant name.
     pub fn inbox(&self, consumer: impl Into<String>) -> Result<Inbox, InputError> {
         let options = RunOptions::default().policy(Policy::tier(Tier::Webhook));
-        Ok(Inbox { store: self.clone(), scope: Scope::new(consumer, "inbox")?, options })
+        Ok(Inbox { store: self.clone(), scope: Scope::new(consumer, "inbox")?, options, compared: None })
     }
 }
 
@@ -77,9 +104,23 @@ impl Inbox {
         self
     }
 
+    /// Refuses a delivery as [`Received::Conflict`] when one of these fields (JSON pointers, such as
+    /// `/type` or `/data/object/amount`) differs from the first delivery's; all other fields may change.
+    /// Without it, deliveries of one event are never compared.
+    ///
+    /// # Errors
+    /// [`InputError::InvalidPointer`] for a pointer that does not start with `/`.
+    pub fn compare_fields<'p>(mut self, pointers: impl IntoIterator<Item = &'p str>) -> Result<Self, InputError> {
+        let options = pointers
+            .into_iter()
+            .try_fold(FingerprintOptions::default(), |options, pointer| options.compare_only(pointer))?;
+        self.compared = Some(options);
+        Ok(self)
+    }
+
     /// Runs `handler` for the first delivery of `event_id` and records its outcome; later deliveries
     /// are acknowledged from the record. A handler `Err` records nothing, so the next delivery runs it
-    /// again.
+    /// again, whatever changed in the body (unless a [compared field](Inbox::compare_fields) did).
     ///
     /// # Errors
     /// [`InputError`] for an event id that is not a valid key; otherwise as [`Store::run_once`].
@@ -96,16 +137,80 @@ impl Inbox {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let key = IdempotencyKey::new(event_id).map_err(StoreError::from)?;
+        let (key, identity) = self.identify(event_id, payload)?;
         let work = || async move { handler().await.map(|outcome| Entry { sequence, outcome }) };
-        let outcome = self.store.run_once_with(&self.scope, &key, payload, &self.options, work).await?;
+        let outcome = self.store.run_fingerprinted(&self.scope, &key, &identity, &self.options, work).await?;
+        self.received(&key, outcome).await
+    }
+
+    /// [`Inbox::receive`] with the handler's statements in the transaction that records the event: they
+    /// commit together or not at all, so the handler's database effects happen exactly once, even if the
+    /// process dies between them (see [`Store::run_once_in_tx`]).
+    ///
+    /// # Errors
+    /// As [`Inbox::receive`].
+    pub async fn receive_in_tx<P, T, E, F>(
+        &self,
+        event_id: &str,
+        sequence: Option<i64>,
+        payload: &P,
+        handler: F,
+    ) -> Result<Received<T>, RunError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Send + 'static,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
+    {
+        let (key, identity) = self.identify(event_id, payload)?;
+        let work = recorded_with(sequence, handler);
+        let outcome = self.store.run_fingerprinted_in_tx(&self.scope, &key, &identity, &self.options, work).await?;
+        self.received(&key, outcome).await
+    }
+
+    /// The event's key, and what its deliveries are compared by.
+    fn identify<P: Serialize + ?Sized>(
+        &self,
+        event_id: &str,
+        payload: &P,
+    ) -> Result<(IdempotencyKey, Fingerprint), StoreError> {
+        let key = IdempotencyKey::new(event_id)?;
+        let identity = match &self.compared {
+            Some(options) => Fingerprint::of_serialize(payload, options)?,
+            // One value for every delivery: the event id alone is the identity.
+            None => Fingerprint::of_bytes(b"", &FingerprintOptions::default())?,
+        };
+        Ok((key, identity))
+    }
+
+    async fn received<T: DeserializeOwned, E>(
+        &self,
+        key: &IdempotencyKey,
+        outcome: RunOutcome<Entry<T>>,
+    ) -> Result<Received<T>, RunError<E>> {
         Ok(match outcome {
             RunOutcome::Executed(entry) => Received::Handled(entry.outcome),
             RunOutcome::Replayed(entry) => Received::Duplicate { outcome: entry.outcome, sequence: entry.sequence },
             RunOutcome::InFlight { retry_after } => Received::InProgress { retry_after },
+            RunOutcome::Mismatch if self.compared.is_none() => self.recorded_before(key).await?,
             RunOutcome::Mismatch => Received::Conflict,
             RunOutcome::Indeterminate => Received::Indeterminate,
             RunOutcome::Expired => Received::Expired,
+        })
+    }
+
+    /// A "mismatch" without compared fields comes from a record an earlier release stored, which
+    /// compared whole bodies: its outcome still answers the event.
+    async fn recorded_before<T: DeserializeOwned, E>(&self, key: &IdempotencyKey) -> Result<Received<T>, RunError<E>> {
+        let record = self.store.lookup(&self.scope, key).await?;
+        Ok(match record {
+            Some(record) if record.state == State::Completed => {
+                let stored = record.response.as_ref().map_or(&[][..], |response| response.as_bytes());
+                let entry: Entry<T> = serde_json::from_slice(stored).map_err(RunError::Decode)?;
+                Received::Duplicate { outcome: entry.outcome, sequence: entry.sequence }
+            }
+            Some(record) if record.state == State::Expired => Received::Expired,
+            _ => Received::Conflict,
         })
     }
 }

@@ -134,7 +134,24 @@ impl Store {
     {
         let policy = options.policy.as_deref().unwrap_or_else(|| self.policy(scope.operation()));
         let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
-        let owner = match claimed(self.begin_with(scope, key, &fingerprint, options).await?)? {
+        self.run_fingerprinted(scope, key, &fingerprint, options, work).await
+    }
+
+    /// [`Store::run_once_with`] for a payload already fingerprinted.
+    pub(crate) async fn run_fingerprinted<T, E, F, Fut>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        options: &RunOptions,
+        work: F,
+    ) -> Result<RunOutcome<T>, RunError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let owner = match claimed(self.begin_with(scope, key, fingerprint, options).await?)? {
             Claimed::Owner(owner) => owner,
             Claimed::Answered(outcome) => return Ok(outcome),
         };
@@ -195,8 +212,24 @@ impl Store {
     {
         let policy = self.policy(scope.operation());
         let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
+        self.run_fingerprinted_in_tx(scope, key, &fingerprint, &RunOptions::default(), work).await
+    }
+
+    /// [`Store::run_once_in_tx`] for a payload already fingerprinted, under the policy of `options`.
+    pub(crate) async fn run_fingerprinted_in_tx<T, E, F>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        options: &RunOptions,
+        work: F,
+    ) -> Result<RunOutcome<T>, RunError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
+    {
         let mut tx = self.bounded(&BEGIN, self.pg_pool().begin()).await?;
-        let owner = match claimed(self.begin_in(scope, key, &fingerprint, &mut tx).await?)? {
+        let owner = match claimed(self.begin_in(scope, key, fingerprint, options, &mut tx).await?)? {
             Claimed::Owner(owner) => owner,
             Claimed::Answered(outcome) => {
                 // The answer may have marked the record indeterminate, in this transaction: keep it.

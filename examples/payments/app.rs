@@ -4,7 +4,8 @@
 //! `POST /payments` records the charge and its receipt e-mail (an outbox row) in one transaction;
 //! [`send_receipts`] relays the receipts to the "mail provider" (the `receipts` table).
 //! `POST /webhooks/{provider}` is an inbox: the event id comes from `X-Event-Id` (or the body's `id`), an
-//! optional `X-Event-Sequence` is recorded, and a re-delivered event is acknowledged without re-running.
+//! optional `X-Event-Sequence` is recorded, and a re-delivered event (whatever bookkeeping changed in its
+//! body) is acknowledged without re-running; the handler's insert commits with the inbox record.
 //! Demo-only knobs: `X-Demo-Delay-Ms` slows the handler (to see a 409 for a concurrent retry) and
 //! `X-Demo-Fail: 500|400` makes it fail (to see what is stored and what is released).
 
@@ -181,22 +182,32 @@ async fn receive_webhook(
         Ok(inbox) => inbox,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
     };
-    let handle = || async {
-        sqlx::query("INSERT INTO webhook_events (provider, event_id) VALUES ($1, $2)")
-            .bind(&provider)
-            .bind(&event_id)
-            .execute(app.store.pg_pool())
-            .await
-            .map(|_| String::from("processed"))
-    };
-    match inbox.receive(&event_id, sequence, &event, handle).await {
+    let handle = record_event(provider.clone(), event_id.clone());
+    match inbox.receive_in_tx(&event_id, sequence, &event, handle).await {
         Ok(Received::Handled(_)) => Json(json!({ "status": "processed" })).into_response(),
         Ok(Received::Duplicate { .. }) => Json(json!({ "status": "duplicate" })).into_response(),
         Ok(Received::InProgress { .. }) => error(StatusCode::CONFLICT, "this event is being handled; retry later"),
-        Ok(Received::Conflict) => error(StatusCode::UNPROCESSABLE_ENTITY, "this event id arrived with another payload"),
         Ok(_) => error(StatusCode::CONFLICT, "this event awaits an operator"),
         Err(RunError::Store(idemstore::StoreError::Input(e))) => error(StatusCode::BAD_REQUEST, &e.to_string()),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+/// The webhook handler: its insert commits with the inbox record, so the event is recorded exactly once
+/// even if the process dies between the two.
+fn record_event(
+    provider: String,
+    event_id: String,
+) -> impl for<'c> FnOnce(&'c mut sqlx::PgConnection) -> idemstore::TxFuture<'c, String, sqlx::Error> {
+    move |tx| {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO webhook_events (provider, event_id) VALUES ($1, $2)")
+                .bind(provider)
+                .bind(event_id)
+                .execute(&mut *tx)
+                .await
+                .map(|_| String::from("processed"))
+        })
     }
 }
 

@@ -19,14 +19,15 @@
 
 mod json;
 mod number;
+mod pointer;
 
-use std::borrow::Cow;
 use std::fmt;
 
 use sha2::{Digest, Sha256};
 
 use crate::error::InputError;
 use json::Canon;
+use pointer::JsonPointer;
 
 /// SHA-256 of a canonical request, as 64 lowercase hex digits (the form stored in both tiers), in the
 /// current version; for JSON, also the version-1 form that older records hold.
@@ -49,9 +50,22 @@ impl Fingerprint {
             pointer.blank(&mut canon);
         }
         let mut out = Vec::with_capacity(body.len() + 16);
+        if !options.compared.is_empty() {
+            // The named fields only, each as its pointer's tokens and its value, or `!` where missing
+            // (not JSON, so no value spells it). A form of its own: it has no version-1 counterpart.
+            out.extend_from_slice(b"json-v2-fields\0");
+            for pointer in &options.compared {
+                pointer.write_tokens(&mut out);
+                match pointer.find(&canon) {
+                    Some(value) => value.write_exact(&mut out)?,
+                    None => out.push(b'!'),
+                }
+            }
+            return Ok(Self { hex: hex_of(&out), legacy: None });
+        }
         out.extend_from_slice(b"json-v2\0");
         canon.write_exact(&mut out)?;
-        let hex = hex(&Sha256::digest(&out));
+        let hex = hex_of(&out);
         out.clear();
         out.extend_from_slice(b"json\0");
         let legacy = canon.write_legacy(&mut out).map(|()| hex_of(&out));
@@ -145,17 +159,18 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
-/// Limits and ignored fields for fingerprinting one operation's payloads.
+/// Limits and ignored (or only compared) fields for fingerprinting one operation's payloads.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FingerprintOptions {
     max_bytes: usize,
     max_depth: usize,
     ignored: Vec<JsonPointer>,
+    compared: Vec<JsonPointer>,
 }
 
 impl Default for FingerprintOptions {
     fn default() -> Self {
-        Self { max_bytes: 1 << 20, max_depth: 64, ignored: Vec::new() }
+        Self { max_bytes: 1 << 20, max_depth: 64, ignored: Vec::new(), compared: Vec::new() }
     }
 }
 
@@ -186,6 +201,18 @@ impl FingerprintOptions {
         Ok(self)
     }
 
+    /// Compares only the field at `pointer` (and the others named so): two payloads match when each of
+    /// these fields holds the same value in both (or is missing from both), whatever else differs.
+    /// For deliveries whose bodies carry bookkeeping a sender changes between attempts, such as a
+    /// webhook's retry counters. Applied after [`FingerprintOptions::ignore_field`].
+    ///
+    /// # Errors
+    /// [`InputError::InvalidPointer`] if `pointer` does not start with `/`.
+    pub fn compare_only(mut self, pointer: &str) -> Result<Self, InputError> {
+        self.compared.push(JsonPointer::parse(pointer)?);
+        Ok(self)
+    }
+
     fn check_size(&self, len: usize) -> Result<(), InputError> {
         if len > self.max_bytes {
             return Err(InputError::PayloadTooLarge { len, limit: self.max_bytes });
@@ -196,7 +223,7 @@ impl FingerprintOptions {
 
 impl Canon<'_> {
     /// Writes the version-2 canonical form (exact numbers).
-    fn write_exact(&self, out: &mut Vec<u8>) -> Result<(), InputError> {
+    pub(super) fn write_exact(&self, out: &mut Vec<u8>) -> Result<(), InputError> {
         self.write(out, &mut number::write_exact)
     }
 
@@ -244,7 +271,7 @@ impl Canon<'_> {
 }
 
 /// Copies runs of bytes that need no escape at once; escapes `"`, `\` and control characters.
-fn write_string(s: &str, out: &mut Vec<u8>) {
+pub(super) fn write_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
     let bytes = s.as_bytes();
     let mut run = 0;
@@ -264,56 +291,6 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
-
-/// An RFC 6901 pointer, split into unescaped reference tokens.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct JsonPointer(Vec<String>);
-
-impl JsonPointer {
-    fn parse(pointer: &str) -> Result<Self, InputError> {
-        let Some(rest) = pointer.strip_prefix('/') else {
-            return Err(InputError::InvalidPointer { pointer: pointer.to_owned() });
-        };
-        let tokens = rest.split('/').map(|t| t.replace("~1", "/").replace("~0", "~")).collect();
-        Ok(Self(tokens))
-    }
-
-    /// Removes the member (or blanks the array element, to keep later indices stable) that the
-    /// pointer names; a pointer to nothing changes nothing.
-    fn blank(&self, root: &mut Canon) {
-        let Some((last, parents)) = self.0.split_last() else { return };
-        let mut node = root;
-        for token in parents {
-            let next = match node {
-                Canon::Object(members) => member(members, token).map(|i| &mut members[i].1),
-                Canon::Array(items) => token.parse::<usize>().ok().and_then(|i| items.get_mut(i)),
-                _ => None,
-            };
-            match next {
-                Some(child) => node = child,
-                None => return,
-            }
-        }
-        match node {
-            Canon::Object(members) => {
-                if let Some(i) = member(members, last) {
-                    members.remove(i);
-                }
-            }
-            Canon::Array(items) => {
-                if let Some(item) = last.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
-                    *item = Canon::Null;
-                }
-            }
-            _ => {}
-        }
-    }
-}
-
-/// The index of the member `name` in a sorted object.
-fn member(members: &[(Cow<'_, str>, Canon<'_>)], name: &str) -> Option<usize> {
-    members.binary_search_by(|(candidate, _)| candidate.as_ref().cmp(name)).ok()
-}
 
 #[cfg(test)]
 mod tests {
@@ -418,6 +395,21 @@ mod tests {
         let ignored = ignored.expect("valid");
         assert_eq!(ignored.legacy_hex(), Some("93cb7b9205ef87799a3f3b30cc6b728ff8dc6b1645e661a0c1ed33dd757d4a8e"));
         assert_eq!(ignored.as_hex(), "0c57f7720b661deea92f1645144ec5a8f83a4ec6800bda07e39ee0f23b080e9b");
+    }
+
+    /// Only the named fields count: a Stripe-style re-delivery that changed its bookkeeping matches, a
+    /// changed amount does not, and a missing field is not a null one.
+    #[test]
+    fn compared_fields_alone_decide() {
+        let options = FingerprintOptions::default().compare_only("/type").and_then(|o| o.compare_only("/data/amount"));
+        let options = options.expect("pointers");
+        let of = |body: &str| Fingerprint::of_json(body.as_bytes(), &options).expect("valid");
+        let first = of(r#"{"type":"charge","data":{"amount":100},"pending_webhooks":2}"#);
+        assert_eq!(first, of(r#"{"pending_webhooks":1,"type":"charge","data":{"amount":1e2}}"#));
+        assert_ne!(first, of(r#"{"type":"charge","data":{"amount":101},"pending_webhooks":2}"#));
+        assert_ne!(of(r#"{"type":null}"#), of(r#"{}"#));
+        assert_ne!(of(r#"{}"#), fp("{}"), "a form of its own");
+        assert_eq!(first.legacy_hex(), None);
     }
 
     #[test]

@@ -91,17 +91,19 @@ impl Store {
     }
 
     /// [`Store::begin`] with the Postgres claim made inside `tx`, which the caller commits (with the
-    /// completion) or rolls back.
+    /// completion) or rolls back; under the policy of `options` (a wait does not apply: a row lock does).
     pub(crate) async fn begin_in(
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
         fingerprint: &Fingerprint,
+        options: &RunOptions,
         tx: &mut PgConnection,
     ) -> Result<Begin, StoreError> {
         self.register(scope.operation());
         let span = telemetry::claim_span(scope.operation(), key.as_str());
-        let candidate = self.candidate(scope, key, fingerprint, self.shared_policy(scope.operation()));
+        let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
+        let candidate = self.candidate(scope, key, fingerprint, policy);
         let answer = self.claim(candidate, Heartbeat::Off, Some(tx), None).instrument(span.clone()).await;
         record_outcome(scope.operation(), &answer, &span);
         answer

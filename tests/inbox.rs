@@ -1,0 +1,136 @@
+//! The inbox keyed by event id: re-deliveries with changed bookkeeping, compared fields, the
+//! transactional receive, and records an earlier release stored. Real Redis and Postgres, both modes.
+
+#![recursion_limit = "256"]
+
+#[macro_use]
+mod support;
+
+use idemstore::{Fingerprint, FingerprintOptions, Mode, Received, RunError};
+use serde_json::{Value, json};
+use support::{Harness, key};
+
+suite!(
+    a_redelivery_with_changed_bookkeeping_is_handled_after_a_failure,
+    a_redelivery_with_changed_bookkeeping_is_a_duplicate_after_success,
+    compared_fields_decide_a_conflict,
+    receive_in_tx_commits_the_handlers_writes_with_the_record,
+    a_record_stored_with_the_whole_body_still_answers,
+);
+
+/// A Stripe event as delivered `pending` deliveries before the last.
+fn event(pending: u32) -> Value {
+    json!({"id": "evt_1", "type": "payment_intent.succeeded", "data": {"amount": 1200}, "pending_webhooks": pending})
+}
+
+/// The first delivery's handler fails; the provider re-delivers with `pending_webhooks` counted down:
+/// the handler runs (before: the body's fingerprint changed, so this and every later delivery for 7 days
+/// was a conflict and the event was never handled).
+async fn a_redelivery_with_changed_bookkeeping_is_handled_after_a_failure(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let inbox = h.store.inbox(format!("stripe-{}", h.id())).expect("inbox");
+    let failed = inbox.receive("evt_1", None, &event(2), || async { Err::<Value, _>("downstream unavailable") }).await;
+    assert!(matches!(failed, Err(RunError::Work(_))), "{failed:?}");
+    let k = key("evt_1");
+    let handled = inbox.receive("evt_1", None, &event(1), || h.charge("stripe", &k)).await.expect("second");
+    assert!(matches!(handled, Received::Handled(_)), "{handled:?}");
+    assert_eq!(h.effects("stripe", &k).await, 1);
+}
+
+/// The first delivery was handled but its 200 was lost: re-deliveries are acknowledged as duplicates
+/// (before: conflicts, until the provider disabled the endpoint).
+async fn a_redelivery_with_changed_bookkeeping_is_a_duplicate_after_success(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let inbox = h.store.inbox(format!("stripe-{}", h.id())).expect("inbox");
+    let k = key("evt_1");
+    let first = inbox.receive("evt_1", Some(7), &event(2), || h.charge("stripe", &k)).await.expect("first");
+    let Received::Handled(outcome) = first else { panic!("{first:?}") };
+    for pending in [1, 0] {
+        let again = inbox.receive("evt_1", Some(8), &event(pending), || h.charge("stripe", &k)).await;
+        assert_eq!(again.expect("re-delivery"), Received::Duplicate { outcome: outcome.clone(), sequence: Some(7) });
+    }
+    assert_eq!(h.effects("stripe", &k).await, 1);
+}
+
+/// With compared fields, a change there is a conflict; a change elsewhere is not.
+async fn compared_fields_decide_a_conflict(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let inbox = h.store.inbox(format!("stripe-{}", h.id())).expect("inbox");
+    let inbox = inbox.compare_fields(["/type", "/data/amount"]).expect("pointers");
+    let k = key("evt_1");
+    let first = inbox.receive("evt_1", None, &event(2), || h.charge("stripe", &k)).await.expect("first");
+    assert!(matches!(first, Received::Handled(_)));
+    let recounted = inbox.receive("evt_1", None, &event(1), || h.charge("stripe", &k)).await.expect("second");
+    assert!(matches!(recounted, Received::Duplicate { .. }), "{recounted:?}");
+    let mut altered = event(1);
+    altered["data"]["amount"] = json!(1300);
+    let conflict = inbox.receive("evt_1", None, &altered, || h.charge("stripe", &k)).await.expect("third");
+    assert_eq!(conflict, Received::Conflict);
+    assert_eq!(h.effects("stripe", &k).await, 1);
+}
+
+/// The handler's insert commits with the record: five concurrent deliveries write one row; a handler
+/// that fails after its insert leaves no row and no record, and the next delivery handles the event.
+async fn receive_in_tx_commits_the_handlers_writes_with_the_record(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let consumer = format!("stripe-{}", h.id());
+    let inbox = h.store.inbox(consumer.clone()).expect("inbox");
+    let failed = inbox.receive_in_tx("evt_tx", None, &event(2), insert(consumer.clone(), "evt_tx", true)).await;
+    assert!(matches!(failed, Err(RunError::Work(_))), "{failed:?}");
+    assert_eq!(h.effects(&consumer, &key("evt_tx")).await, 0, "rolled back with the claim");
+    let redelivered = event(1);
+    let deliveries =
+        (0..5).map(|_| inbox.receive_in_tx("evt_tx", None, &redelivered, insert(consumer.clone(), "evt_tx", false)));
+    let received = futures::future::join_all(deliveries).await;
+    let handled = received.iter().filter(|r| matches!(r, Ok(Received::Handled(_)))).count();
+    assert_eq!(handled, 1, "{received:?}");
+    assert!(
+        received
+            .iter()
+            .all(|r| matches!(r, Ok(Received::Handled(_) | Received::Duplicate { .. } | Received::InProgress { .. })))
+    );
+    assert_eq!(h.effects(&consumer, &key("evt_tx")).await, 1);
+}
+
+/// A handler that inserts an effect row in the record's transaction, and fails after it if `fail`.
+fn insert(
+    consumer: String,
+    event: &'static str,
+    fail: bool,
+) -> impl for<'c> FnOnce(&'c mut sqlx::PgConnection) -> idemstore::TxFuture<'c, i64, sqlx::Error> {
+    move |tx| {
+        Box::pin(async move {
+            let id: i64 = sqlx::query_scalar("INSERT INTO effects (tenant, key) VALUES ($1, $2) RETURNING id")
+                .bind(consumer)
+                .bind(event)
+                .fetch_one(&mut *tx)
+                .await?;
+            if fail {
+                return Err(sqlx::Error::Protocol("the handler failed after its insert".into()));
+            }
+            Ok(id)
+        })
+    }
+}
+
+/// A record an earlier release stored compared whole bodies: a re-delivery with another body is still
+/// answered from it (a duplicate), not refused.
+async fn a_record_stored_with_the_whole_body_still_answers(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let consumer = format!("stripe-{}", h.id());
+    let whole_body = Fingerprint::of_serialize(&event(2), &FingerprintOptions::default()).expect("fingerprint");
+    sqlx::query(
+        "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence, response)
+         VALUES ($1, 'inbox', 'evt_old', $2, 'completed', nextval('idempotency_fences'), $3)",
+    )
+    .bind(&consumer)
+    .bind(whole_body.as_hex())
+    .bind(br#"{"sequence":3,"outcome":"ok"}"#.as_slice())
+    .execute(&h.pool)
+    .await
+    .expect("a record as an earlier inbox stored it");
+    let inbox = h.store.inbox(consumer).expect("inbox");
+    let again =
+        inbox.receive("evt_old", None, &event(1), || async { Ok::<_, sqlx::Error>("ran again".to_owned()) }).await;
+    assert_eq!(again.expect("re-delivery"), Received::Duplicate { outcome: "ok".to_owned(), sequence: Some(3) });
+}
