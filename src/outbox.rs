@@ -10,7 +10,10 @@
 
 use std::fmt::Display;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Mutex, PoisonError};
+
+use futures_util::FutureExt as _;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -21,7 +24,7 @@ use sqlx::postgres::{PgConnection, PgRow};
 use crate::error::{InputError, StoreError};
 use crate::key::{IdempotencyKey, validate_name};
 use crate::policy::millis;
-use crate::store::{BEGIN, COMMIT, Statement, Store};
+use crate::store::{Statement, Store};
 use crate::telemetry;
 
 const ENQUEUE: Statement = Statement::new(
@@ -32,54 +35,93 @@ const ENQUEUE: Statement = Statement::new(
 /// The newest row when a drain starts: it delivers nothing newer, so it ends even while producers write.
 const HORIZON: Statement = Statement::new("outbox_horizon", "SELECT COALESCE(max(id), 0) FROM idempotency_outbox");
 
-/// One topic's batch, locked for this relay's transaction: the oldest due head (a topic's oldest row, up
-/// to the drain's horizon `$3`) that no other relay holds, and the rows behind it in id order, at most
-/// `$1`. The head is the topic's lock: no two relays (or workers of one drain) deliver one topic at once,
-/// and its rows go out in id order. One topic per batch, so a slow topic holds back only itself, never
-/// the commit of other topics' deliveries. Topics are found by a loose index scan (one probe per topic),
-/// so a long backlog in one topic costs no scan. A head that is backing off holds its whole topic back:
-/// order before progress. The rows behind the head are locked waiting, never skipped: a row another
-/// relay holds (it saw an older head, before a producer's earlier row committed) is that relay's to
-/// deliver first. `$4`: topics that failed earlier in this drain, left for the next one.
-const LOCK_BATCH: Statement = Statement::new(
-    "outbox_lock",
+/// The next topic a worker may deliver, walking topics in name order from its cursor (`$1`, itself
+/// included when `$2`): the first whose head (its oldest row, up to the drain's horizon `$4`) is due and
+/// that no relay holds. A loose index scan, one probe per topic walked, which stops at the first
+/// candidate: a drain walks each topic about once, however many there are (`$3`: the relay's topics;
+/// `$5`: topics whose delivery failed earlier in this drain, left for the next one).
+const NEXT_TOPIC: Statement = Statement::new(
+    "outbox_next",
     "
     WITH RECURSIVE topics(topic) AS (
         (SELECT topic FROM idempotency_outbox
-         WHERE $2::text[] IS NULL OR topic = ANY($2) ORDER BY topic LIMIT 1)
+         WHERE (topic > $1 OR (topic = $1 AND $2)) AND ($3::text[] IS NULL OR topic = ANY($3))
+         ORDER BY topic LIMIT 1)
         UNION ALL
         SELECT (SELECT o.topic FROM idempotency_outbox o
-                WHERE o.topic > t.topic AND ($2::text[] IS NULL OR o.topic = ANY($2))
+                WHERE o.topic > t.topic AND ($3::text[] IS NULL OR o.topic = ANY($3))
                 ORDER BY o.topic LIMIT 1)
         FROM topics t WHERE t.topic IS NOT NULL
-    ), heads AS (
-        SELECT o.topic FROM idempotency_outbox o
-        WHERE o.id IN (SELECT (SELECT h.id FROM idempotency_outbox h WHERE h.topic = t.topic ORDER BY h.id LIMIT 1)
-                       FROM topics t WHERE t.topic IS NOT NULL)
-          AND o.next_attempt_at <= now() AND o.id <= $3 AND o.topic <> ALL($4)
-        ORDER BY o.id
-        LIMIT 1
-        FOR UPDATE SKIP LOCKED
     )
-    SELECT o.id, o.topic, o.payload::text AS payload, o.attempts
-    FROM idempotency_outbox o JOIN heads USING (topic)
-    WHERE o.id <= $3
-    ORDER BY o.id
-    LIMIT $1
-    FOR UPDATE OF o",
+    SELECT t.topic FROM topics t
+    CROSS JOIN LATERAL (SELECT id, next_attempt_at FROM idempotency_outbox h
+                        WHERE h.topic = t.topic ORDER BY h.id LIMIT 1) head
+    WHERE t.topic IS NOT NULL AND head.id <= $4 AND head.next_attempt_at <= now() AND t.topic <> ALL($5)
+      AND NOT EXISTS (SELECT 1 FROM idempotency_outbox_leases l WHERE l.topic = t.topic AND l.until > now())
+    LIMIT 1",
 );
 
-/// The batch's outcome in one round trip: delivered rows are deleted, failed ones back off. The backoff
-/// counts from now (`clock_timestamp`), not from the batch's start (`now()`), which may be long past.
+/// Leases topic `$1` under token `$2` for `$3` ms, unless a live lease holds it (then no row). The lease
+/// is the topic's lock: no two relays (or workers) deliver one topic at once, and nothing stays locked in
+/// Postgres while the sink works. The batch is read by the next statement, whose snapshot includes the
+/// settlement of the batch before (read in the same statement, a batch could be delivered twice).
+const LEASE: Statement = Statement::new(
+    "outbox_lease",
+    "
+    INSERT INTO idempotency_outbox_leases AS l (topic, token, until)
+    VALUES ($1, $2, now() + $3::float8 * interval '1 millisecond')
+    ON CONFLICT (topic) DO UPDATE SET token = EXCLUDED.token, until = EXCLUDED.until
+    WHERE l.until <= now()
+    RETURNING true",
+);
+
+/// The batch of leased topic `$1` (token `$2`): its rows in id order up to the horizon `$3`, at most `$4`,
+/// if its head is due; with nothing to deliver, the lease is given back.
+const READ: Statement = Statement::new(
+    "outbox_read",
+    "
+    WITH batch AS (
+        SELECT o.id, o.topic, o.payload::text AS payload, o.attempts, o.key_nonce
+        FROM idempotency_outbox o
+        WHERE o.topic = $1 AND o.id <= $3
+          AND (SELECT h.next_attempt_at FROM idempotency_outbox h WHERE h.topic = $1 ORDER BY h.id LIMIT 1) <= now()
+        ORDER BY o.id
+        LIMIT $4
+    ), idle AS (
+        DELETE FROM idempotency_outbox_leases
+        WHERE topic = $1 AND token = $2 AND NOT EXISTS (SELECT 1 FROM batch)
+    )
+    SELECT * FROM batch ORDER BY id",
+);
+
+/// Gives a lease back unused.
+const RELEASE: Statement =
+    Statement::new("outbox_release", "DELETE FROM idempotency_outbox_leases WHERE topic = $1 AND token = $2");
+
+/// Keeps a lease (topic `$1`, token `$2`) for `$3` more ms while the sink works through the batch.
+const EXTEND: Statement = Statement::new(
+    "outbox_extend",
+    "UPDATE idempotency_outbox_leases SET until = now() + $3::float8 * interval '1 millisecond'
+     WHERE topic = $1 AND token = $2",
+);
+
+/// The batch's outcome, and the lease given back, in one round trip; only while the lease (topic `$1`,
+/// token `$2`) is still this relay's: one taken over after it ran out records nothing, and its rows are
+/// the new holder's to deliver (again). Delivered rows are deleted, failed ones back off, counted from
+/// now (`clock_timestamp`), not from the batch's start. Returns whether the lease was held.
 const SETTLE: Statement = Statement::new(
     "outbox_settle",
     "
-    WITH delivered AS (DELETE FROM idempotency_outbox WHERE id = ANY($1))
-    UPDATE idempotency_outbox o
-    SET attempts = o.attempts + 1, last_error = f.error,
-        next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond'
-    FROM unnest($2::bigint[], $3::text[], $4::float8[]) AS f(id, error, delay_ms)
-    WHERE o.id = f.id",
+    WITH lease AS (DELETE FROM idempotency_outbox_leases WHERE topic = $1 AND token = $2 RETURNING 1),
+    delivered AS (DELETE FROM idempotency_outbox WHERE id = ANY($3) AND EXISTS (SELECT 1 FROM lease)),
+    failed AS (
+        UPDATE idempotency_outbox o
+        SET attempts = o.attempts + 1, last_error = f.error,
+            next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond'
+        FROM unnest($4::bigint[], $5::text[], $6::float8[]) AS f(id, error, delay_ms)
+        WHERE o.id = f.id AND EXISTS (SELECT 1 FROM lease)
+    )
+    SELECT EXISTS (SELECT 1 FROM lease)",
 );
 
 /// Skips the rest of a topic's backoff: its head goes out at the next drain.
@@ -91,7 +133,7 @@ const RETRY: Statement = Statement::new(
 /// Deletes one undelivered row (a poison message holding its topic back), returning it for the record.
 const DISCARD: Statement = Statement::new(
     "outbox_discard",
-    "DELETE FROM idempotency_outbox WHERE id = $1 RETURNING id, topic, payload::text AS payload, attempts",
+    "DELETE FROM idempotency_outbox WHERE id = $1 RETURNING id, topic, payload::text AS payload, attempts, key_nonce",
 );
 
 const GAUGES: Statement = Statement::new(
@@ -125,6 +167,33 @@ pub struct Outbox {
     max_payload: usize,
 }
 
+/// A relay's hold on one topic for one batch.
+struct Lease<'t> {
+    topic: &'t str,
+    token: i64,
+    length: Duration,
+}
+
+/// One delivery: `None` if the sink accepted the message, else why not. A sink that panics (in the call
+/// or in its future) has failed this delivery, like one that answers `Err`.
+async fn deliver_one<F, Fut, E>(sink: &Mutex<F>, message: Message, timeout: Duration) -> Option<String>
+where
+    F: FnMut(Message) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: Display,
+{
+    let panicked = || "the sink panicked".to_owned();
+    let call =
+        std::panic::catch_unwind(AssertUnwindSafe(|| (sink.lock().unwrap_or_else(PoisonError::into_inner))(message)));
+    let Ok(delivery) = call else { return Some(panicked()) };
+    match tokio::time::timeout(timeout, AssertUnwindSafe(delivery).catch_unwind()).await {
+        Ok(Ok(Ok(()))) => None,
+        Ok(Ok(Err(error))) => Some(error.to_string()),
+        Ok(Err(_)) => Some(panicked()),
+        Err(_) => Some(format!("no answer within {timeout:?}")),
+    }
+}
+
 /// What a batch's deliveries came to, shaped as `SETTLE`'s arguments.
 #[derive(Default)]
 struct Settlement {
@@ -146,14 +215,16 @@ pub struct Message {
     /// mid-batch keeps its number, since the crash recorded nothing.
     pub attempt: u32,
     payload: String,
+    key_nonce: Option<i64>,
 }
 
 impl Message {
-    /// `outbox-<id>`: the same on every delivery of this row. Pass it as the downstream's idempotency
-    /// key. Row ids are unique within one database; prefix the key when several databases feed one
-    /// downstream account.
+    /// `outbox-<id>-<nonce>`: the same on every delivery of this row, and never another row's, even if
+    /// ids repeat (a sequence restarted, a restored backup). Pass it as the downstream's idempotency key.
+    /// Rows enqueued before the nonce existed keep `outbox-<id>`. Prefix the key when several
+    /// databases feed one downstream account.
     pub fn idempotency_key(&self) -> IdempotencyKey {
-        IdempotencyKey::outbox(self.id)
+        IdempotencyKey::outbox(self.id, self.key_nonce)
     }
 
     /// The payload, as the JSON text that was enqueued.
@@ -175,6 +246,7 @@ impl Message {
             topic: row.try_get("topic")?,
             attempt: u32::try_from(row.try_get::<i32, _>("attempts")?).unwrap_or(0) + 1,
             payload: row.try_get("payload")?,
+            key_nonce: row.try_get("key_nonce")?,
         })
     }
 }
@@ -231,7 +303,7 @@ impl Outbox {
         self
     }
 
-    /// Most rows locked and delivered in one transaction (default 100, at least 1). A relay that dies
+    /// Most rows leased and delivered in one batch (default 100, at least 1). A relay that dies
     /// mid-batch has the whole batch delivered again.
     pub fn with_batch_size(mut self, rows: u32) -> Self {
         self.batch_size = rows.max(1);
@@ -245,15 +317,16 @@ impl Outbox {
         self
     }
 
-    /// Longest a sink call may take before it counts as failed (default 30 s). The batch's rows stay
-    /// locked meanwhile.
+    /// Longest a sink call may take before it counts as failed (default 30 s). A topic's lease lasts
+    /// twice this (extended while the sink works), so a relay that dies holds its topic back for at
+    /// most that long.
     pub fn with_delivery_timeout(mut self, timeout: Duration) -> Self {
         self.delivery_timeout = timeout;
         self
     }
 
     /// Most topics whose rows are with the sink at once (default 4, at least 1): each is a worker of the
-    /// drain taking one topic's batch at a time in its own transaction, so a slow downstream holds back
+    /// drain taking one topic's batch at a time under its own lease, so a slow downstream holds back
     /// its own topic and one worker, never the others. The rows of one topic are always delivered one
     /// after the other, in order.
     pub fn with_concurrency(mut self, topics: usize) -> Self {
@@ -289,18 +362,37 @@ impl Outbox {
         self.store.bounded(&ENQUEUE, insert).await
     }
 
-    /// Delivers the rows that are due to `sink`, topic by topic in id order, one batch per transaction,
-    /// until it has caught up with the rows that existed when it started; returns the counts. Rows the
-    /// sink refuses (an `Err`, or no answer within the delivery timeout) back off and hold their topic
-    /// back. Several relays may drain at once, in one process or many. The application schedules it (a
-    /// loop with a pause, a cron job, or `idemctl outbox drain`).
+    /// Delivers the rows that are due to `sink`, topic by topic in id order, one batch at a time per
+    /// topic, until it has caught up with the rows that existed when it started; returns the counts. Rows
+    /// the sink refuses (an `Err`, a panic, or no answer within the delivery timeout) back off and hold
+    /// their topic back. Several relays may drain at once, in one process or many. The application
+    /// schedules it (a loop with a pause, a cron job, or `idemctl outbox drain`).
     ///
-    /// Delivery is at least once: a relay that dies, or whose commit fails, after the sink accepted a
-    /// row delivers that row again, with the same [`Message::idempotency_key`].
+    /// No transaction stays open while the sink works: a batch is read under a lease on its topic (twice
+    /// the delivery timeout, extended while the sink works through the batch), and settled in a statement
+    /// of its own. Delivery is at least once: a relay that dies, or whose settlement fails, after the sink
+    /// accepted a row has that row delivered again (once its lease ran out), with the same
+    /// [`Message::idempotency_key`].
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed; the current batch is delivered again later.
+    /// Counted in `idemstore_outbox_drain_failures_total`.
     pub async fn drain<F, Fut, E>(&self, sink: F) -> Result<Drained, StoreError>
+    where
+        F: FnMut(Message) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: Display,
+    {
+        let drained = self.drain_all(sink).await;
+        telemetry::outbox_drain(drained.is_ok());
+        // Counted whatever the drain came to, so the gauges keep telling the truth while drains fail.
+        if let Err(error) = self.refresh_gauges().await {
+            tracing::warn!(%error, "could not count the outbox backlog after a drain");
+        }
+        drained
+    }
+
+    async fn drain_all<F, Fut, E>(&self, sink: F) -> Result<Drained, StoreError>
     where
         F: FnMut(Message) -> Fut,
         Fut: Future<Output = Result<(), E>>,
@@ -319,10 +411,6 @@ impl Outbox {
             drained.delivered += worker.delivered;
             drained.failed += worker.failed;
         }
-        // The rows are settled by now: a failed gauge refresh must not report the drain as failed.
-        if let Err(error) = self.refresh_gauges().await {
-            tracing::warn!(%error, "could not count the outbox backlog after a drain");
-        }
         Ok(drained)
     }
 
@@ -337,9 +425,10 @@ impl Outbox {
         Ok(())
     }
 
-    /// One worker of a drain: one topic's batch after another, until no due topic is left to it. A topic
-    /// whose delivery failed is not taken again in this drain (whatever its backoff), so a drain ends:
-    /// each batch delivers a row up to the horizon, or retires a topic.
+    /// One worker of a drain: topic after topic in name order, a batch at a time, until no due topic is
+    /// left after its cursor. A topic is taken again only while its batches come back full and
+    /// delivered, and one whose delivery failed is not taken again in this drain by any worker (whatever
+    /// its backoff), so a drain ends: every batch delivers a row up to the horizon, or moves on.
     async fn drain_topics<F, Fut, E>(
         &self,
         sink: &Mutex<F>,
@@ -352,17 +441,32 @@ impl Outbox {
         E: Display,
     {
         let mut drained = Drained::default();
-        while let Some(batch) = self.drain_batch(sink, horizon, failed).await? {
+        let (mut cursor, mut again) = (String::new(), true);
+        loop {
+            let retired = failed.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            let next = sqlx::query_scalar(NEXT_TOPIC.sql)
+                .bind(&cursor)
+                .bind(again)
+                .bind(self.topics.as_deref())
+                .bind(horizon)
+                .bind(retired)
+                .fetch_optional(self.store.pg_pool());
+            let Some(topic): Option<String> = self.store.bounded(&NEXT_TOPIC, next).await? else { return Ok(drained) };
+            let batch = self.drain_batch(sink, &topic, horizon, failed).await?.unwrap_or_default();
             drained.delivered += batch.delivered;
             drained.failed += batch.failed;
+            again = batch.failed == 0 && batch.delivered == u64::from(self.batch_size);
+            cursor = topic;
         }
-        Ok(drained)
     }
 
-    /// One topic's batch, delivered and settled in one transaction; `None` when no due topic was free.
+    /// One batch of `topic`, delivered under a lease and settled; `None` when the topic was not free
+    /// (another relay leased it first), not due, or failed earlier in this drain (`failed`, where a
+    /// failure is recorded before its settlement frees the topic).
     async fn drain_batch<F, Fut, E>(
         &self,
         sink: &Mutex<F>,
+        topic: &str,
         horizon: i64,
         failed: &Mutex<Vec<String>>,
     ) -> Result<Option<Drained>, StoreError>
@@ -371,39 +475,64 @@ impl Outbox {
         Fut: Future<Output = Result<(), E>>,
         E: Display,
     {
-        let store = &self.store;
-        let mut tx = store.bounded(&BEGIN, store.pg_pool().begin()).await?;
-        let retired = failed.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        let lock = sqlx::query(LOCK_BATCH.sql)
-            .bind(i64::from(self.batch_size))
-            .bind(self.topics.as_deref())
+        let retired = |failed: &Mutex<Vec<String>>| {
+            failed.lock().unwrap_or_else(PoisonError::into_inner).iter().any(|t| t == topic)
+        };
+        let lease = Lease { topic, token: rand::random(), length: self.delivery_timeout.saturating_mul(2) };
+        let take = sqlx::query_scalar::<_, bool>(LEASE.sql)
+            .bind(topic)
+            .bind(lease.token)
+            .bind(millis(lease.length) as f64)
+            .fetch_optional(self.store.pg_pool());
+        if self.store.bounded(&LEASE, take).await?.is_none() {
+            return Ok(None);
+        }
+        // Checked under the lease: a worker whose batch failed records it before its settlement gives
+        // the lease up, so no other worker takes that topic again in this drain.
+        if retired(failed) {
+            let release = sqlx::query(RELEASE.sql).bind(topic).bind(lease.token);
+            self.store.bounded(&RELEASE, release.execute(self.store.pg_pool())).await?;
+            return Ok(None);
+        }
+        let read = sqlx::query(READ.sql)
+            .bind(topic)
+            .bind(lease.token)
             .bind(horizon)
-            .bind(retired);
-        let rows = store.bounded(&LOCK_BATCH, lock.fetch_all(&mut *tx)).await?;
+            .bind(i64::from(self.batch_size))
+            .fetch_all(self.store.pg_pool());
+        let rows = self.store.bounded(&READ, read).await?;
         if rows.is_empty() {
             return Ok(None);
         }
         let messages = rows.iter().map(Message::from_row).collect::<Result<Vec<_>, _>>();
-        let messages = messages.map_err(|source| LOCK_BATCH.failed(source))?;
-        let topic = messages[0].topic.clone();
-        let settlement = self.deliver(sink, messages).await;
+        let messages = messages.map_err(|source| READ.failed(source))?;
+        let settlement = self.deliver(sink, messages, &lease).await?;
         if !settlement.failed.is_empty() {
-            failed.lock().unwrap_or_else(PoisonError::into_inner).push(topic);
+            failed.lock().unwrap_or_else(PoisonError::into_inner).push(topic.to_owned());
         }
         let drained = Drained { delivered: settlement.delivered.len() as u64, failed: settlement.failed.len() as u64 };
-        let settle = sqlx::query(SETTLE.sql)
+        let settle = sqlx::query_scalar(SETTLE.sql)
+            .bind(topic)
+            .bind(lease.token)
             .bind(settlement.delivered)
             .bind(settlement.failed)
             .bind(settlement.errors)
             .bind(settlement.delays_ms);
-        store.bounded(&SETTLE, settle.execute(&mut *tx)).await?;
-        store.bounded(&COMMIT, tx.commit()).await?;
+        let held: bool = self.store.bounded(&SETTLE, settle.fetch_one(self.store.pg_pool())).await?;
+        if !held {
+            tracing::warn!(topic, "outbox lease ran out and was taken over mid-batch; its rows are delivered again");
+        }
         Ok(Some(drained))
     }
 
-    /// Hands one topic's rows to the sink, one after the other in id order; a failed row backs off and
-    /// holds the rest back.
-    async fn deliver<F, Fut, E>(&self, sink: &Mutex<F>, messages: Vec<Message>) -> Settlement
+    /// Hands one topic's rows to the sink, one after the other in id order, extending the lease while
+    /// it works; a failed row backs off and holds the rest back.
+    async fn deliver<F, Fut, E>(
+        &self,
+        sink: &Mutex<F>,
+        messages: Vec<Message>,
+        lease: &Lease<'_>,
+    ) -> Result<Settlement, StoreError>
     where
         F: FnMut(Message) -> Fut,
         Fut: Future<Output = Result<(), E>>,
@@ -411,16 +540,15 @@ impl Outbox {
     {
         let timeout = self.delivery_timeout;
         let mut settlement = Settlement::default();
+        let mut leased_at = tokio::time::Instant::now();
         for message in messages {
+            // A delivery may take the whole timeout: the lease must outlast it.
+            if leased_at.elapsed() + timeout > lease.length {
+                self.extend(lease).await?;
+                leased_at = tokio::time::Instant::now();
+            }
             let (id, attempt, topic) = (message.id, message.attempt, message.topic.clone());
-            let delivery =
-                tokio::time::timeout(timeout, (sink.lock().unwrap_or_else(PoisonError::into_inner))(message));
-            let error = match delivery.await {
-                Ok(Ok(())) => None,
-                Ok(Err(error)) => Some(error.to_string()),
-                Err(_) => Some(format!("no answer within {timeout:?}")),
-            };
-            let Some(error) = error else {
+            let Some(error) = deliver_one(sink, message, timeout).await else {
                 telemetry::outbox_delivery(&topic);
                 settlement.delivered.push(id);
                 continue;
@@ -432,7 +560,12 @@ impl Outbox {
             settlement.delays_ms.push(millis(self.backoff_after(attempt)) as f64);
             break;
         }
-        settlement
+        Ok(settlement)
+    }
+
+    async fn extend(&self, lease: &Lease<'_>) -> Result<(), StoreError> {
+        let extend = sqlx::query(EXTEND.sql).bind(lease.topic).bind(lease.token).bind(millis(lease.length) as f64);
+        self.store.bounded(&EXTEND, extend.execute(self.store.pg_pool())).await.map(drop)
     }
 
     /// The wait before the next delivery of a row whose `attempt`-th delivery failed.
@@ -442,11 +575,10 @@ impl Outbox {
     }
 
     /// Lets `topic`'s head be delivered at the next drain instead of after its backoff (once the
-    /// downstream is fixed); returns how many rows were waiting. If a relay holds the topic, this waits for
-    /// its batch to end, up to the store's statement timeout.
+    /// downstream is fixed); returns how many rows were waiting.
     ///
     /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed, or a relay held the topic past the timeout.
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn retry(&self, topic: &str) -> Result<u64, StoreError> {
         let query = sqlx::query(RETRY.sql).bind(topic).execute(self.store.pg_pool());
         Ok(self.store.bounded(&RETRY, query).await?.rows_affected())
@@ -454,11 +586,11 @@ impl Outbox {
 
     /// Deletes the undelivered row `id` without delivering it, and returns it (to keep, or to replay by
     /// hand): the way out for a row no downstream will ever accept, which otherwise holds its topic back.
-    /// `None` if there is no such row (delivered, or discarded already). If a relay holds the row, this
-    /// waits for its batch to end, up to the store's statement timeout.
+    /// `None` if there is no such row (delivered, or discarded already). A relay delivering the row's
+    /// topic right now may still hand it to its sink once.
     ///
     /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed, or a relay held the row past the timeout.
+    /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn discard(&self, id: i64) -> Result<Option<Message>, StoreError> {
         let query = sqlx::query(DISCARD.sql).bind(id).fetch_optional(self.store.pg_pool());
         let row = self.store.bounded(&DISCARD, query).await?;

@@ -35,10 +35,11 @@ pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
 pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
 /// Statements sent to Postgres; label `statement`: claim, complete, release, extend, mark_indeterminate,
-/// lookup, wait and notify (a claim waiting for an in-flight duplicate, its owner's announcement), the jobs' purge, purge_tombstones, count_expired, stale, release_stale, resolve, stats,
-/// count_indeterminate, and outbox_enqueue, outbox_horizon, outbox_lock, outbox_settle, outbox_backlog,
-/// outbox_gauges, outbox_retry, outbox_discard. The same name is the `step` of a
-/// `StoreError::StoreUnavailable` it caused.
+/// lookup, wait and notify (a claim waiting for an in-flight duplicate, its owner's announcement), the
+/// jobs' purge, purge_tombstones, count_expired, stale, release_stale, resolve, stats,
+/// count_indeterminate, and outbox_enqueue, outbox_horizon, outbox_next, outbox_lease, outbox_read,
+/// outbox_release, outbox_extend, outbox_settle, outbox_backlog, outbox_gauges, outbox_retry,
+/// outbox_discard. The same name is the `step` of a `StoreError::StoreUnavailable` it caused.
 /// With `idemstore_redis_calls_total`, the cost of each answer in round trips.
 pub const POSTGRES_STATEMENTS: &str = "idemstore_postgres_statements_total";
 /// Scripts run on Redis, answered or not; label `script`: begin, put, release, extend.
@@ -54,6 +55,9 @@ pub const INDETERMINATE: &str = "idemstore_indeterminate_records";
 pub const OUTBOX_DELIVERIES: &str = "idemstore_outbox_deliveries_total";
 /// Outbox deliveries the sink refused or did not answer in time; label `topic`.
 pub const OUTBOX_FAILURES: &str = "idemstore_outbox_failures_total";
+/// `Outbox::drain` calls that failed (Postgres unavailable): with the enqueue-time gauge, what tells a
+/// stuck relay apart from an idle one.
+pub const OUTBOX_DRAIN_FAILURES: &str = "idemstore_outbox_drain_failures_total";
 /// Undelivered outbox rows, as last counted by `Outbox::drain` or `Outbox::backlog`.
 pub const OUTBOX_PENDING: &str = "idemstore_outbox_pending_rows";
 /// Age of the oldest undelivered outbox row, as last counted; it grows while a topic is stuck.
@@ -84,6 +88,7 @@ pub fn describe() {
     metrics::describe_gauge!(INDETERMINATE, "Records awaiting an operator (indeterminate), as last counted.");
     describe_counter!(OUTBOX_DELIVERIES, "Outbox rows the sink accepted, by topic.");
     describe_counter!(OUTBOX_FAILURES, "Outbox deliveries refused or timed out, by topic.");
+    describe_counter!(OUTBOX_DRAIN_FAILURES, "Outbox drains that failed (Postgres unavailable).");
     metrics::describe_gauge!(OUTBOX_PENDING, "Undelivered outbox rows, as last counted.");
     metrics::describe_gauge!(OUTBOX_OLDEST_AGE, Unit::Seconds, "Age of the oldest undelivered outbox row.");
     metrics::describe_gauge!(
@@ -252,12 +257,19 @@ pub(crate) fn outbox_delivery(topic: &str) {
     metrics::counter!(OUTBOX_FAILURES, "topic" => topic.to_owned()).increment(0);
 }
 
+/// A drain ended; its failures count (the series exists from the first drain on).
+pub(crate) fn outbox_drain(succeeded: bool) {
+    metrics::counter!(OUTBOX_DRAIN_FAILURES).increment(u64::from(!succeeded));
+}
+
 pub(crate) fn outbox_failure(topic: &str) {
     metrics::counter!(OUTBOX_FAILURES, "topic" => topic.to_owned()).increment(1);
     metrics::counter!(OUTBOX_DELIVERIES, "topic" => topic.to_owned()).increment(0);
 }
 
 pub(crate) fn outbox_backlog(pending: u64, oldest: Duration) {
+    // Registered wherever the backlog is reported, so the first failed drain is a rate() can see.
+    metrics::counter!(OUTBOX_DRAIN_FAILURES).increment(0);
     metrics::gauge!(OUTBOX_PENDING).set(pending as f64);
     metrics::gauge!(OUTBOX_OLDEST_AGE).set(oldest.as_secs_f64());
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();

@@ -268,7 +268,12 @@ async fn idemctl_commands(mode: Mode) {
     assert_eq!((code, drained), (0, json!({ "delivered": 2, "failed": 0 })));
     let log = std::fs::read_to_string(&sent).expect("the delivery command ran");
     let _ = std::fs::remove_file(&sent);
-    assert_eq!(log, "{\"n\":1} outbox-1 mail\n{\"n\":2} outbox-2 mail\n");
+    let lines: Vec<_> = log.lines().map(|line| line.split(' ').collect::<Vec<_>>()).collect();
+    assert_eq!(lines.len(), 2, "{log}");
+    for (line, (payload, id)) in lines.iter().zip([("{\"n\":1}", 1), ("{\"n\":2}", 2)]) {
+        assert_eq!((line[0], line[2]), (payload, "mail"), "{log}");
+        assert!(line[1].starts_with(&format!("outbox-{id}-")), "{log}");
+    }
     let (code, drained) = idemctl(&h, &["outbox", "drain", "--exec", "exit 3"]);
     assert_eq!((code, drained), (0, json!({ "delivered": 0, "failed": 1 })));
     let status = idemctl(&h, &["outbox", "status"]).1;

@@ -78,7 +78,8 @@ async fn rolled_back_enqueue_delivers_nothing(mode: Mode) {
     assert_eq!(log.len(), 1, "{log:?}");
     let (_, id, delivered_topic, attempt, idempotency_key) = &log[0];
     assert_eq!((delivered_topic, *attempt), (&topic, 1));
-    assert_eq!(idempotency_key, &format!("outbox-{id}"));
+    let nonce = idempotency_key.strip_prefix(&format!("outbox-{id}-")).expect("outbox-<id>-<nonce>");
+    assert!(!nonce.is_empty() && nonce.bytes().all(|b| b.is_ascii_hexdigit()), "{idempotency_key}");
     assert!(outbox.backlog().await.expect("backlog").is_empty());
     assert_eq!(support::labelled("idemstore_outbox_deliveries_total", &[("topic", &topic)]), 1.0);
 }
@@ -366,15 +367,12 @@ async fn relay_killed_mid_batch_redelivers_with_the_same_key(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
     let outbox = outbox_with_receipts(&h).await;
     support::kill_child_at(&h, "child_relay", "RELAY MID BATCH");
-    // The killed relay's batch stays locked until Postgres notices the closed connection: wait on its
-    // locks (a signal) rather than for a while.
-    let mut wait = h.pool.begin().await.expect("begin");
-    let still_there: Vec<i64> = sqlx::query_scalar("SELECT id FROM idempotency_outbox ORDER BY id FOR UPDATE")
-        .fetch_all(&mut *wait)
-        .await
-        .expect("wait for the killed relay's locks");
-    wait.rollback().await.expect("rollback");
-    assert_eq!(still_there.len(), 10, "the killed batch recorded nothing");
+    let still_there: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_outbox").fetch_one(&h.pool).await.expect("count");
+    assert_eq!(still_there, 10, "the killed batch recorded nothing");
+    let drained = outbox.drain(|m| downstream(&h, m)).await.expect("drain while the dead relay's lease holds");
+    assert_eq!((drained.delivered, drained.failed), (0, 0), "the topic waits for the lease to run out");
+    leases_run_out(&h).await;
 
     let drained = outbox.drain(|m| downstream(&h, m)).await.expect("drain");
     assert_eq!((drained.delivered, drained.failed), (10, 0));
@@ -405,19 +403,32 @@ async fn postgres_crash_mid_drain_loses_no_row(mode: Mode) {
         .await;
     assert!(crashed.as_ref().is_err_and(StoreError::is_transient), "fails closed: {crashed:?}");
     postgres.restart().expect("restart Postgres");
+    leases_run_out(&h).await;
 
     let drained = outbox.drain(|m| downstream(&h, m)).await.expect("drain after the restart");
     assert_eq!((drained.delivered, drained.failed), (10, 0));
     assert_delivered_once_downstream(&h, 3).await;
 }
 
-/// The deliveries log, and 10 committed rows on the topic `receipts`.
+/// Waits until no relay holds a topic: a relay that died (or whose Postgres did) left its lease to run
+/// out (twice the delivery timeout of `outbox_with_receipts`).
+async fn leases_run_out(h: &Harness) {
+    let started = std::time::Instant::now();
+    let live = "SELECT count(*) FROM idempotency_outbox_leases WHERE until > now()";
+    while sqlx::query_scalar::<_, i64>(live).fetch_one(&h.pool).await.expect("count leases") > 0 {
+        assert!(started.elapsed() < Duration::from_secs(30), "a lease never ran out");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The deliveries log, and 10 committed rows on the topic `receipts`, drained with a 2 s delivery
+/// timeout (so a dead relay's lease runs out in 4 s).
 async fn outbox_with_receipts(h: &Harness) -> idemstore::Outbox {
     sqlx::query("CREATE TABLE deliveries (row_id BIGINT NOT NULL, key TEXT NOT NULL, attempt INT NOT NULL)")
         .execute(&h.pool)
         .await
         .expect("create the deliveries table");
-    let outbox = h.store.outbox();
+    let outbox = h.store.outbox().with_delivery_timeout(Duration::from_secs(2));
     let mut tx = h.pool.begin().await.expect("begin");
     for n in 0..10 {
         outbox.enqueue(&mut tx, "receipts", &json!({"n": n})).await.expect("enqueue");
@@ -440,8 +451,10 @@ async fn assert_delivered_once_downstream(h: &Harness, redelivered: usize) {
     for (n, id) in ids.iter().enumerate() {
         let seen: Vec<_> = deliveries.iter().filter(|d| d.0 == *id).collect();
         assert_eq!(seen.len(), if n < redelivered { 2 } else { 1 }, "row {id}: {deliveries:?}");
-        assert!(seen.iter().all(|d| d.1 == format!("outbox-{id}") && d.2 == 1), "same key, same attempt: {seen:?}");
-        assert_eq!(h.effects("acme", &key(&format!("outbox-{id}"))).await, 1, "applied once downstream");
+        let row_key = &seen[0].1;
+        assert!(row_key.starts_with(&format!("outbox-{id}-")), "{row_key}");
+        assert!(seen.iter().all(|d| &d.1 == row_key && d.2 == 1), "same key, same attempt: {seen:?}");
+        assert_eq!(h.effects("acme", &key(row_key)).await, 1, "applied once downstream");
     }
     assert!(h.store.outbox().backlog().await.expect("backlog").is_empty());
 }
@@ -472,6 +485,7 @@ async fn child_relay() {
     let _ = h
         .store
         .outbox()
+        .with_delivery_timeout(Duration::from_secs(2))
         .drain(|m| {
             delivered += 1;
             let hang = delivered > 3;
