@@ -1,8 +1,6 @@
 //! The inbox keyed by event id: re-deliveries with changed bookkeeping, compared fields, the
 //! transactional receive, and records an earlier release stored. Real Redis and Postgres, both modes.
 
-#![recursion_limit = "256"]
-
 #[macro_use]
 mod support;
 

@@ -2,8 +2,6 @@
 //! timeout, a sink that panics, keys that survive a sequence reset, and the cost of many topics. Real
 //! Postgres (and Redis), both modes.
 
-#![recursion_limit = "256"]
-
 #[macro_use]
 mod support;
 

@@ -130,6 +130,19 @@ impl Fingerprint {
         self.legacy.as_deref()
     }
 
+    /// The version-1 form as a fingerprint of its own (to bind it to another context than the current
+    /// form).
+    pub(crate) fn previous(&self) -> Option<Self> {
+        self.legacy.clone().map(Self::from_hex)
+    }
+
+    /// This fingerprint, matching records that hold `previous` too (what an earlier release computed
+    /// for the same request).
+    pub(crate) fn with_previous(self, previous: Option<Self>) -> Self {
+        let legacy = previous.map(|previous| previous.hex).filter(|legacy| *legacy != self.hex);
+        Self { legacy, ..self }
+    }
+
     /// Whether a stored fingerprint (of either version) is this request's.
     pub(crate) fn is(&self, stored: &str) -> bool {
         self.hex == stored || self.legacy.as_deref() == Some(stored)

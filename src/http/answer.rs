@@ -117,6 +117,11 @@ pub(crate) fn too_large(limit: usize) -> Response<Boxed> {
     Problem::new(StatusCode::PAYLOAD_TOO_LARGE, types::BODY_TOO_LARGE, "Request body too large", detail).into_response()
 }
 
+pub(crate) fn unsupported_encoding(detail: String) -> Response<Boxed> {
+    let (status, title) = (StatusCode::UNSUPPORTED_MEDIA_TYPE, "Unsupported Content-Encoding");
+    Problem::new(status, types::UNSUPPORTED_ENCODING, title, detail).into_response()
+}
+
 pub(crate) fn invalid_body(detail: impl fmt::Display) -> Response<Boxed> {
     Problem::new(StatusCode::BAD_REQUEST, types::INVALID_BODY, "Invalid request", detail.to_string()).into_response()
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, HeaderName, Method, StatusCode};
 
+use super::request_fingerprint::QueryComparison;
 use crate::options::RunOptions;
 use crate::store::Store;
 
@@ -85,6 +86,7 @@ pub(crate) struct Config<T> {
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) replayed_headers: Vec<HeaderName>,
+    pub(crate) query: QueryComparison,
 }
 
 impl<T> Clone for Config<T> {
@@ -101,6 +103,7 @@ impl<T> Clone for Config<T> {
             max_request_body: self.max_request_body,
             max_response_body: self.max_response_body,
             replayed_headers: self.replayed_headers.clone(),
+            query: self.query,
         }
     }
 }

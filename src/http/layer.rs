@@ -10,6 +10,7 @@ use tower::Layer;
 use super::TenantResolver;
 use super::capture::DEFAULT_REPLAYED_HEADERS;
 use super::config::{Config, KeyRequirement, MismatchStatus, StoredStatuses};
+use super::request_fingerprint::QueryComparison;
 use super::service::IdempotencyService;
 use crate::options::RunOptions;
 use crate::policy::Policy;
@@ -64,6 +65,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
                 max_request_body: 1 << 20,
                 max_response_body: 1 << 20,
                 replayed_headers: DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
+                query: QueryComparison::default(),
             },
         }
     }
@@ -105,6 +107,13 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// request fails and releases the key, the waiting retry runs the handler itself.
     pub fn with_wait_in_flight(mut self, wait: Duration) -> Self {
         self.config.options = self.config.options.wait_in_flight(wait);
+        self
+    }
+
+    /// How the query string takes part in comparing a retry with the first request (default
+    /// [`QueryComparison::Unordered`]: parameters in any order).
+    pub fn with_query_comparison(mut self, query: QueryComparison) -> Self {
+        self.config.query = query;
         self
     }
 

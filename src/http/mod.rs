@@ -48,6 +48,7 @@ mod config;
 mod key_header;
 mod layer;
 mod problem;
+mod request_fingerprint;
 mod service;
 
 pub use capture::stored_response;
@@ -57,6 +58,7 @@ pub use config::{KeyRequirement, MismatchStatus, StoredStatuses};
 pub use key_header::fuzz_read_key;
 pub use layer::IdempotencyLayer;
 pub use problem::problem_types;
+pub use request_fingerprint::QueryComparison;
 pub use service::{IdempotencyService, RequestBody, ResponseBody, UnsyncBoxBody};
 
 /// Finds the tenant of a request, typically from the authenticated principal that an earlier layer put

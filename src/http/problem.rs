@@ -15,6 +15,9 @@ pub mod problem_types {
     pub const MISSING_TENANT: &str = "urn:idemstore:problem:missing-tenant";
     /// 400: the body could not be read or fingerprinted (malformed or too deeply nested JSON).
     pub const INVALID_BODY: &str = "urn:idemstore:problem:invalid-body";
+    /// 415: the request body has a `Content-Encoding` the layer cannot decode to compare it (gzip,
+    /// deflate and br are decoded).
+    pub const UNSUPPORTED_ENCODING: &str = "urn:idemstore:problem:unsupported-encoding";
     /// 413: the request body is larger than the route's limit.
     pub const BODY_TOO_LARGE: &str = "urn:idemstore:problem:body-too-large";
     /// 409: a request with this key is being processed.

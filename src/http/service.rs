@@ -19,8 +19,9 @@ use super::answer::{self, Boxed, own};
 use super::body::{Settlement, SettlingBody, fits, settle_whole};
 use super::config::{Config, KeyRequirement};
 use super::key_header::read_key;
+use super::request_fingerprint::{Unreadable, fingerprint};
 use crate::error::InputError;
-use crate::fingerprint::{Fingerprint, FingerprintOptions};
+use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::LeaseExpiry;
 use crate::record::Begin;
@@ -153,10 +154,13 @@ where
         Err(error) => return Admission::Refused(answer::invalid_body(format!("the body could not be read: {error}"))),
     };
     let policy = config.options.policy.as_deref().unwrap_or_else(|| config.store.policy(scope.operation()));
-    match fingerprint(&parts, &body, policy.fingerprint()) {
+    match fingerprint(&parts, &body, policy.fingerprint(), config.query, config.max_request_body).await {
         Ok(fingerprint) => Admission::Admitted(Admitted { parts, body, scope, key, fingerprint }),
-        Err(InputError::PayloadTooLarge { limit, .. }) => Admission::Refused(answer::too_large(limit)),
-        Err(error) => Admission::Refused(answer::invalid_body(error)),
+        Err(Unreadable::Input(InputError::PayloadTooLarge { limit, .. })) => {
+            Admission::Refused(answer::too_large(limit))
+        }
+        Err(Unreadable::Input(error)) => Admission::Refused(answer::invalid_body(error)),
+        Err(Unreadable::Encoding(detail)) => Admission::Refused(answer::unsupported_encoding(detail)),
     }
 }
 
@@ -219,25 +223,4 @@ fn operation<T>(config: &Config<T>, parts: &Parts) -> String {
         return format!("{} {}", parts.method, matched.as_str());
     }
     format!("{} unmatched", parts.method)
-}
-
-/// Method + path and query + the body's canonical fingerprint: the same body sent to another resource is
-/// another request.
-fn fingerprint(parts: &Parts, body: &[u8], options: &FingerprintOptions) -> Result<Fingerprint, InputError> {
-    let is_json = parts
-        .headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|mime| {
-            let mime = mime.trim();
-            mime.eq_ignore_ascii_case("application/json") || mime.to_ascii_lowercase().ends_with("+json")
-        });
-    let body = if is_json && !body.is_empty() {
-        Fingerprint::of_json(body, options)?
-    } else {
-        Fingerprint::of_bytes(body, options)?
-    };
-    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    Ok(body.within(&[parts.method.as_str(), target]))
 }

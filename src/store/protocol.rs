@@ -2,6 +2,8 @@
 //! flight; Postgres decides who executes and holds every result. Each step that could run on either
 //! tier is written once, with the Redis half skipped in Postgres-only mode or when Redis is unavailable.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -187,8 +189,9 @@ impl Store {
     }
 
     /// Stores `response` as the result of the leased key ([`Owner::complete`]).
-    pub(crate) async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
-        self.complete_traced(lease, response).instrument(lease.span("complete")).await
+    /// Boxed, as [`Store::claim`] is: the caller's future does not nest the write's.
+    pub(crate) fn complete<'a>(&'a self, lease: &'a Lease, response: &'a [u8]) -> Boxed<'a, Result<(), StoreError>> {
+        Box::pin(self.complete_traced(lease, response).instrument(lease.span("complete")))
     }
 
     async fn complete_traced(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
@@ -202,8 +205,8 @@ impl Store {
     }
 
     /// Gives the key up ([`Owner::release`]).
-    pub(crate) async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.release_traced(lease).instrument(lease.span("release")).await
+    pub(crate) fn release<'a>(&'a self, lease: &'a Lease) -> Boxed<'a, Result<(), StoreError>> {
+        Box::pin(self.release_traced(lease).instrument(lease.span("release")))
     }
 
     async fn release_traced(&self, lease: &Lease) -> Result<(), StoreError> {
@@ -220,8 +223,8 @@ impl Store {
     }
 
     /// Extends the lease by the policy's lease duration from now ([`Owner::extend`]).
-    pub(crate) async fn extend(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.extend_traced(lease).instrument(lease.span("extend")).await
+    pub(crate) fn extend<'a>(&'a self, lease: &'a Lease) -> Boxed<'a, Result<(), StoreError>> {
+        Box::pin(self.extend_traced(lease).instrument(lease.span("extend")))
     }
 
     async fn extend_traced(&self, lease: &Lease) -> Result<(), StoreError> {
@@ -243,7 +246,20 @@ impl Store {
         self.inner.postgres.lookup(scope, key).await
     }
 
-    async fn claim(
+    /// The claim, boxed: its state machine (Redis, Postgres, repair, waiting) is deep, and without the box
+    /// every caller's future nests it, past the compiler's default query depth in applications that
+    /// await `run_once` a few `async` layers down.
+    fn claim<'a>(
+        &'a self,
+        candidate: Lease,
+        heartbeat: Heartbeat,
+        tx: Option<&'a mut PgConnection>,
+        waiting: Option<&'a Waiting>,
+    ) -> Boxed<'a, Result<Begin, StoreError>> {
+        Box::pin(self.claim_unboxed(candidate, heartbeat, tx, waiting))
+    }
+
+    async fn claim_unboxed(
         &self,
         candidate: Lease,
         heartbeat: Heartbeat,
@@ -450,6 +466,9 @@ impl Store {
         redis.record_key(&lease.scope, &lease.key)
     }
 }
+
+/// A protocol step's future behind a box, so that callers' futures do not nest its state machine.
+type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// How a claim that waits for an in-flight duplicate asks to be woken.
 struct Waiting {

@@ -1,0 +1,195 @@
+//! When two HTTP requests are the same request: the method, the path, the query and the body, each
+//! compared by what it means rather than how it was spelled on the wire. Query parameters in another
+//! order, a multipart body rebuilt with another boundary, and a body sent compressed are the same
+//! request; a retry from a client that does any of these is not refused as a different payload.
+
+use std::future::Future;
+use std::io::Read;
+
+use http::request::Parts;
+use http::{HeaderMap, header};
+
+use crate::error::InputError;
+use crate::fingerprint::{Fingerprint, FingerprintOptions};
+
+/// How the query string takes part in a request's fingerprint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QueryComparison {
+    /// Parameters compared by name in any order (`?a=1&b=2` is `?b=2&a=1`); the values of one name
+    /// keep their order (`?a=1&a=2` is not `?a=2&a=1`, which many servers read as another list). The
+    /// default.
+    #[default]
+    Unordered,
+    /// The query string byte for byte.
+    Exact,
+}
+
+/// Why a request's body could not be fingerprinted.
+#[derive(Debug)]
+pub(crate) enum Unreadable {
+    /// Malformed or over a limit (as for any payload).
+    Input(InputError),
+    /// A `Content-Encoding` the layer cannot decode (415).
+    Encoding(String),
+}
+
+impl From<InputError> for Unreadable {
+    fn from(error: InputError) -> Self {
+        Unreadable::Input(error)
+    }
+}
+
+/// The request's fingerprint. It also carries the form the previous release computed (the raw body and
+/// the query as sent), which records stored before the upgrade hold, so their retries still match.
+pub(crate) async fn fingerprint(
+    parts: &Parts,
+    body: &[u8],
+    options: &FingerprintOptions,
+    query: QueryComparison,
+    max_body: usize,
+) -> Result<Fingerprint, Unreadable> {
+    let decoded = decode(&parts.headers, body, max_body)?;
+    let media = media_type(&parts.headers);
+    let (current, previous) = if media.as_deref().is_some_and(is_json) && !decoded.is_empty() {
+        let json = Fingerprint::of_json(&decoded, options)?;
+        let previous = json.previous();
+        (json, previous)
+    } else if let Some(parts_of) = multipart_boundary(&parts.headers) {
+        let raw = Fingerprint::of_bytes(body, options)?;
+        // Boxed as a trait object: multer's future types would otherwise nest into every layer's future,
+        // past the compiler's default query depth in the crates that use the layer.
+        let parsed: std::pin::Pin<Box<dyn Future<Output = _> + Send + '_>> =
+            Box::pin(multipart(&decoded, parts_of, options));
+        match parsed.await {
+            Some(parsed) => (parsed?, Some(raw)),
+            // Not a multipart body after all: compared byte for byte, as before.
+            None => (raw.clone(), Some(raw)),
+        }
+    } else {
+        (Fingerprint::of_bytes(&decoded, options)?, Some(Fingerprint::of_bytes(body, options)?))
+    };
+    let method = parts.method.as_str();
+    let sent = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let target = match query {
+        QueryComparison::Exact => sent.to_owned(),
+        QueryComparison::Unordered => unordered(parts.uri.path(), parts.uri.query()),
+    };
+    let previous = previous.map(|previous| previous.within(&[method, sent]));
+    Ok(current.within(&[method, &target]).with_previous(previous))
+}
+
+fn media_type(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+    Some(value.split(';').next()?.trim().to_ascii_lowercase())
+}
+
+fn is_json(media: &str) -> bool {
+    media == "application/json" || media.ends_with("+json")
+}
+
+fn multipart_boundary(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+    value.to_ascii_lowercase().starts_with("multipart/").then(|| multer::parse_boundary(value).ok()).flatten()
+}
+
+/// The path with its query parameters sorted by name (stable: one name's values keep their order).
+fn unordered(path: &str, query: Option<&str>) -> String {
+    let Some(query) = query else { return path.to_owned() };
+    let mut pairs: Vec<&str> = query.split('&').collect();
+    pairs.sort_by_key(|pair| pair.split('=').next().unwrap_or(""));
+    format!("{path}?{}", pairs.join("&"))
+}
+
+/// The body with its `Content-Encoding`s undone (`gzip`, `x-gzip`, `deflate`, `br`; `identity`), at
+/// most `max_body` bytes once decoded.
+fn decode<'b>(headers: &HeaderMap, body: &'b [u8], max_body: usize) -> Result<std::borrow::Cow<'b, [u8]>, Unreadable> {
+    let mut encodings: Vec<String> = Vec::new();
+    for value in headers.get_all(header::CONTENT_ENCODING) {
+        let value = value.to_str().map_err(|_| Unreadable::Encoding("a Content-Encoding that is not text".into()))?;
+        encodings.extend(value.split(',').map(|e| e.trim().to_ascii_lowercase()).filter(|e| !e.is_empty()));
+    }
+    let mut decoded = std::borrow::Cow::Borrowed(body);
+    // Applied in the order listed: undone last first.
+    for encoding in encodings.iter().rev() {
+        let reader: Box<dyn Read + '_> = match encoding.as_str() {
+            "identity" => continue,
+            "gzip" | "x-gzip" => Box::new(flate2::read::MultiGzDecoder::new(&decoded[..])),
+            "deflate" => Box::new(flate2::read::ZlibDecoder::new(&decoded[..])),
+            "br" => Box::new(brotli_decompressor::Decompressor::new(&decoded[..], 4096)),
+            other => return Err(Unreadable::Encoding(format!("the Content-Encoding {other:?} is not supported"))),
+        };
+        let mut out = Vec::new();
+        let limit = u64::try_from(max_body).unwrap_or(u64::MAX).saturating_add(1);
+        reader
+            .take(limit)
+            .read_to_end(&mut out)
+            .map_err(|e| Unreadable::Encoding(format!("the body is not valid {encoding}: {e}")))?;
+        if out.len() > max_body {
+            return Err(InputError::PayloadTooLarge { len: out.len(), limit: max_body }.into());
+        }
+        decoded = std::borrow::Cow::Owned(out);
+    }
+    Ok(decoded)
+}
+
+/// A multipart body by its parts (headers and content, in order), whatever its boundary; `None` if it
+/// does not parse as multipart.
+async fn multipart(
+    body: &[u8],
+    boundary: String,
+    options: &FingerprintOptions,
+) -> Option<Result<Fingerprint, InputError>> {
+    let stream = futures_util::stream::once(std::future::ready(Ok::<_, std::convert::Infallible>(
+        bytes::Bytes::copy_from_slice(body),
+    )));
+    let mut fields = multer::Multipart::new(stream, boundary);
+    let mut canonical = Vec::with_capacity(body.len());
+    let mut put = |bytes: &[u8]| {
+        canonical.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        canonical.extend_from_slice(bytes);
+    };
+    while let Some(field) = fields.next_field().await.ok()? {
+        let mut headers: Vec<(String, Vec<u8>)> =
+            field.headers().iter().map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec())).collect();
+        headers.sort();
+        put(&(headers.len() as u64).to_le_bytes());
+        for (name, value) in &headers {
+            put(name.as_bytes());
+            put(value);
+        }
+        put(&field.bytes().await.ok()?);
+    }
+    Some(Fingerprint::of_bytes(&canonical, options).map(|fingerprint| fingerprint.within(&["multipart"])))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record the previous release stored for the same request (the raw body, the query as sent)
+    /// still matches, so a retry spanning the upgrade is not refused.
+    #[tokio::test]
+    async fn the_previous_releases_form_still_matches() {
+        let options = FingerprintOptions::default();
+        let body = b"--b\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--b--\r\n";
+        let request = http::Request::post("/charges?z=1&a=2")
+            .header(header::CONTENT_TYPE, "multipart/form-data; boundary=b")
+            .body(())
+            .expect("request");
+        let (parts, ()) = request.into_parts();
+        let fingerprint = fingerprint(&parts, body, &options, QueryComparison::Unordered, 1 << 20).await;
+        let fingerprint = fingerprint.expect("fingerprinted");
+        let stored_before = Fingerprint::of_bytes(body, &options).expect("raw").within(&["POST", "/charges?z=1&a=2"]);
+        assert!(fingerprint.is(stored_before.as_hex()));
+        assert_ne!(fingerprint.as_hex(), stored_before.as_hex());
+    }
+
+    #[test]
+    fn query_parameters_compare_by_name_in_any_order() {
+        assert_eq!(unordered("/p", Some("b=2&a=1")), unordered("/p", Some("a=1&b=2")));
+        assert_ne!(unordered("/p", Some("a=2&a=1")), unordered("/p", Some("a=1&a=2")));
+        assert_eq!(unordered("/p", Some("a=1&b=2")), "/p?a=1&b=2", "a sorted query is as sent");
+        assert_eq!(unordered("/p", None), "/p");
+    }
+}
