@@ -10,7 +10,6 @@ CREATE TABLE idempotency_outbox_leases (
 
 -- Part of every row's idempotency key (`outbox-<id>-<nonce>`), so a key never repeats when ids do (the
 -- sequence restarted by TRUNCATE ... RESTART IDENTITY, a restored backup, a logical-replication
--- upgrade). Rows written before this migration keep `outbox-<id>`, the key they may have been delivered
--- under already. (The default applies to new rows only: no table rewrite.)
+-- upgrade). Written by `Outbox::enqueue`, not by a default: rows written before this migration, or by an
+-- older binary during a rollout, keep `outbox-<id>`, the key older relays deliver them under.
 ALTER TABLE idempotency_outbox ADD COLUMN key_nonce BIGINT;
-ALTER TABLE idempotency_outbox ALTER COLUMN key_nonce SET DEFAULT floor(random() * 4503599627370496)::bigint;

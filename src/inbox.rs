@@ -168,7 +168,9 @@ impl Inbox {
         self.received(&key, outcome).await
     }
 
-    /// The event's key, and what its deliveries are compared by.
+    /// The event's key, and what its deliveries are compared by. Also the whole body's version-1
+    /// fingerprint, which records of earlier releases hold: an identical re-delivery of an event such a
+    /// record holds is answered from it as before (in progress, released and run again, indeterminate).
     fn identify<P: Serialize + ?Sized>(
         &self,
         event_id: &str,
@@ -180,7 +182,9 @@ impl Inbox {
             // One value for every delivery: the event id alone is the identity.
             None => Fingerprint::of_bytes(b"", &FingerprintOptions::default())?,
         };
-        Ok((key, identity))
+        // A body an earlier release could not fingerprint has no record of its making.
+        let stored_before = Fingerprint::of_serialize(payload, &FingerprintOptions::default()).ok();
+        Ok((key, identity.with_previous(stored_before.and_then(|whole| whole.previous()))))
     }
 
     async fn received<T: DeserializeOwned, E>(
@@ -200,7 +204,9 @@ impl Inbox {
     }
 
     /// A "mismatch" without compared fields comes from a record an earlier release stored, which
-    /// compared whole bodies: its outcome still answers the event.
+    /// compared whole bodies, for a re-delivery whose body changed: the record still answers the event.
+    /// (Only a released one, whose handler failed before the upgrade, cannot be claimed again with
+    /// another body until it expires: a conflict.)
     async fn recorded_before<T: DeserializeOwned, E>(&self, key: &IdempotencyKey) -> Result<Received<T>, RunError<E>> {
         let record = self.store.lookup(&self.scope, key).await?;
         Ok(match record {
@@ -210,6 +216,10 @@ impl Inbox {
                 Received::Duplicate { outcome: entry.outcome, sequence: entry.sequence }
             }
             Some(record) if record.state == State::Expired => Received::Expired,
+            Some(record) if record.state == State::InProgress => {
+                Received::InProgress { retry_after: record.lease_remaining.unwrap_or_default() }
+            }
+            Some(record) if record.state == State::Indeterminate => Received::Indeterminate,
             _ => Received::Conflict,
         })
     }

@@ -27,9 +27,12 @@ use crate::policy::millis;
 use crate::store::{Statement, Store};
 use crate::telemetry;
 
+/// The nonce of the row's key is written here, not by a column default: rows an older binary enqueues
+/// during a rollout keep no nonce, and so the key (`outbox-<id>`) older relays deliver them under.
 const ENQUEUE: Statement = Statement::new(
     "outbox_enqueue",
-    "INSERT INTO idempotency_outbox (topic, payload) VALUES ($1, $2::json) RETURNING id",
+    "INSERT INTO idempotency_outbox (topic, payload, key_nonce)
+     VALUES ($1, $2::json, floor(random() * 4503599627370496)::bigint) RETURNING id",
 );
 
 /// The newest row when a drain starts: it delivers nothing newer, so it ends even while producers write.
@@ -84,6 +87,7 @@ const READ: Statement = Statement::new(
         SELECT o.id, o.topic, o.payload::text AS payload, o.attempts, o.key_nonce
         FROM idempotency_outbox o
         WHERE o.topic = $1 AND o.id <= $3
+          AND EXISTS (SELECT 1 FROM idempotency_outbox_leases l WHERE l.topic = $1 AND l.token = $2 AND l.until > now())
           AND (SELECT h.next_attempt_at FROM idempotency_outbox h WHERE h.topic = $1 ORDER BY h.id LIMIT 1) <= now()
         ORDER BY o.id
         LIMIT $4
@@ -113,13 +117,13 @@ const SETTLE: Statement = Statement::new(
     "outbox_settle",
     "
     WITH lease AS (DELETE FROM idempotency_outbox_leases WHERE topic = $1 AND token = $2 RETURNING 1),
-    delivered AS (DELETE FROM idempotency_outbox WHERE id = ANY($3) AND EXISTS (SELECT 1 FROM lease)),
+    delivered AS (DELETE FROM idempotency_outbox WHERE id = ANY($3) AND topic = $1 AND EXISTS (SELECT 1 FROM lease)),
     failed AS (
         UPDATE idempotency_outbox o
         SET attempts = o.attempts + 1, last_error = f.error,
             next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond'
         FROM unnest($4::bigint[], $5::text[], $6::float8[]) AS f(id, error, delay_ms)
-        WHERE o.id = f.id AND EXISTS (SELECT 1 FROM lease)
+        WHERE o.id = f.id AND o.topic = $1 AND EXISTS (SELECT 1 FROM lease)
     )
     SELECT EXISTS (SELECT 1 FROM lease)",
 );
@@ -172,7 +176,13 @@ struct Lease<'t> {
     topic: &'t str,
     token: i64,
     length: Duration,
+    /// Before the statement that took it: the lease may have started since, never before.
+    taken: tokio::time::Instant,
 }
+
+/// Lease time beyond two delivery timeouts: round trips to Postgres and clock reading, so a lease never
+/// runs out under a delivery that keeps to its timeout.
+const LEASE_MARGIN: Duration = Duration::from_secs(1);
 
 /// One delivery: `None` if the sink accepted the message, else why not. A sink that panics (in the call
 /// or in its future) has failed this delivery, like one that answers `Err`.
@@ -318,8 +328,8 @@ impl Outbox {
     }
 
     /// Longest a sink call may take before it counts as failed (default 30 s). A topic's lease lasts
-    /// twice this (extended while the sink works), so a relay that dies holds its topic back for at
-    /// most that long.
+    /// twice this and a second (extended while the sink works), so a relay that dies holds its topic
+    /// back for at most that long.
     pub fn with_delivery_timeout(mut self, timeout: Duration) -> Self {
         self.delivery_timeout = timeout;
         self
@@ -478,7 +488,12 @@ impl Outbox {
         let retired = |failed: &Mutex<Vec<String>>| {
             failed.lock().unwrap_or_else(PoisonError::into_inner).iter().any(|t| t == topic)
         };
-        let lease = Lease { topic, token: rand::random(), length: self.delivery_timeout.saturating_mul(2) };
+        let lease = Lease {
+            topic,
+            token: rand::random(),
+            length: self.delivery_timeout.saturating_mul(2) + LEASE_MARGIN,
+            taken: tokio::time::Instant::now(),
+        };
         let take = sqlx::query_scalar::<_, bool>(LEASE.sql)
             .bind(topic)
             .bind(lease.token)
@@ -540,12 +555,17 @@ impl Outbox {
     {
         let timeout = self.delivery_timeout;
         let mut settlement = Settlement::default();
-        let mut leased_at = tokio::time::Instant::now();
+        let mut leased_at = lease.taken;
         for message in messages {
-            // A delivery may take the whole timeout: the lease must outlast it.
-            if leased_at.elapsed() + timeout > lease.length {
-                self.extend(lease).await?;
-                leased_at = tokio::time::Instant::now();
+            // A delivery may take the whole timeout: the lease must outlast it by the margin.
+            if leased_at.elapsed() + timeout + LEASE_MARGIN > lease.length {
+                let extending = tokio::time::Instant::now();
+                if !self.extend(lease).await? {
+                    // Taken over after it ran out: the new holder delivers the rest (and these) again.
+                    tracing::warn!(topic = lease.topic, "outbox lease lost mid-batch; leaving the topic");
+                    break;
+                }
+                leased_at = extending;
             }
             let (id, attempt, topic) = (message.id, message.attempt, message.topic.clone());
             let Some(error) = deliver_one(sink, message, timeout).await else {
@@ -563,9 +583,11 @@ impl Outbox {
         Ok(settlement)
     }
 
-    async fn extend(&self, lease: &Lease<'_>) -> Result<(), StoreError> {
+    /// Extends the lease; false if it is no longer this relay's.
+    async fn extend(&self, lease: &Lease<'_>) -> Result<bool, StoreError> {
         let extend = sqlx::query(EXTEND.sql).bind(lease.topic).bind(lease.token).bind(millis(lease.length) as f64);
-        self.store.bounded(&EXTEND, extend.execute(self.store.pg_pool())).await.map(drop)
+        let extended = self.store.bounded(&EXTEND, extend.execute(self.store.pg_pool())).await?;
+        Ok(extended.rows_affected() == 1)
     }
 
     /// The wait before the next delivery of a row whose `attempt`-th delivery failed.

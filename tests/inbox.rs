@@ -4,7 +4,7 @@
 #[macro_use]
 mod support;
 
-use idemstore::{Fingerprint, FingerprintOptions, Mode, Received, RunError};
+use idemstore::{Mode, Received, RunError};
 use serde_json::{Value, json};
 use support::{Harness, key};
 
@@ -111,24 +111,41 @@ fn insert(
     }
 }
 
-/// A record an earlier release stored compared whole bodies: a re-delivery with another body is still
-/// answered from it (a duplicate), not refused.
+/// The whole body's fingerprint as an earlier release stored it (version 1: SHA-256 of `json\0` and the
+/// canonical JSON).
+fn stored_by_earlier_release(event: &Value) -> String {
+    use sha2::Digest as _;
+    let canonical = serde_json::to_string(event).expect("serializable"); // serde_json sorts members
+    format!("{:x}", sha2::Sha256::digest(format!("json\0{canonical}").as_bytes()))
+}
+
+/// Records an earlier release stored compared whole bodies: a completed one answers a re-delivery with
+/// another body as a duplicate, and a released one (its handler failed before the upgrade) lets an
+/// identical re-delivery run the handler (before this fix: a conflict for the record's 7 days).
 async fn a_record_stored_with_the_whole_body_still_answers(mode: Mode) {
     let h = Harness::start(mode).await;
     let consumer = format!("stripe-{}", h.id());
-    let whole_body = Fingerprint::of_serialize(&event(2), &FingerprintOptions::default()).expect("fingerprint");
-    sqlx::query(
-        "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence, response)
-         VALUES ($1, 'inbox', 'evt_old', $2, 'completed', nextval('idempotency_fences'), $3)",
-    )
-    .bind(&consumer)
-    .bind(whole_body.as_hex())
-    .bind(br#"{"sequence":3,"outcome":"ok"}"#.as_slice())
-    .execute(&h.pool)
-    .await
-    .expect("a record as an earlier inbox stored it");
+    for (event_id, state, response) in
+        [("evt_old", "completed", Some(&br#"{"sequence":3,"outcome":"ok"}"#[..])), ("evt_failed", "released", None)]
+    {
+        sqlx::query(
+            "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence, response)
+             VALUES ($1, 'inbox', $2, $3, $4, nextval('idempotency_fences'), $5)",
+        )
+        .bind(&consumer)
+        .bind(event_id)
+        .bind(stored_by_earlier_release(&event(2)))
+        .bind(state)
+        .bind(response)
+        .execute(&h.pool)
+        .await
+        .expect("a record as an earlier inbox stored it");
+    }
     let inbox = h.store.inbox(consumer).expect("inbox");
     let again =
         inbox.receive("evt_old", None, &event(1), || async { Ok::<_, sqlx::Error>("ran again".to_owned()) }).await;
     assert_eq!(again.expect("re-delivery"), Received::Duplicate { outcome: "ok".to_owned(), sequence: Some(3) });
+    let retried =
+        inbox.receive("evt_failed", None, &event(2), || async { Ok::<_, sqlx::Error>("handled".to_owned()) }).await;
+    assert_eq!(retried.expect("re-delivery"), Received::Handled("handled".to_owned()));
 }
