@@ -55,6 +55,10 @@ pub enum InputError {
     /// The payload is not valid JSON.
     #[error("the payload is not valid JSON")]
     InvalidJson(#[source] serde_json::Error),
+    /// The payload holds NaN or an infinite number, which JSON cannot represent (`serde_json` would
+    /// write it as `null`).
+    #[error("the payload holds NaN or an infinite number")]
+    NonFiniteNumber,
     /// An ignored-field entry is not an RFC 6901 JSON pointer to a member or element.
     #[error("{pointer:?} is not a JSON pointer to a field (it must start with '/')")]
     InvalidPointer {

@@ -355,7 +355,7 @@ impl Outbox {
     ///
     /// # Errors
     /// [`InputError::InvalidScope`] for a bad topic, [`InputError::InvalidJson`] when the payload does
-    /// not serialize, [`InputError::PayloadTooLarge`]; [`StoreError::StoreUnavailable`] if Postgres
+    /// not serialize, [`InputError::NonFiniteNumber`] when it holds NaN or an infinity, [`InputError::PayloadTooLarge`]; [`StoreError::StoreUnavailable`] if Postgres
     /// failed (the caller's transaction is then unusable).
     pub async fn enqueue<P: Serialize + ?Sized>(
         &self,
@@ -364,6 +364,10 @@ impl Outbox {
         payload: &P,
     ) -> Result<i64, StoreError> {
         validate_name("topic", topic)?;
+        // serde_json writes NaN and infinities as `null`: the downstream would get another message.
+        if !crate::fingerprint::is_finite(payload) {
+            return Err(InputError::NonFiniteNumber.into());
+        }
         let json = serde_json::to_string(payload).map_err(InputError::InvalidJson)?;
         if json.len() > self.max_payload {
             return Err(InputError::PayloadTooLarge { len: json.len(), limit: self.max_payload }.into());

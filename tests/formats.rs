@@ -9,7 +9,11 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use support::{Harness, key};
 
-suite!(amounts_beyond_64_bits_are_different_requests, a_record_stored_by_version_1_still_replays,);
+suite!(
+    amounts_beyond_64_bits_are_different_requests,
+    a_record_stored_by_version_1_still_replays,
+    non_finite_numbers_are_refused,
+);
 
 /// Two amounts that differ only in the 21st digit, under one key: the second is refused as a different
 /// payload (before: both had one fingerprint, and the second request got the first one's response).
@@ -62,4 +66,29 @@ async fn a_record_stored_by_version_1_still_replays(mode: Mode) {
         h.store.run_once(&scope, &k, &json!({"amount": 1201, "currency": "EUR"}), || h.charge("acme", &k)).await;
     assert!(matches!(other, Ok(RunOutcome::Mismatch)), "{other:?}");
     assert_eq!(h.effects("acme", &k).await, 0);
+}
+
+/// NaN and infinities are refused with a typed error before anything runs (before: serde_json wrote them
+/// as `null`, so `{"amount": NaN}` was the request `{"amount": null}`); the outbox refuses them too.
+async fn non_finite_numbers_are_refused(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (scope, k) = (h.scope("acme"), key("nan"));
+    for amount in [f64::NAN, f64::INFINITY] {
+        let payload = std::collections::BTreeMap::from([("amount", amount)]);
+        let refused = h.store.run_once(&scope, &k, &payload, || h.charge("acme", &k)).await;
+        assert!(
+            matches!(
+                refused,
+                Err(idemstore::RunError::Store(idemstore::StoreError::Input(idemstore::InputError::NonFiniteNumber)))
+            ),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(h.effects("acme", &k).await, 0);
+    let mut tx = h.pool.begin().await.expect("begin");
+    let enqueued = h.store.outbox().enqueue(&mut tx, "mail", &[f64::NAN]).await;
+    assert!(
+        matches!(enqueued, Err(idemstore::StoreError::Input(idemstore::InputError::NonFiniteNumber))),
+        "{enqueued:?}"
+    );
 }

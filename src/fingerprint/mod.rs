@@ -17,6 +17,7 @@
 //! form, so upgrading never turns a retry into a mismatch. (The two are hashed under different prefixes,
 //! so neither can equal the other's; which one a record holds needs no column of its own.)
 
+mod finite;
 mod json;
 mod number;
 mod pointer;
@@ -26,6 +27,7 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 
 use crate::error::InputError;
+pub(crate) use finite::is_finite;
 use json::Canon;
 use pointer::JsonPointer;
 
@@ -75,11 +77,16 @@ impl Fingerprint {
     /// Fingerprints any serializable value through its JSON form, with the same canonical rules.
     ///
     /// # Errors
-    /// As [`Fingerprint::of_json`]; [`InputError::InvalidJson`] if `value` cannot be serialized.
+    /// As [`Fingerprint::of_json`]; [`InputError::InvalidJson`] if `value` cannot be serialized;
+    /// [`InputError::NonFiniteNumber`] if it holds NaN or an infinity (which JSON writes as `null`, the
+    /// fingerprint of another request).
     pub fn of_serialize<T: serde::Serialize + ?Sized>(
         value: &T,
         options: &FingerprintOptions,
     ) -> Result<Self, InputError> {
+        if !is_finite(value) {
+            return Err(InputError::NonFiniteNumber);
+        }
         let body = serde_json::to_vec(value).map_err(InputError::InvalidJson)?;
         Self::of_json(&body, options)
     }
