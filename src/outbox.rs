@@ -539,7 +539,9 @@ impl Outbox {
             .bind(settlement.delays_ms);
         let held: bool = self.store.bounded(&SETTLE, settle.fetch_one(self.store.pg_pool())).await?;
         if !held {
+            // Nothing was recorded: the rows are the new holder's to deliver (again), not this drain's.
             tracing::warn!(topic, "outbox lease ran out and was taken over mid-batch; its rows are delivered again");
+            return Ok(Some(Drained::default()));
         }
         Ok(Some(drained))
     }

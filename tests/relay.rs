@@ -142,6 +142,8 @@ async fn a_drain_over_thousands_of_topics_costs_a_few_statements_per_topic(mode:
             .await
             .expect("index scans");
     let scans_per_topic = scans as f64 / topics as f64;
-    println!("{topics} topics drained in {elapsed:?}: {per_topic:.2} statements and {scans_per_topic:.1} index scans per topic");
+    println!(
+        "{topics} topics drained in {elapsed:?}: {per_topic:.2} statements and {scans_per_topic:.1} index scans per topic"
+    );
     assert!(scans_per_topic < 50.0, "{scans_per_topic} index scans per topic");
 }
