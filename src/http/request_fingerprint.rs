@@ -67,7 +67,13 @@ pub(crate) async fn fingerprint(
             None => (raw.clone(), Some(raw)),
         }
     } else {
-        (Fingerprint::of_bytes(&decoded, options)?, Some(Fingerprint::of_bytes(body, options)?))
+        let current = Fingerprint::of_bytes(&decoded, options)?;
+        // Hashed a second time only when a Content-Encoding was undone: otherwise both are the same bytes.
+        let previous = match decoded {
+            std::borrow::Cow::Borrowed(_) => current.clone(),
+            std::borrow::Cow::Owned(_) => Fingerprint::of_bytes(body, options)?,
+        };
+        (current, Some(previous))
     };
     let method = parts.method.as_str();
     let sent = parts.uri.path_and_query().map_or("/", |p| p.as_str());
