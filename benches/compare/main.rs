@@ -11,6 +11,8 @@
 //! to `target/bench/compare.{json,md,svg}`; the table is printed too.
 
 mod report;
+#[path = "../common/spread.rs"]
+mod spread;
 mod workload;
 
 use std::sync::Arc;

@@ -6,27 +6,9 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
+use crate::spread::Spread;
 use crate::workload::{Subject, Workload};
 use crate::{Cell, Plan, RelayCell};
-
-/// Median and range over rounds.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-struct Spread {
-    median: f64,
-    min: f64,
-    max: f64,
-}
-
-impl Spread {
-    fn of(mut values: Vec<f64>) -> Option<Self> {
-        values.retain(|v| v.is_finite());
-        values.sort_by(f64::total_cmp);
-        let (min, max) = (*values.first()?, *values.last()?);
-        let mid = values.len() / 2;
-        let median = if values.len().is_multiple_of(2) { (values[mid - 1] + values[mid]) / 2.0 } else { values[mid] };
-        Some(Self { median, min, max })
-    }
-}
 
 /// One row of the table: a workload (or floor) x subject x concurrency, summarized over rounds.
 #[derive(Debug, serde::Serialize)]

@@ -1,0 +1,21 @@
+//! Median and range over rounds: how every benchmark here summarizes repeated cells.
+
+/// Median and range over rounds.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    /// `None` if no value is finite.
+    pub fn of(mut values: Vec<f64>) -> Option<Self> {
+        values.retain(|v| v.is_finite());
+        values.sort_by(f64::total_cmp);
+        let (min, max) = (*values.first()?, *values.last()?);
+        let mid = values.len() / 2;
+        let median = if values.len().is_multiple_of(2) { (values[mid - 1] + values[mid]) / 2.0 } else { values[mid] };
+        Some(Self { median, min, max })
+    }
+}

@@ -1,0 +1,343 @@
+//! The layer as users meet it: one axum app, with and without `IdempotencyLayer`, driven over loopback by
+//! `wrk` (a load generator in its own process; `apt install wrk`).
+//!
+//! ```text
+//! cargo bench --bench http                 # full run: 3 rounds x 5 s per cell, 16 and 64 connections
+//! cargo bench --bench http -- --quick      # a smoke run of a few seconds (CI)
+//! cargo bench --bench http -- --subjects two-tier --workloads replay --concurrency 64 --seconds 30
+//! ```
+//! Subjects: the bare app (no layer), the layer over a two-tier store, the layer over a Postgres-only
+//! store. The handler inserts a charge and answers 201 with about 150 bytes of JSON; the bare app's
+//! replay row is a route answering the same bytes without the insert, which is what a replay should
+//! cost at best. Durable servers (fsync and synchronous commit on), as in `compare`. Subjects alternate
+//! within each round (A B C, then C B A). Results: `target/bench/http.{json,md}`.
+
+mod report;
+#[path = "../common/spread.rs"]
+mod spread;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use clap::Parser;
+use idemstore::Store;
+use idemstore::http::IdempotencyLayer;
+use idemstore::testkit::{PostgresServer, RedisServer};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// A smoke run: one round, one second per cell, 16 connections.
+    #[arg(long)]
+    quick: bool,
+    /// Open connections (comma separated).
+    #[arg(long, value_delimiter = ',')]
+    concurrency: Option<Vec<usize>>,
+    /// Rounds; each measures every cell once.
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Whole seconds per cell (wrk's `-d`).
+    #[arg(long)]
+    seconds: Option<u32>,
+    /// Workloads to run (default: all).
+    #[arg(long, value_delimiter = ',', value_enum)]
+    workloads: Option<Vec<Workload>>,
+    /// Subjects to run (default: all).
+    #[arg(long, value_delimiter = ',', value_enum)]
+    subjects: Option<Vec<Subject>>,
+    /// Passed by `cargo bench`; without it the run is a quick one.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// The plan of a run, with the defaults of full and quick runs applied.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Plan {
+    quick: bool,
+    concurrency: Vec<usize>,
+    rounds: usize,
+    seconds: u32,
+    workloads: Vec<Workload>,
+    subjects: Vec<Subject>,
+}
+
+impl From<Args> for Plan {
+    fn from(args: Args) -> Self {
+        let quick = args.quick || !args.bench;
+        Plan {
+            quick,
+            concurrency: args.concurrency.unwrap_or_else(|| if quick { vec![16] } else { vec![16, 64] }),
+            rounds: args.rounds.unwrap_or(if quick { 1 } else { 3 }),
+            seconds: args.seconds.unwrap_or(if quick { 1 } else { 5 }),
+            workloads: args.workloads.unwrap_or_else(|| vec![Workload::New, Workload::Replay, Workload::Inflight]),
+            subjects: args.subjects.unwrap_or_else(|| vec![Subject::Bare, Subject::TwoTier, Subject::PostgresOnly]),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Workload {
+    /// Every request a fresh key: the handler's insert runs each time.
+    New,
+    /// Retries of 256 keys that completed before the cell.
+    Replay,
+    /// Duplicates of 32 keys whose first request is still in the handler (409).
+    Inflight,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Subject {
+    /// The app without the layer.
+    Bare,
+    /// The layer over Redis and Postgres.
+    TwoTier,
+    /// The layer over Postgres alone.
+    PostgresOnly,
+}
+
+/// One timed cell, as wrk reported it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Cell {
+    workload: Workload,
+    subject: Subject,
+    concurrency: usize,
+    round: usize,
+    requests: u64,
+    /// Answers with another status than the workload's (0 in a sound run).
+    unexpected: u64,
+    socket_errors: u64,
+    throughput: f64,
+    p50_us: u64,
+    p99_us: u64,
+    p999_us: u64,
+}
+
+/// What wrk's script prints at the end of a run.
+#[derive(serde::Deserialize)]
+struct WrkSummary {
+    requests: u64,
+    duration_us: u64,
+    unexpected: u64,
+    socket_errors: u64,
+    p50_us: u64,
+    p99_us: u64,
+    p999_us: u64,
+}
+
+const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS http_bench_charges (
+    id BIGSERIAL PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL, customer TEXT NOT NULL)";
+const REPLAY_KEYS: usize = 256;
+/// Signalled by each held request once it is inside the handler, i.e. once its key is claimed.
+static HOLDING: tokio::sync::Notify = tokio::sync::Notify::const_new();
+const HELD_KEYS: usize = 32;
+
+#[derive(serde::Deserialize)]
+struct NewCharge {
+    amount: i64,
+    currency: String,
+    customer: String,
+}
+
+/// The handler every subject shares: one durable insert, 201 with the charge. A request with
+/// `x-hold` never finishes (it holds its key in flight for the in-flight workload).
+async fn create_charge(State(pg): State<PgPool>, headers: HeaderMap, body: axum::Json<NewCharge>) -> Response {
+    if headers.contains_key("x-hold") {
+        HOLDING.notify_one();
+        std::future::pending::<()>().await;
+    }
+    let inserted = sqlx::query_scalar::<_, i64>(
+        "INSERT INTO http_bench_charges (tenant, amount, customer) VALUES ('bench', $1, $2) RETURNING id",
+    )
+    .bind(body.amount)
+    .bind(&body.customer)
+    .fetch_one(&pg)
+    .await;
+    match inserted {
+        Ok(id) => (StatusCode::CREATED, charge_json(id, body.amount, &body.currency, &body.customer)).into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
+fn charge_json(id: i64, amount: i64, currency: &str, customer: &str) -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({
+        "id": id, "object": "charge", "amount": amount, "currency": currency, "customer": customer,
+        "status": "succeeded", "created": 1_796_000_000,
+    }))
+}
+
+/// The bytes a replay serves, without the store: the bare app's replay row.
+async fn static_charge() -> Response {
+    (StatusCode::CREATED, charge_json(1, 1250, "eur", "cus_bench")).into_response()
+}
+
+fn app(pg: PgPool, store: Option<Store>) -> Router {
+    let charges = post(create_charge);
+    let charges = match store {
+        Some(store) => {
+            charges.route_layer(IdempotencyLayer::new(store, |_: &axum::http::request::Parts| Some("bench".to_owned())))
+        }
+        None => charges,
+    };
+    Router::new().route("/charges", charges).route("/static", post(static_charge)).with_state(pg)
+}
+
+async fn serve(app: Router) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(address)
+}
+
+/// What a cell sends and expects.
+struct Request<'a> {
+    path: &'a str,
+    keys: String,
+    expect: u16,
+}
+
+fn request_of(workload: Workload, subject: Subject) -> Option<Request<'static>> {
+    Some(match (workload, subject) {
+        (Workload::New, Subject::Bare) => Request { path: "/charges", keys: "none".into(), expect: 201 },
+        (Workload::New, _) => Request { path: "/charges", keys: "unique".into(), expect: 201 },
+        (Workload::Replay, Subject::Bare) => Request { path: "/static", keys: "none".into(), expect: 201 },
+        (Workload::Replay, _) => Request { path: "/charges", keys: REPLAY_KEYS.to_string(), expect: 201 },
+        (Workload::Inflight, Subject::Bare) => return None,
+        (Workload::Inflight, _) => Request { path: "/charges", keys: HELD_KEYS.to_string(), expect: 409 },
+    })
+}
+
+const BODY: &str = r#"{"amount":1250,"currency":"eur","customer":"cus_bench","description":"benchmark charge"}"#;
+
+/// Sends the first request of keys `prefix-0 .. prefix-(count-1)`: completed ones for replays, held ones
+/// (their handler never returns) for in-flight duplicates. Returns the held requests, to abort later.
+async fn prepare(
+    address: SocketAddr,
+    workload: Workload,
+    prefix: &str,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, Box<dyn std::error::Error>> {
+    let client = reqwest::Client::new();
+    let send = |key: String, hold: bool| {
+        let mut request = client
+            .post(format!("http://{address}/charges"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(BODY);
+        if hold {
+            request = request.header("x-hold", "1");
+        }
+        request.send()
+    };
+    match workload {
+        Workload::New => Ok(Vec::new()),
+        Workload::Replay => {
+            for key in 0..REPLAY_KEYS {
+                let status = send(format!("{prefix}-{key}"), false).await?.status();
+                assert_eq!(status, 201, "preparing replay keys");
+            }
+            Ok(Vec::new())
+        }
+        Workload::Inflight => {
+            let mut held = Vec::new();
+            for key in 0..HELD_KEYS {
+                let first = send(format!("{prefix}-{key}"), true);
+                held.push(tokio::spawn(async move {
+                    let _ = first.await;
+                }));
+                HOLDING.notified().await;
+            }
+            Ok(held)
+        }
+    }
+}
+
+fn wrk(plan: &Plan, address: SocketAddr, request: &Request, concurrency: usize, prefix: &str) -> WrkSummary {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/http/wrk.lua");
+    let output = Command::new("wrk")
+        .args(["-t2", &format!("-c{concurrency}"), &format!("-d{}s", plan.seconds), "-s"])
+        .arg(&script)
+        .arg(format!("http://{address}"))
+        .env("HTTP_BENCH_PATH", request.path)
+        .env("HTTP_BENCH_KEYS", &request.keys)
+        .env("HTTP_BENCH_PREFIX", prefix)
+        .env("HTTP_BENCH_EXPECT", request.expect.to_string())
+        .output()
+        .expect("wrk runs (apt install wrk)");
+    assert!(output.status.success(), "wrk failed: {}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|error| panic!("wrk printed {stdout:?}: {error}"))
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let plan = Plan::from(Args::parse());
+    let postgres = PostgresServer::start_durable()?;
+    let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"])?;
+    let pg = PgPoolOptions::new().max_connections(16).connect(&postgres.url()).await?;
+    let redis_pool =
+        deadpool_redis::Config::from_url(redis.url()).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+    let two_tier = Store::builder().postgres(pg.clone()).redis(redis_pool).key_prefix("bench").build()?;
+    let postgres_only = Store::builder().postgres(pg.clone()).build()?;
+    two_tier.migrate().await?;
+    sqlx::raw_sql(SCHEMA).execute(&pg).await?;
+
+    let addresses = [
+        (Subject::Bare, serve(app(pg.clone(), None)).await?),
+        (Subject::TwoTier, serve(app(pg.clone(), Some(two_tier))).await?),
+        (Subject::PostgresOnly, serve(app(pg.clone(), Some(postgres_only))).await?),
+    ];
+    let subjects: Vec<_> = addresses.into_iter().filter(|(subject, _)| plan.subjects.contains(subject)).collect();
+
+    // Warm-up, not recorded: every connection opened and statement prepared in every subject.
+    let warm_up = Plan { seconds: 1, ..plan.clone() };
+    for &(subject, address) in &subjects {
+        if let Some(request) = request_of(Workload::New, subject) {
+            wrk(&warm_up, address, &request, plan.concurrency.iter().copied().max().unwrap_or(16), "warm");
+        }
+    }
+
+    let run_id = std::process::id();
+    let mut cells = Vec::new();
+    for round in 0..plan.rounds {
+        for &concurrency in &plan.concurrency {
+            for &workload in &plan.workloads {
+                let mut order = subjects.clone();
+                if round % 2 == 1 {
+                    order.reverse();
+                }
+                for (subject, address) in order {
+                    let Some(request) = request_of(workload, subject) else { continue };
+                    let prefix = format!("r{run_id}-{round}-{concurrency}-{workload:?}-{subject:?}");
+                    let held = prepare(address, workload, &prefix).await?;
+                    let summary = wrk(&plan, address, &request, concurrency, &prefix);
+                    held.iter().for_each(|request| request.abort());
+                    cells.push(Cell {
+                        workload,
+                        subject,
+                        concurrency,
+                        round,
+                        requests: summary.requests,
+                        unexpected: summary.unexpected,
+                        socket_errors: summary.socket_errors,
+                        throughput: summary.requests as f64 / (summary.duration_us as f64 / 1e6),
+                        p50_us: summary.p50_us,
+                        p99_us: summary.p99_us,
+                        p999_us: summary.p999_us,
+                    });
+                }
+            }
+            eprintln!("round {} concurrency {concurrency}: done", round + 1);
+        }
+    }
+    report::write(&plan, &cells)?;
+    Ok(())
+}

@@ -1,0 +1,104 @@
+//! The HTTP run's table: medians over rounds with min-max, and the ratios the targets are stated in.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::path::Path;
+
+use crate::spread::Spread;
+use crate::{Cell, Plan, Subject, Workload};
+
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    workload: Workload,
+    concurrency: usize,
+    subject: Subject,
+    throughput: Spread,
+    p99_us: Spread,
+    unexpected: u64,
+    socket_errors: u64,
+}
+
+fn summarize(cells: &[Cell]) -> Vec<Row> {
+    let mut groups: BTreeMap<(String, usize, String), Vec<&Cell>> = BTreeMap::new();
+    for cell in cells {
+        let key = (format!("{:?}", cell.workload), cell.concurrency, format!("{:?}", cell.subject));
+        groups.entry(key).or_default().push(cell);
+    }
+    let mut rows: Vec<Row> = groups
+        .into_values()
+        .filter_map(|group| {
+            let first = group[0];
+            Some(Row {
+                workload: first.workload,
+                concurrency: first.concurrency,
+                subject: first.subject,
+                throughput: Spread::of(group.iter().map(|c| c.throughput).collect())?,
+                p99_us: Spread::of(group.iter().map(|c| c.p99_us as f64).collect())?,
+                unexpected: group.iter().map(|c| c.unexpected).sum(),
+                socket_errors: group.iter().map(|c| c.socket_errors).sum(),
+            })
+        })
+        .collect();
+    rows.sort_by_key(|row| (row.workload as u8, row.concurrency, row.subject as u8));
+    rows
+}
+
+fn markdown(plan: &Plan, rows: &[Row]) -> String {
+    let mut out = format!(
+        "HTTP through wrk (2 threads), {} round(s) x {} s per cell, subjects alternating; medians [min-max].\n\n\
+         | workload | conns | subject | req/s | p99 ms | ÷ bare | two-tier ÷ postgres-only | unexpected |\n\
+         |---|---|---|---|---|---|---|---|\n",
+        plan.rounds, plan.seconds
+    );
+    let median_of = |workload, concurrency, subject| {
+        rows.iter()
+            .find(|r| r.workload == workload && r.concurrency == concurrency && r.subject == subject)
+            .map(|r| r.throughput.median)
+    };
+    for row in rows {
+        let ratio =
+            |other: Option<f64>| other.map_or(String::new(), |other| format!("{:.2}x", row.throughput.median / other));
+        let over_bare = match row.subject {
+            Subject::Bare => String::new(),
+            _ => ratio(median_of(row.workload, row.concurrency, Subject::Bare)),
+        };
+        let over_postgres = match row.subject {
+            Subject::TwoTier => ratio(median_of(row.workload, row.concurrency, Subject::PostgresOnly)),
+            _ => String::new(),
+        };
+        let t = row.throughput;
+        let p = row.p99_us;
+        let _ = writeln!(
+            out,
+            "| {:?} | {} | {:?} | {:.0} [{:.0}-{:.0}] | {:.2} [{:.2}-{:.2}] | {over_bare} | {over_postgres} | {} |",
+            row.workload,
+            row.concurrency,
+            row.subject,
+            t.median,
+            t.min,
+            t.max,
+            p.median / 1e3,
+            p.min / 1e3,
+            p.max / 1e3,
+            row.unexpected + row.socket_errors,
+        );
+    }
+    out.push_str(
+        "\nBare: the same app without the layer; its replay row is a route that answers the same bytes without \
+         the insert. In-flight answers are 409 (no bare row).\n",
+    );
+    out
+}
+
+pub fn write(plan: &Plan, cells: &[Cell]) -> Result<(), Box<dyn std::error::Error>> {
+    let rows = summarize(cells);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let json = serde_json::json!({ "plan": plan, "cells": cells, "summary": rows });
+    std::fs::write(dir.join("http.json"), serde_json::to_vec_pretty(&json)?)?;
+    let table = markdown(plan, &rows);
+    std::fs::write(dir.join("http.md"), &table)?;
+    println!("{table}");
+    println!("written: target/bench/http.json, http.md");
+    Ok(())
+}
