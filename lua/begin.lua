@@ -2,17 +2,19 @@
 -- concurrent duplicates are told "in flight" while the caller claims the key durably in Postgres.
 -- A "claimed" answer never means "execute": Postgres decides that.
 --
--- KEYS[1]  the record hash, idem:{...}
--- ARGV[1]  payload fingerprint (hex SHA-256), the version new records store
+-- KEYS[1]  the record, idem:{...}
+-- ARGV[1]  payload fingerprint (the 32 bytes of its SHA-256), the version new records store
 -- ARGV[5]  the same payload's version-1 fingerprint, which older records hold ('' if it has none)
 -- ARGV[2]  owner token of the caller
 -- ARGV[3]  lease in milliseconds (the marker's PX)
 -- ARGV[4]  the key's digest if the caller waits for an in-flight owner and follows the settled channel,
 --          else ''
 --
--- Hash fields: s = state ('p' in progress, 'c' completed, 'i' indeterminate), h = fingerprint,
---              t = owner token (in progress only), r = stored response (completed only),
---              w = the digest to publish when the in-progress record settles (only once a caller waits).
+-- A completed record is one string: its fingerprint (32 bytes), then its response. A hash whose field
+-- passes 64 bytes leaves Redis's compact encoding and costs about twice the memory, so only markers are
+-- hashes: s = state ('p' in progress, 'i' indeterminate), h = fingerprint, t = owner token (in progress
+-- only), w = the digest to publish when the in-progress record settles (only once a caller waits).
+-- (A hash with s = 'c' and the response in r, as earlier releases wrote, is read too.)
 --
 -- Returns one of:
 --   {'claimed'}                  no record (or a malformed one): the marker is written, claim in
@@ -25,16 +27,25 @@
 --   {'in_flight', pttl_ms}       another owner holds the key (a waiting caller's digest is written first)
 --   {'completed', response}      replay this response
 --   {'indeterminate'}            the key awaits resolution
-local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r', 'w')
-local state, fingerprint, response, waiter = rec[1], rec[2], rec[3], rec[4]
+local kind = redis.call('TYPE', KEYS[1]).ok
+local state, fingerprint, response, waiter
+if kind == 'string' then
+  local packed = redis.call('GET', KEYS[1])
+  if #packed >= 32 then
+    state, fingerprint, response = 'c', string.sub(packed, 1, 32), string.sub(packed, 33)
+  end
+elseif kind == 'hash' then
+  local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r', 'w')
+  state, fingerprint, response, waiter = rec[1], rec[2], rec[3], rec[4]
+end
 
--- No record, or a hash outside this contract (fields lost, or written by something else): a miss. It is
+-- No record, or one outside this contract (fields lost, or written by something else): a miss. It is
 -- replaced by the caller's marker, and Postgres decides.
 local valid = fingerprint and (state == 'p' or state == 'i' or (state == 'c' and response))
 if not valid then
-  -- Only a malformed hash is deleted: a write before HSET would let the script past Redis's OOM check
+  -- Only a malformed record is deleted: a write before HSET would let the script past Redis's OOM check
   -- (which refuses a script's first write), so under `noeviction` a full Redis could still grow.
-  if state or fingerprint or response then
+  if kind ~= 'none' then
     redis.call('DEL', KEYS[1])
   end
   redis.call('HSET', KEYS[1], 's', 'p', 'h', ARGV[1], 't', ARGV[2])

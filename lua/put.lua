@@ -2,9 +2,9 @@
 -- Never replaces a completed record with an earlier state: a repair racing the owner's completion must
 -- not leave a stale "in flight" behind.
 --
--- KEYS[1]  the record hash, idem:{...}
+-- KEYS[1]  the record, idem:{...}
 -- ARGV[1]  state: 'p' in progress, 'c' completed, 'i' indeterminate
--- ARGV[2]  payload fingerprint (hex SHA-256)
+-- ARGV[2]  payload fingerprint (32 bytes)
 -- ARGV[3]  owner token ('' unless in progress)
 -- ARGV[4]  stored response ('' unless completed)
 -- ARGV[5]  time to live in milliseconds
@@ -14,17 +14,27 @@
 -- an in-progress one keeps its waiters.
 --
 -- Returns 1 if written, 0 if a completed record was kept.
-local prior = redis.call('HMGET', KEYS[1], 's', 'w')
+-- A completed record is written as one string, fingerprint then response (see begin.lua).
+if ARGV[1] == 'c' and #ARGV[2] ~= 32 then
+  return redis.error_reply('a completed record needs a 32-byte fingerprint')
+end
+local kind = redis.call('TYPE', KEYS[1]).ok
+local prior = {}
+if kind == 'string' then
+  prior = {'c'}
+elseif kind == 'hash' then
+  prior = redis.call('HMGET', KEYS[1], 's', 'w')
+end
 if ARGV[1] ~= 'c' and prior[1] == 'c' then
   return 0
 end
 redis.call('DEL', KEYS[1])
 if ARGV[1] == 'c' then
-  redis.call('HSET', KEYS[1], 's', 'c', 'h', ARGV[2], 'r', ARGV[4])
+  redis.call('SET', KEYS[1], ARGV[2] .. ARGV[4], 'PX', ARGV[5])
 else
   redis.call('HSET', KEYS[1], 's', ARGV[1], 'h', ARGV[2], 't', ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
 if prior[2] then
   if ARGV[1] == 'p' then
     redis.call('HSET', KEYS[1], 'w', prior[2])

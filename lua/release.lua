@@ -1,7 +1,7 @@
 -- release.lua: fenced compare-and-delete of an in-progress marker, so a retry is not told "in flight"
 -- for work that failed or never started. Only the owner that wrote the marker can delete it.
 --
--- KEYS[1]  the record hash, idem:{...}
+-- KEYS[1]  the record, idem:{...} (only a hash, a marker, is ever taken back)
 -- ARGV[1]  owner token of the caller
 -- ARGV[2]  what taking the marker back means:
 --          'released'    Postgres released the record under the caller's fence: an indeterminate copy of
@@ -14,6 +14,9 @@
 -- ARGV[3]  the channel settlements are published on
 --
 -- Returns 1 if the copy was deleted, 0 if it belongs to someone else or is gone.
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then
+  return 0
+end
 local rec = redis.call('HMGET', KEYS[1], 's', 't', 'w')
 if (rec[1] == 'p' and rec[2] == ARGV[1]) or (rec[1] == 'i' and ARGV[2] == 'released') then
   redis.call('DEL', KEYS[1])

@@ -2,6 +2,7 @@
 //! that together name one record.
 
 use std::fmt;
+use std::fmt::Write as _;
 
 use sha2::{Digest, Sha256};
 
@@ -129,6 +130,20 @@ pub(crate) fn validate_name(field: &'static str, name: &str) -> Result<(), Input
         return Ok(());
     };
     Err(InputError::InvalidScope { field, reason })
+}
+
+/// Names a key in Redis (its record's name) and in notifications: 32 hex digits (128 bits) of SHA-256 over
+/// its length-prefixed tenant, operation and key, as `idempotency_key_digest` in Postgres. No tenant can
+/// name another tenant's key: that takes a second preimage (2^128 work), and even an accidental collision
+/// replays only to a request with the same payload fingerprint.
+pub(crate) fn key_digest(scope: &Scope, key: &IdempotencyKey) -> String {
+    let (tenant, operation) = (scope.tenant(), scope.operation());
+    let named = format!("{}:{tenant}:{}:{operation}:{}", tenant.len(), operation.len(), key.as_str());
+    let hash = Sha256::digest(named.as_bytes());
+    hash[..16].iter().fold(String::with_capacity(32), |mut hex, byte| {
+        let _ = write!(hex, "{byte:02x}");
+        hex
+    })
 }
 
 #[cfg(test)]

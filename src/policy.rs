@@ -31,7 +31,20 @@ impl LeaseExpiry {
         }
     }
 
-    /// The rule of a stored name; `None` for a name this version does not know.
+    /// The one-byte code Postgres stores (a `"char"`).
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            LeaseExpiry::TakeOver => b't',
+            LeaseExpiry::MarkIndeterminate => b'm',
+        }
+    }
+
+    /// The rule of a stored code; `None` for a code this version does not know.
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        [LeaseExpiry::TakeOver, LeaseExpiry::MarkIndeterminate].into_iter().find(|rule| rule.code() == code)
+    }
+
+    /// The rule of a name (as `as_str` spells it); `None` for a name this version does not know.
     pub fn parse(name: &str) -> Option<Self> {
         match name {
             "take_over" => Some(LeaseExpiry::TakeOver),

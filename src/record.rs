@@ -54,15 +54,22 @@ impl State {
         }
     }
 
-    pub(crate) fn parse(name: &str) -> Option<Self> {
-        Some(match name {
-            "in_progress" => State::InProgress,
-            "completed" => State::Completed,
-            "released" => State::Released,
-            "indeterminate" => State::Indeterminate,
-            "expired" => State::Expired,
-            _ => return None,
-        })
+    /// The one-byte code both tiers store (a Postgres `"char"`, the Redis `s` field).
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            State::InProgress => b'p',
+            State::Completed => b'c',
+            State::Released => b'r',
+            State::Indeterminate => b'i',
+            State::Expired => b'e',
+        }
+    }
+
+    /// The state of a stored code; `None` for a code this version does not know.
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        [State::InProgress, State::Completed, State::Released, State::Indeterminate, State::Expired]
+            .into_iter()
+            .find(|state| state.code() == code)
     }
 }
 
@@ -145,9 +152,9 @@ pub struct Record {
     pub state: State,
     /// The fence of the latest owner.
     pub fence: i64,
-    /// Hex SHA-256 of the canonical payload that claimed the key (its first 16 hex digits, for an
+    /// SHA-256 of the canonical payload that claimed the key (32 bytes; the first 8, for an
     /// [`State::Expired`] tombstone).
-    pub fingerprint: String,
+    pub fingerprint: Vec<u8>,
     /// Time left on the owner's lease (zero once it ran out); `None` unless in progress.
     pub lease_remaining: Option<Duration>,
     /// Time until Postgres may purge the record (for a tombstone, until it goes); `None` if it is kept

@@ -177,8 +177,8 @@ async fn a_tombstone_takes_at_most_120_bytes(mode: Mode) {
     let seed = "INSERT INTO idempotency_records
                     (tenant, operation, idempotency_key, fingerprint, state, fence, response, expires_at, tier,
                      on_lease_expiry, retention_ms, tombstone_ms)
-                SELECT 'acme', $1, gen_random_uuid()::text, encode(sha256(i::text::bytea), 'hex'), 'completed',
-                       nextval('idempotency_fences'), '\\x00', now() - interval '1 second', 'standard', 'take_over',
+                SELECT 'acme', $1, gen_random_uuid()::text, sha256(i::text::bytea), 'c',
+                       nextval('idempotency_fences'), '\\x00', now() - interval '1 second', 'standard', 't',
                        1000, 86400000
                 FROM generate_series(1, $2) AS i";
     sqlx::query(seed).bind(&h.operation).bind(rows).execute(&h.pool).await.expect("seed records");
@@ -280,7 +280,7 @@ async fn a_malformed_redis_record_is_a_miss(mode: Mode) {
         let mut hash = redis::cmd("HSET");
         hash.arg(&record_key);
         for (field, value) in fields {
-            hash.arg(field).arg(if *field == "h" { fp.as_hex() } else { value });
+            hash.arg(field).arg(if *field == "h" { &fp.as_bytes()[..] } else { value.as_bytes() });
         }
         let _: () = redis::pipe()
             .del(&record_key)
@@ -292,6 +292,27 @@ async fn a_malformed_redis_record_is_a_miss(mode: Mode) {
             .expect("corrupt");
         let answer = h.store.begin(&scope, &k, &fp).await.expect("begin");
         assert!(matches!(answer, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{name}: {answer:?}");
+    }
+    // A completed record's string too short to hold its fingerprint, and a key of another type.
+    for (name, command, value) in [("truncated", "SET", "short"), ("a-list", "RPUSH", "x")] {
+        let k = key(name);
+        let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
+        owner.complete(b"\"done\"").await.expect("complete");
+        let record_key = h.redis_key(&scope, &k);
+        let _: () = redis::pipe()
+            .del(&record_key)
+            .ignore()
+            .cmd(command)
+            .arg(&record_key)
+            .arg(value)
+            .ignore()
+            .query_async(&mut conn)
+            .await
+            .expect("corrupt");
+        let answer = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+        assert!(matches!(answer, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{name}: {answer:?}");
+        let kind: String = redis::cmd("TYPE").arg(&record_key).query_async(&mut conn).await.expect("TYPE");
+        assert_eq!(kind, "string", "{name}: repaired from Postgres");
     }
     assert_eq!(h.counter("idemstore_redis_fallbacks_total", &[]), 0.0, "the circuit never opened");
 }
@@ -307,11 +328,12 @@ async fn a_claim_that_lost_a_race_asks_again(mode: Mode) {
     first.release().await.expect("release");
     let mut winner = h.pool.begin().await.expect("begin");
     let take = "UPDATE idempotency_records
-                SET state = 'in_progress', fingerprint = $4, fence = nextval('idempotency_fences'),
+                SET state = 'p', fingerprint = $4, fence = nextval('idempotency_fences'),
                     lease_expires_at = now() + interval '30 seconds'
                 WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
     let other = fingerprint(r#"{"a":1}"#);
-    let query = sqlx::query(take).bind(scope.tenant()).bind(scope.operation()).bind(k.as_str()).bind(other.as_hex());
+    let query =
+        sqlx::query(take).bind(scope.tenant()).bind(scope.operation()).bind(k.as_str()).bind(&other.as_bytes()[..]);
     query.execute(&mut *winner).await.expect("the winner's claim, not yet committed");
     let loser = {
         let (store, scope, k) = (h.store.clone(), scope.clone(), k.clone());
@@ -424,4 +446,32 @@ async fn a_settlement_reaches_redis_while_the_circuit_is_open(mode: Mode) {
     owner.release().await.expect("the owner releases under its fence");
     let next = other.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
     assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
+}
+
+/// A completed record is one compact Redis string (fingerprint, then response): 200 bytes or less beyond
+/// a 160-byte response, whatever the key's length (before: a hash whose response field passed 64 bytes,
+/// stored in Redis's hashtable encoding, about 410 bytes beyond the response, and a name that grew with
+/// the key).
+#[tokio::test]
+async fn a_completed_record_costs_redis_at_most_200_bytes_beyond_its_response() {
+    let h = Harness::start(Mode::TwoTier).await;
+    let scope = h.scope("acme");
+    let k = IdempotencyKey::new("k".repeat(200)).expect("a long key");
+    let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
+    owner.complete(&[b'x'; 160]).await.expect("complete");
+    let mut conn = h.redis_connection().await;
+    let record_key = h.redis_key(&scope, &k);
+    let kind: String = redis::cmd("TYPE").arg(&record_key).query_async(&mut conn).await.expect("TYPE");
+    let usage: u64 = redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(&record_key)
+        .arg("SAMPLES")
+        .arg(0)
+        .query_async(&mut conn)
+        .await
+        .expect("MEMORY");
+    assert_eq!(kind, "string");
+    assert!(usage <= 360, "{usage} bytes for a 160-byte response");
+    let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
+    assert!(matches!(&replay, Begin::Completed(stored) if stored.as_bytes() == [b'x'; 160]), "{replay:?}");
 }

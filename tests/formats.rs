@@ -40,10 +40,10 @@ async fn a_record_stored_by_version_1_still_replays(mode: Mode) {
     let h = Harness::start(mode).await;
     let (scope, k) = (h.scope("acme"), key("stored-by-v1"));
     // Version 1: SHA-256 of "json\0" and the canonical JSON, numbers as f64 read them.
-    let version_1 = format!("{:x}", Sha256::digest(b"json\0{\"amount\":1200,\"currency\":\"EUR\"}"));
+    let version_1 = Sha256::digest(b"json\0{\"amount\":1200,\"currency\":\"EUR\"}").to_vec();
     sqlx::query(
         "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence, response)
-         VALUES ($1, $2, $3, $4, 'completed', nextval('idempotency_fences'), $5)",
+         VALUES ($1, $2, $3, $4, 'c', nextval('idempotency_fences'), $5)",
     )
     .bind(scope.tenant())
     .bind(scope.operation())
@@ -91,4 +91,68 @@ async fn non_finite_numbers_are_refused(mode: Mode) {
         matches!(enqueued, Err(idemstore::StoreError::Input(idemstore::InputError::NonFiniteNumber))),
         "{enqueued:?}"
     );
+}
+
+/// The compact-records migration converts rows as the previous schema held them (hex fingerprints, states
+/// and lease rules as words): a completed record still replays and refuses another payload, an in-progress
+/// one keeps its owner's lease and rule, a released one is claimed again.
+#[tokio::test]
+async fn records_of_the_previous_schema_are_converted() {
+    const COMPACT: &str = "20261203000001";
+    let server = idemstore::testkit::PostgresServer::start().expect("start a throwaway Postgres");
+    let pool = sqlx::PgPool::connect(&server.url()).await.expect("connect");
+    // The schema as the release before the compact records left it.
+    let earlier = tempfile::tempdir().expect("a directory");
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations")).expect("migrations") {
+        let path = entry.expect("entry").path();
+        if path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.as_bytes() < COMPACT.as_bytes()) {
+            std::fs::copy(&path, earlier.path().join(path.file_name().expect("a name"))).expect("copy");
+        }
+    }
+    let mut migrator = sqlx::migrate::Migrator::new(earlier.path()).await.expect("earlier migrations");
+    migrator.dangerous_set_table_name("_idemstore_migrations"); // the store's own history table
+    migrator.run(&pool).await.expect("run the earlier migrations");
+
+    let store = idemstore::Store::builder().postgres(pool.clone()).build().expect("store");
+    let scope = idemstore::Scope::new("acme", "charge").expect("scope");
+    let payload = json!({"amount": 1200});
+    let fingerprint = idemstore::Fingerprint::of_serialize(&payload, &Default::default()).expect("fingerprint");
+    for (name, state, rule, response, lease) in [
+        ("done", "completed", "take_over", Some(&b"\"ch_1\""[..]), None),
+        ("running", "in_progress", "mark_indeterminate", None, Some(60)),
+        ("failed", "released", "take_over", None, None),
+    ] {
+        sqlx::query(
+            "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence,
+                 owner, lease_expires_at, response, tier, on_lease_expiry, retention_ms)
+             VALUES ('acme', 'charge', $1, $2, $3, nextval('idempotency_fences'), 'owner-1',
+                     now() + $4 * interval '1 second', $5, 'standard', $6, 86400000)",
+        )
+        .bind(name)
+        .bind(fingerprint.to_hex())
+        .bind(state)
+        .bind(lease.map(f64::from))
+        .bind(response)
+        .bind(rule)
+        .execute(&pool)
+        .await
+        .expect("a record as the previous schema held it");
+    }
+    store.migrate().await.expect("the compact-records migration");
+
+    let done = store.lookup(&scope, &key("done")).await.expect("lookup").expect("a record");
+    assert_eq!((done.state, done.fingerprint.as_slice()), (idemstore::State::Completed, &fingerprint.as_bytes()[..]));
+    let replay = store.run_once(&scope, &key("done"), &payload, || async { Ok::<_, String>(json!("ran")) }).await;
+    assert!(matches!(&replay, Ok(RunOutcome::Replayed(stored)) if *stored == json!("ch_1")), "{replay:?}");
+    let other = json!({"amount": 1});
+    let other = store.run_once(&scope, &key("done"), &other, || async { Ok::<_, String>(json!(1)) }).await;
+    assert!(matches!(other, Ok(RunOutcome::Mismatch)), "{other:?}");
+
+    let running = store.lookup(&scope, &key("running")).await.expect("lookup").expect("a record");
+    assert_eq!(running.state, idemstore::State::InProgress);
+    assert_eq!(running.lease_expiry, Some(idemstore::LeaseExpiry::MarkIndeterminate));
+    assert!(running.lease_remaining.is_some_and(|left| left > std::time::Duration::from_secs(50)));
+
+    let retried = store.run_once(&scope, &key("failed"), &payload, || async { Ok::<_, String>(json!("ran")) }).await;
+    assert!(matches!(retried, Ok(RunOutcome::Executed(_))), "{retried:?}");
 }

@@ -9,9 +9,10 @@
 //! Subjects: the bare app (no layer), the layer over a two-tier store, the layer over a Postgres-only
 //! store. The handler inserts a charge and answers 201 with about 150 bytes of JSON; the bare app's
 //! replay row is a route answering the same bytes without the insert, which is what a replay should
-//! cost at best. Durable servers (fsync and synchronous commit on), as in `compare`. Subjects alternate
+//! cost at best. Then the bytes per completed record in each tier (`footprint`). Durable servers (fsync and synchronous commit on), as in `compare`. Subjects alternate
 //! within each round (A B C, then C B A). Results: `target/bench/http.{json,md}`.
 
+mod footprint;
 mod report;
 #[path = "../common/spread.rs"]
 mod spread;
@@ -338,6 +339,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             eprintln!("round {} concurrency {concurrency}: done", round + 1);
         }
     }
-    report::write(&plan, &cells)?;
+    let footprint = footprint::measure(&pg, &redis.url(), "bench").await?;
+    report::write(&plan, &cells, &footprint)?;
     Ok(())
 }

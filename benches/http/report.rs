@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
 
+use crate::footprint::Footprint;
 use crate::spread::Spread;
 use crate::{Cell, Plan, Subject, Workload};
 
@@ -90,13 +91,13 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
     out
 }
 
-pub fn write(plan: &Plan, cells: &[Cell]) -> Result<(), Box<dyn std::error::Error>> {
+pub fn write(plan: &Plan, cells: &[Cell], footprint: &Footprint) -> Result<(), Box<dyn std::error::Error>> {
     let rows = summarize(cells);
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&dir)?;
-    let json = serde_json::json!({ "plan": plan, "cells": cells, "summary": rows });
+    let json = serde_json::json!({ "plan": plan, "cells": cells, "summary": rows, "footprint": footprint });
     std::fs::write(dir.join("http.json"), serde_json::to_vec_pretty(&json)?)?;
-    let table = markdown(plan, &rows);
+    let table = markdown(plan, &rows) + &footprint.markdown();
     std::fs::write(dir.join("http.md"), &table)?;
     println!("{table}");
     println!("written: target/bench/http.json, http.md");

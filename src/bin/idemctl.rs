@@ -423,13 +423,18 @@ fn outbox_status(backlog: &[TopicBacklog]) -> Output {
     Output { json: json!({ "topics": topics }), text: text.trim_end().into() }
 }
 
+/// Stored bytes (a fingerprint) as lowercase hex digits.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
 fn inspection(inspection: &Inspection) -> Output {
     let millis = |d: Option<Duration>| d.map(|d| d.as_millis() as u64);
     let postgres = inspection.postgres.as_ref().map(|r| {
         json!({
             "state": r.state,
             "fence": r.fence,
-            "fingerprint": r.fingerprint,
+            "fingerprint": hex(&r.fingerprint),
             "tier": r.tier,
             "lease_remaining_ms": millis(r.lease_remaining),
             "expires_in_ms": millis(r.expires_in),
@@ -439,7 +444,7 @@ fn inspection(inspection: &Inspection) -> Output {
     let redis = inspection.redis.as_ref().map(|r| {
         json!({
             "state": r.state,
-            "fingerprint": r.fingerprint,
+            "fingerprint": hex(&r.fingerprint),
             "owner": r.owner,
             "ttl_ms": millis(r.ttl),
             "response_bytes": r.response_bytes,

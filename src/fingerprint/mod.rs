@@ -31,12 +31,12 @@ pub(crate) use finite::is_finite;
 use json::Canon;
 use pointer::JsonPointer;
 
-/// SHA-256 of a canonical request, as 64 lowercase hex digits (the form stored in both tiers), in the
-/// current version; for JSON, also the version-1 form that older records hold.
+/// SHA-256 of a canonical request (32 bytes, the form stored in both tiers), in the current version;
+/// for JSON, also the version-1 form that older records hold.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Fingerprint {
-    hex: String,
-    legacy: Option<String>,
+    digest: [u8; 32],
+    legacy: Option<[u8; 32]>,
 }
 
 impl Fingerprint {
@@ -63,15 +63,15 @@ impl Fingerprint {
                     None => out.push(b'!'),
                 }
             }
-            return Ok(Self { hex: hex_of(&out), legacy: None });
+            return Ok(Self { digest: Sha256::digest(&out).into(), legacy: None });
         }
         out.extend_from_slice(b"json-v2\0");
         canon.write_exact(&mut out)?;
-        let hex = hex_of(&out);
+        let digest = Sha256::digest(&out).into();
         out.clear();
         out.extend_from_slice(b"json\0");
-        let legacy = canon.write_legacy(&mut out).map(|()| hex_of(&out));
-        Ok(Self { hex, legacy })
+        let legacy = canon.write_legacy(&mut out).map(|()| Sha256::digest(&out).into());
+        Ok(Self { digest, legacy })
     }
 
     /// Fingerprints any serializable value through its JSON form, with the same canonical rules.
@@ -101,13 +101,13 @@ impl Fingerprint {
         let mut hasher = Sha256::new();
         hasher.update(b"raw\0");
         hasher.update(body);
-        Ok(Self { hex: hex(&hasher.finalize()), legacy: None })
+        Ok(Self { digest: hasher.finalize().into(), legacy: None })
     }
 
     /// This fingerprint bound to a context (such as the HTTP method and target), so that the same body
     /// sent to two different targets gives two different fingerprints.
     pub fn within(&self, context: &[&str]) -> Self {
-        let bind = |fingerprint: &str| {
+        let bind = |fingerprint: &[u8; 32]| {
             let mut hasher = Sha256::new();
             hasher.update(b"ctx\0");
             for part in context {
@@ -115,67 +115,76 @@ impl Fingerprint {
                 hasher.update((part.len() as u64).to_le_bytes());
                 hasher.update(part.as_bytes());
             }
-            hasher.update(fingerprint.as_bytes());
-            hex(&hasher.finalize())
+            // The hex digits, as releases that stored hex bound them: the same request, the same value.
+            hasher.update(hex(fingerprint));
+            hasher.finalize().into()
         };
-        Self { hex: bind(&self.hex), legacy: self.legacy.as_deref().map(bind) }
+        Self { digest: bind(&self.digest), legacy: self.legacy.as_ref().map(bind) }
     }
 
-    /// A fingerprint read back from storage.
-    pub(crate) fn from_hex(hex: String) -> Self {
-        Self { hex, legacy: None }
+    /// A fingerprint read back from storage; `None` unless it is 32 bytes.
+    pub(crate) fn from_stored(stored: &[u8]) -> Option<Self> {
+        Some(Self { digest: stored.try_into().ok()?, legacy: None })
     }
 
-    /// The fingerprint as 64 lowercase hex digits, in the current version (what new records store).
-    pub fn as_hex(&self) -> &str {
-        &self.hex
+    /// The 32 bytes of the current version (what new records store).
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.digest
+    }
+
+    /// The current version as 64 lowercase hex digits (how logs and `idemctl` show it).
+    pub fn to_hex(&self) -> String {
+        String::from_utf8(hex(&self.digest).to_vec()).expect("hex digits are ASCII")
     }
 
     /// The version-1 form, which records stored by earlier releases hold; `None` for raw bodies (the
     /// same in every version) and for payloads version 1 refused.
-    pub(crate) fn legacy_hex(&self) -> Option<&str> {
-        self.legacy.as_deref()
+    pub(crate) fn legacy_bytes(&self) -> Option<&[u8; 32]> {
+        self.legacy.as_ref()
     }
 
     /// The version-1 form as a fingerprint of its own (to bind it to another context than the current
     /// form).
     pub(crate) fn previous(&self) -> Option<Self> {
-        self.legacy.clone().map(Self::from_hex)
+        self.legacy.map(|digest| Self { digest, legacy: None })
     }
 
     /// This fingerprint, matching records that hold `previous` too (what an earlier release computed
     /// for the same request).
     pub(crate) fn with_previous(self, previous: Option<Self>) -> Self {
-        let legacy = previous.map(|previous| previous.hex).filter(|legacy| *legacy != self.hex);
+        let legacy = previous.map(|previous| previous.digest).filter(|legacy| *legacy != self.digest);
         Self { legacy, ..self }
     }
 
     /// Whether a stored fingerprint (of either version) is this request's.
-    pub(crate) fn is(&self, stored: &str) -> bool {
-        self.hex == stored || self.legacy.as_deref() == Some(stored)
+    pub(crate) fn is(&self, stored: &[u8]) -> bool {
+        self.digest == stored || self.legacy.is_some_and(|legacy| legacy == stored)
     }
 
-    /// Whether a stored prefix (a tombstone keeps 16 hex digits) is this request's.
-    pub(crate) fn starts_with(&self, prefix: &str) -> bool {
-        self.hex.starts_with(prefix) || self.legacy.as_deref().is_some_and(|legacy| legacy.starts_with(prefix))
+    #[cfg(test)]
+    fn legacy_hex(&self) -> Option<String> {
+        self.previous().map(|previous| previous.to_hex())
+    }
+
+    /// Whether a stored prefix (a tombstone keeps 8 bytes) is this request's.
+    pub(crate) fn starts_with(&self, prefix: &[u8]) -> bool {
+        self.digest.starts_with(prefix) || self.legacy.is_some_and(|legacy| legacy.starts_with(prefix))
     }
 }
 
-fn hex(digest: &[u8]) -> String {
-    digest.iter().fold(String::with_capacity(64), |mut hex, byte| {
-        hex.push(char::from(HEX[usize::from(byte >> 4)]));
-        hex.push(char::from(HEX[usize::from(byte & 0xf)]));
-        hex
-    })
-}
-
-fn hex_of(canonical: &[u8]) -> String {
-    hex(&Sha256::digest(canonical))
+/// 64 lowercase hex digits.
+fn hex(digest: &[u8; 32]) -> [u8; 64] {
+    let mut out = [0; 64];
+    for (pair, byte) in out.chunks_exact_mut(2).zip(digest) {
+        pair[0] = HEX[usize::from(byte >> 4)];
+        pair[1] = HEX[usize::from(byte & 0xf)];
+    }
+    out
 }
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", &self.hex[..12])
+        write!(f, "Fingerprint({})", &self.to_hex()[..12])
     }
 }
 
@@ -338,8 +347,8 @@ mod tests {
     fn big_integers_and_their_float_spelling_agree_in_version_1_only() {
         let big = "1111111111555555555555555";
         let respelled = fp(&format!("{:e}", big.parse::<f64>().expect("a float")));
-        assert_eq!(fp(big).legacy_hex(), respelled.legacy_hex());
-        assert_ne!(fp(big).as_hex(), respelled.as_hex());
+        assert_eq!(fp(big).legacy_hex().as_deref(), respelled.legacy_hex().as_deref());
+        assert_ne!(fp(big).to_hex(), respelled.to_hex());
     }
 
     /// Two amounts that differ in the 21st digit: version 1 gave them one fingerprint (so the second
@@ -348,11 +357,11 @@ mod tests {
     fn amounts_beyond_64_bits_differ() {
         let a = fp(r#"{"amount_wei":100000000000000000001}"#);
         let b = fp(r#"{"amount_wei":100000000000000000000}"#);
-        assert_eq!(a.legacy_hex(), b.legacy_hex(), "the version-1 collision this replaces");
-        assert_ne!(a.as_hex(), b.as_hex());
-        assert!(!a.is(b.as_hex()));
+        assert_eq!(a.legacy_hex().as_deref(), b.legacy_hex().as_deref(), "the version-1 collision this replaces");
+        assert_ne!(a.to_hex(), b.to_hex());
+        assert!(!a.is(b.as_bytes()));
         let c = fp(r#"{"price":0.30000000000000000000000000001}"#);
-        assert_ne!(c.as_hex(), fp(r#"{"price":0.3}"#).as_hex());
+        assert_ne!(c.to_hex(), fp(r#"{"price":0.3}"#).to_hex());
     }
 
     /// A body of large exponents: version 1 wrote `1e308` as 309 digits (a 1 MiB body built a ~54 MB
@@ -407,14 +416,17 @@ mod tests {
             ),
         ];
         for (body, v1, v2) in golden {
-            assert_eq!(fp(body).legacy_hex(), Some(v1), "{body}");
-            assert_eq!(fp(body).as_hex(), v2, "{body}");
+            assert_eq!(fp(body).legacy_hex().as_deref(), Some(v1), "{body}");
+            assert_eq!(fp(body).to_hex(), v2, "{body}");
         }
         let options = FingerprintOptions::default().ignore_field("/meta/ts").and_then(|o| o.ignore_field("/items/1"));
         let ignored = Fingerprint::of_json(br#"{"meta":{"ts":5,"id":1},"items":[1,2,3]}"#, &options.expect("pointers"));
         let ignored = ignored.expect("valid");
-        assert_eq!(ignored.legacy_hex(), Some("93cb7b9205ef87799a3f3b30cc6b728ff8dc6b1645e661a0c1ed33dd757d4a8e"));
-        assert_eq!(ignored.as_hex(), "0c57f7720b661deea92f1645144ec5a8f83a4ec6800bda07e39ee0f23b080e9b");
+        assert_eq!(
+            ignored.legacy_hex().as_deref(),
+            Some("93cb7b9205ef87799a3f3b30cc6b728ff8dc6b1645e661a0c1ed33dd757d4a8e")
+        );
+        assert_eq!(ignored.to_hex(), "0c57f7720b661deea92f1645144ec5a8f83a4ec6800bda07e39ee0f23b080e9b");
     }
 
     /// Only the named fields count: a Stripe-style re-delivery that changed its bookkeeping matches, a
@@ -429,7 +441,7 @@ mod tests {
         assert_ne!(first, of(r#"{"type":"charge","data":{"amount":101},"pending_webhooks":2}"#));
         assert_ne!(of(r#"{"type":null}"#), of(r#"{}"#));
         assert_ne!(of(r#"{}"#), fp("{}"), "a form of its own");
-        assert_eq!(first.legacy_hex(), None);
+        assert_eq!(first.legacy_hex().as_deref(), None);
     }
 
     #[test]
@@ -490,7 +502,7 @@ mod tests {
         assert!(matches!(Fingerprint::of_json(&huge, &options), Err(InputError::PayloadTooLarge { .. })));
         assert!(matches!(Fingerprint::of_bytes(&huge, &options), Err(InputError::PayloadTooLarge { .. })));
         // Beyond f64: version 1 refused it, version 2 keeps it exactly (and has no version-1 form).
-        assert_eq!(Fingerprint::of_json(b"1e400", &options).expect("exact").legacy_hex(), None);
+        assert_eq!(Fingerprint::of_json(b"1e400", &options).expect("exact").legacy_hex().as_deref(), None);
         let exponent = b"1e1234567890123456789";
         assert!(matches!(Fingerprint::of_json(exponent, &options), Err(InputError::InvalidJson(_))));
         for invalid in [&b"01"[..], b"1.", b".5", b"-", b"+1", b"1e", b"tru", b"[1,]", b"{\"a\"}", b"\"\\ud800\""] {
@@ -602,8 +614,8 @@ mod tests {
             let mut expected = b"json\0".to_vec();
             version_1(&serde_json::from_slice(&body).expect("valid"), &mut expected);
             let fingerprint = Fingerprint::of_json(&body, &FingerprintOptions::default()).expect("valid");
-            let expected = hex_of(&expected);
-            prop_assert_eq!(fingerprint.legacy_hex(), Some(expected.as_str()));
+            let expected = String::from_utf8(hex(&Sha256::digest(&expected).into()).to_vec()).unwrap();
+            prop_assert_eq!(fingerprint.legacy_hex(), Some(expected));
         }
 
         /// Two payloads share a fingerprint exactly when their canonical values are equal.
@@ -613,7 +625,7 @@ mod tests {
             let options = FingerprintOptions::default();
             let same_value = same_value(&serde_json::from_slice(&a).expect("de"), &serde_json::from_slice(&b).expect("de"));
             let (a, b) = (Fingerprint::of_json(&a, &options).expect("valid"), Fingerprint::of_json(&b, &options).expect("valid"));
-            let same_fingerprint = a.as_hex() == b.as_hex();
+            let same_fingerprint = a.to_hex() == b.to_hex();
             prop_assert_eq!(same_fingerprint, same_value);
         }
     }

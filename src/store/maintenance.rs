@@ -24,22 +24,22 @@ const PURGE_BATCH: Statement = Statement::new(
     "purge", "
     WITH doomed AS (
         SELECT tenant, operation, idempotency_key FROM idempotency_records
-        WHERE expires_at <= now() AND state IN ('completed', 'released')
+        WHERE expires_at <= now() AND state IN ('c', 'r')
         ORDER BY expires_at
         LIMIT $1
         FOR UPDATE SKIP LOCKED
     ), gone AS (
         DELETE FROM idempotency_records r USING doomed d
         WHERE r.tenant = d.tenant AND r.operation = d.operation AND r.idempotency_key = d.idempotency_key
-          AND r.expires_at <= now() AND r.state IN ('completed', 'released')
+          AND r.expires_at <= now() AND r.state IN ('c', 'r')
         RETURNING r.tenant, r.operation, r.idempotency_key, r.state, r.fingerprint, r.fence, r.expires_at, r.tier, r.tombstone_ms
     ), buried AS (
         INSERT INTO idempotency_tombstones (digest, fingerprint, fence, expires_at)
-        SELECT idempotency_key_digest(tenant, operation, idempotency_key), ('x' || left(fingerprint, 16))::bit(64)::bigint,
+        SELECT idempotency_key_digest(tenant, operation, idempotency_key), ('x' || encode(substring(fingerprint FROM 1 FOR 8), 'hex'))::bit(64)::bigint,
                fence,
                expires_at + (CASE WHEN tier IS NULL THEN $2::float8 ELSE tombstone_ms::float8 END)
                             * interval '1 millisecond'
-        FROM gone WHERE state = 'completed'
+        FROM gone WHERE state = 'c'
         ON CONFLICT (digest) DO UPDATE
         SET fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at
     )
@@ -60,7 +60,7 @@ const PURGE_TOMBSTONES: Statement = Statement::new(
 
 const COUNT_EXPIRED: Statement = Statement::new(
     "count_expired",
-    "SELECT count(*) FROM idempotency_records WHERE expires_at <= now() AND state IN ('completed', 'released')",
+    "SELECT count(*) FROM idempotency_records WHERE expires_at <= now() AND state IN ('c', 'r')",
 );
 
 const STALE: Statement = Statement::new(
@@ -68,14 +68,14 @@ const STALE: Statement = Statement::new(
     "
     SELECT tenant, operation, idempotency_key, fingerprint, fence, owner, on_lease_expiry
     FROM idempotency_records
-    WHERE state = 'in_progress' AND lease_expires_at <= now()
+    WHERE state = 'p' AND lease_expires_at <= now()
     ORDER BY lease_expires_at
     LIMIT $1",
 );
 
 const COUNT_STALE: Statement = Statement::new(
     "count_stale",
-    "SELECT count(*) FROM idempotency_records WHERE state = 'in_progress' AND lease_expires_at <= now()",
+    "SELECT count(*) FROM idempotency_records WHERE state = 'p' AND lease_expires_at <= now()",
 );
 
 /// Fenced like every write: an owner that extended its lease or finished since it was read is untouched.
@@ -83,9 +83,9 @@ const RELEASE_STALE: Statement = Statement::new(
     "release_stale",
     "
     UPDATE idempotency_records
-    SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
+    SET state = 'r', owner = NULL, lease_expires_at = NULL, updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state = 'in_progress' AND lease_expires_at <= now()",
+      AND state = 'p' AND lease_expires_at <= now()",
 );
 
 /// Kept for the retention the record was claimed under (NULL: forever); records claimed before tiers were
@@ -94,19 +94,19 @@ const RESOLVE_COMPLETED: Statement = Statement::new(
     "resolve",
     "
     UPDATE idempotency_records
-    SET state = 'completed', response = $4, owner = NULL, lease_expires_at = NULL,
+    SET state = 'c', response = $4, owner = NULL, lease_expires_at = NULL,
         expires_at = now() + (CASE WHEN tier IS NOT NULL THEN retention_ms::float8 ELSE $5::float8 END)
                              * interval '1 millisecond',
         updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'indeterminate'",
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'i'",
 );
 
 const RESOLVE_RELEASED: Statement = Statement::new(
     "resolve",
     "
     UPDATE idempotency_records
-    SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'indeterminate'",
+    SET state = 'r', owner = NULL, lease_expires_at = NULL, updated_at = now()
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'i'",
 );
 
 const COUNTS: Statement = Statement::new(
@@ -118,7 +118,7 @@ const COUNTS: Statement = Statement::new(
 );
 
 const INDETERMINATE: Statement =
-    Statement::new("count_indeterminate", "SELECT count(*) FROM idempotency_records WHERE state = 'indeterminate'");
+    Statement::new("count_indeterminate", "SELECT count(*) FROM idempotency_records WHERE state = 'i'");
 
 /// The two purge statements, each run in batches.
 #[derive(Clone, Copy)]
@@ -259,7 +259,8 @@ impl Store {
                 Scope::new(row.try_get::<String, _>(0).map_err(decode)?, row.try_get::<String, _>(1).map_err(decode)?)?;
             let key = IdempotencyKey::new(row.try_get::<String, _>(2).map_err(decode)?)?;
             let stale = Lease {
-                fingerprint: crate::Fingerprint::from_hex(row.try_get::<String, _>(3).map_err(decode)?),
+                fingerprint: crate::Fingerprint::from_stored(&row.try_get::<Vec<u8>, _>(3).map_err(decode)?)
+                    .ok_or_else(|| decode(sqlx::Error::Decode("a fingerprint is 32 bytes".into())))?,
                 fence: row.try_get(4).map_err(decode)?,
                 owner: row.try_get::<Option<String>, _>(5).map_err(decode)?.unwrap_or_default(),
                 policy: self.shared_policy(scope.operation()),
@@ -267,8 +268,8 @@ impl Store {
                 key,
             };
             // The rule the record was claimed under; the configured one for records older than the column.
-            let rule = match row.try_get::<Option<String>, _>(6).map_err(decode)? {
-                Some(rule) => LeaseExpiry::parse(&rule).unwrap_or(LeaseExpiry::MarkIndeterminate),
+            let rule = match row.try_get::<Option<i8>, _>(6).map_err(decode)? {
+                Some(code) => LeaseExpiry::from_code(code as u8).unwrap_or(LeaseExpiry::MarkIndeterminate),
                 None => stale.policy.lease_expiry,
             };
             let (recovered, action) = match rule {
@@ -357,10 +358,10 @@ impl Store {
         let decode = |e| COUNTS.failed(e);
         rows.iter()
             .map(|row| {
-                let state: String = row.try_get("state").map_err(decode)?;
+                let state: i8 = row.try_get("state").map_err(decode)?;
                 Ok(StatsRow {
                     operation: row.try_get("operation").map_err(decode)?,
-                    state: State::parse(&state).unwrap_or(State::Indeterminate),
+                    state: State::from_code(state as u8).unwrap_or(State::Indeterminate),
                     tier: row.try_get("tier").map_err(decode)?,
                     records: u64::try_from(row.try_get::<i64, _>("records").map_err(decode)?).unwrap_or(0),
                     expiring: u64::try_from(row.try_get::<i64, _>("expiring").map_err(decode)?).unwrap_or(0),

@@ -25,11 +25,11 @@ macro_rules! record_columns {
 }
 
 /// A key's live tombstone (`$1`..`$3`), shaped like a record in state `expired`: its fingerprint is the
-/// first 16 hex digits of the one that completed, its expiry the end of the tombstone's horizon.
+/// first 8 bytes of the one that completed, its expiry the end of the tombstone's horizon.
 macro_rules! tombstone {
     () => {
-        "SELECT 'expired'::text AS state, lpad(to_hex(fingerprint), 16, '0') AS fingerprint, fence,
-                NULL::text AS owner, NULL::bytea AS response, NULL::text AS tier, NULL::text AS on_lease_expiry,
+        "SELECT 'e'::\"char\" AS state, int8send(fingerprint) AS fingerprint, fence,
+                NULL::text AS owner, NULL::bytea AS response, NULL::text AS tier, NULL::\"char\" AS on_lease_expiry,
                 NULL::timestamptz AS lease_expires_at, expires_at
          FROM idempotency_tombstones
          WHERE digest = idempotency_key_digest($1, $2, $3) AND (expires_at IS NULL OR expires_at > now())"
@@ -81,19 +81,19 @@ const CLAIM: Statement = Statement::new(
         INSERT INTO idempotency_records AS r
             (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
              tier, on_lease_expiry, retention_ms, tombstone_ms)
-        SELECT $1, $2, $3, $4, 'in_progress', nextval('idempotency_fences'), $5,
+        SELECT $1, $2, $3, $4, 'p'::\"char\", nextval('idempotency_fences'), $5,
                now() + $6::float8 * interval '1 millisecond',
                ",
         in_progress_expiry!("$7::float8"),
         ",
-               $9, CASE WHEN $8 THEN 'take_over' ELSE 'mark_indeterminate' END, $7::float8::bigint,
+               $9, CASE WHEN $8 THEN 't' ELSE 'm' END::\"char\", $7::float8::bigint,
                $10::float8::bigint
         WHERE NOT EXISTS (SELECT 1 FROM buried)
-          AND NOT EXISTS (SELECT 1 FROM prior WHERE state IN ('completed', 'indeterminate')
-                                                 OR (state = 'in_progress' AND (lease_expires_at > now()
-                                                     OR on_lease_expiry = 'mark_indeterminate')))
+          AND NOT EXISTS (SELECT 1 FROM prior WHERE state IN ('c', 'i')
+                                                 OR (state = 'p' AND (lease_expires_at > now()
+                                                     OR on_lease_expiry = 'm')))
         ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
-        SET fingerprint = EXCLUDED.fingerprint, state = 'in_progress',
+        SET fingerprint = EXCLUDED.fingerprint, state = 'p',
             fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
             owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
             expires_at = ",
@@ -104,9 +104,9 @@ const CLAIM: Statement = Statement::new(
             retention_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.retention_ms ELSE r.retention_ms END,
             tombstone_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.tombstone_ms ELSE r.tombstone_ms END,
             waited = false, updated_at = now()
-        WHERE (r.state = 'released' AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
-           OR (r.state = 'in_progress' AND r.lease_expires_at <= now()
-               AND COALESCE(r.on_lease_expiry = 'take_over', $8)
+        WHERE (r.state = 'r' AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
+           OR (r.state = 'p' AND r.lease_expires_at <= now()
+               AND COALESCE(r.on_lease_expiry = 't', $8)
                AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
         RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
     )
@@ -150,12 +150,12 @@ const COMPLETE: Statement = Statement::new(
     "complete",
     "
     UPDATE idempotency_records
-    SET state = 'completed', response = $5, owner = NULL, lease_expires_at = NULL,
+    SET state = 'c', response = $5, owner = NULL, lease_expires_at = NULL,
         expires_at = now() + (CASE WHEN tier IS NULL THEN $6::float8 ELSE retention_ms::float8 END)
                              * interval '1 millisecond',
         updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state IN ('in_progress', 'indeterminate')
+      AND state IN ('p', 'i')
     RETURNING waited, CASE WHEN expires_at IS NOT NULL
                    THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms",
 );
@@ -164,9 +164,9 @@ const RELEASE: Statement = Statement::new(
     "release",
     "
     UPDATE idempotency_records
-    SET state = 'released', owner = NULL, lease_expires_at = NULL, updated_at = now()
+    SET state = 'r', owner = NULL, lease_expires_at = NULL, updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state IN ('in_progress', 'indeterminate')
+      AND state IN ('p', 'i')
     RETURNING waited",
 );
 
@@ -179,11 +179,11 @@ const WAIT: Statement = Statement::new(
     WITH live AS (
         SELECT waited FROM idempotency_records
         WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
-          AND state = 'in_progress' AND lease_expires_at > now()
+          AND state = 'p' AND lease_expires_at > now()
     ), flagged AS (
         UPDATE idempotency_records SET waited = true
         WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
-          AND state = 'in_progress' AND lease_expires_at > now() AND NOT waited
+          AND state = 'p' AND lease_expires_at > now() AND NOT waited
         RETURNING 1
     )
     SELECT EXISTS (SELECT 1 FROM live WHERE waited) OR EXISTS (SELECT 1 FROM flagged)",
@@ -203,7 +203,7 @@ const EXTEND: Statement = Statement::new(
                           THEN GREATEST(expires_at, now() + $5::float8 * interval '1 millisecond') END,
         updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state = 'in_progress'",
+      AND state = 'p'",
 );
 
 /// Only a lease that really ran out, and whose owner has not moved on since it was read, is marked.
@@ -211,9 +211,9 @@ const MARK_INDETERMINATE: Statement = Statement::new(
     "mark_indeterminate",
     "
     UPDATE idempotency_records
-    SET state = 'indeterminate', updated_at = now()
+    SET state = 'i', updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
-      AND state = 'in_progress' AND lease_expires_at <= now()",
+      AND state = 'p' AND lease_expires_at <= now()",
 );
 
 /// How long a completed record is kept.
@@ -291,26 +291,26 @@ impl PostgresTier {
                 .bind(lease.scope.tenant())
                 .bind(lease.scope.operation())
                 .bind(lease.key.as_str())
-                .bind(lease.fingerprint.as_hex())
+                .bind(&lease.fingerprint.as_bytes()[..])
                 .bind(&lease.owner)
                 .bind(millis(policy.lease) as f64)
                 .bind(policy.retention.map(|r| millis(r) as f64))
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                 .bind(policy.name())
                 .bind(policy.tombstone.map(|t| millis(t) as f64))
-                .bind(lease.fingerprint.legacy_hex())
+                .bind(lease.fingerprint.legacy_bytes().map(|legacy| &legacy[..]))
                 .fetch_optional(&mut *conn);
             let row = self.bounded(&CLAIM, claim).await?;
             if let Some(row) = row {
                 let decoded = (|| Ok::<_, sqlx::Error>((row.try_get("acquired")?, row.try_get("prior_state")?)))();
-                let (acquired, prior): (bool, Option<String>) = decoded.map_err(|e| CLAIM.failed(e))?;
+                let (acquired, prior): (bool, Option<i8>) = decoded.map_err(|e| CLAIM.failed(e))?;
                 let record = decode_record(&row).map_err(|e| CLAIM.failed(e))?;
                 if !acquired && attempt < MAX_CLAIM_ATTEMPTS && lost_a_race(&record, lease) {
                     continue;
                 }
                 return Ok(Claim {
                     acquired,
-                    took_over: acquired && prior.as_deref() == Some(State::InProgress.as_str()),
+                    took_over: acquired && prior == Some(State::InProgress.code() as i8),
                     record,
                 });
             }
@@ -428,9 +428,9 @@ fn matched(result: sqlx::postgres::PgQueryResult) -> bool {
 }
 
 fn decode_record(row: &PgRow) -> Result<Record, sqlx::Error> {
-    let state: String = row.try_get("state")?;
-    let state = State::parse(&state)
-        .ok_or_else(|| sqlx::Error::Decode(format!("unknown idempotency record state {state:?}").into()))?;
+    let code: i8 = row.try_get("state")?;
+    let state = State::from_code(code as u8)
+        .ok_or_else(|| sqlx::Error::Decode(format!("unknown idempotency record state {code}").into()))?;
     let ms = |column: &str| millis_column(row, column);
     Ok(Record {
         state,
@@ -440,6 +440,8 @@ fn decode_record(row: &PgRow) -> Result<Record, sqlx::Error> {
         expires_in: ms("expires_ms")?,
         response: row.try_get::<Option<Vec<u8>>, _>("response")?.map(StoredResponse::new),
         tier: row.try_get("tier")?,
-        lease_expiry: row.try_get::<Option<String>, _>("on_lease_expiry")?.as_deref().and_then(LeaseExpiry::parse),
+        lease_expiry: row
+            .try_get::<Option<i8>, _>("on_lease_expiry")?
+            .and_then(|code| LeaseExpiry::from_code(code as u8)),
     })
 }

@@ -125,7 +125,7 @@ impl Store {
         if let Some(redis) = &self.inner.redis {
             let ttl = redis_ttl(lease.policy.redis_ttl, retained.expires_in);
             let record_key = self.record_key(redis, lease);
-            let put = redis.put(&record_key, State::Completed, lease.fingerprint.as_hex(), "", response, millis(ttl));
+            let put = redis.put(&record_key, State::Completed, lease.fingerprint.as_bytes(), "", response, millis(ttl));
             self.degrade(lease.scope.operation(), put.await);
         }
         if retained.waited {
@@ -136,7 +136,7 @@ impl Store {
     /// Tells the claims that asked Postgres to hear of this lease's settlement (see [`wakeup`]). Best
     /// effort: a waiter that misses it asks again within [`wakeup::RECHECK_EVERY`].
     async fn announce(&self, lease: &Lease) {
-        if let Err(error) = self.inner.postgres.notify(&wakeup::digest(&lease.scope, &lease.key)).await {
+        if let Err(error) = self.inner.postgres.notify(&crate::key::key_digest(&lease.scope, &lease.key)).await {
             tracing::debug!(%error, "could not announce a settlement; waiters ask again");
         }
     }

@@ -12,7 +12,7 @@ use redis::{Script, Value};
 use super::lagging::LaggingKeys;
 use super::scripts::{self, RedisBegin};
 use crate::fingerprint::Fingerprint;
-use crate::key::{IdempotencyKey, Scope};
+use crate::key::{IdempotencyKey, Scope, key_digest};
 use crate::record::State;
 use crate::telemetry;
 
@@ -69,8 +69,8 @@ pub struct RedisView {
     /// The state the copy answers with; `None` for a tag this version does not know (a malformed copy,
     /// which the protocol treats as a miss).
     pub state: Option<State>,
-    /// The fingerprint the copy holds.
-    pub fingerprint: String,
+    /// The fingerprint the copy holds (32 bytes).
+    pub fingerprint: Vec<u8>,
     /// The owner token of an in-progress marker.
     pub owner: Option<String>,
     /// Bytes of the stored response, if completed.
@@ -80,11 +80,10 @@ pub struct RedisView {
 }
 
 /// The tag (`s` field) of a state in the Lua scripts' hash; released and expired records have no copy.
-fn tag_of(state: State) -> Option<&'static [u8]> {
+/// The `s` field of a Redis copy: the state's code, for the states Redis holds.
+fn tag_of(state: State) -> Option<u8> {
     match state {
-        State::InProgress => Some(b"p"),
-        State::Completed => Some(b"c"),
-        State::Indeterminate => Some(b"i"),
+        State::InProgress | State::Completed | State::Indeterminate => Some(state.code()),
         State::Released | State::Expired => None,
     }
 }
@@ -122,8 +121,6 @@ impl RedisTier {
         }
     }
 
-    /// `prefix:{len:tenant:len:operation:key}`. The lengths make the name unambiguous (no tenant can
-    /// forge another tenant's name with separators), and the braces are the Redis Cluster hash tag.
     pub(crate) fn budget(&self) -> Duration {
         self.budget
     }
@@ -132,9 +129,11 @@ impl RedisTier {
         &self.channel
     }
 
+    /// `prefix:{digest}`: the key's digest (32 hex digits over its length-prefixed tenant, operation and
+    /// key, as Postgres's `idempotency_key_digest`) names it in a fixed 34 bytes however long the key,
+    /// and no tenant can forge another tenant's name. The braces are the Redis Cluster hash tag.
     pub(crate) fn record_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
-        let (tenant, operation) = (scope.tenant(), scope.operation());
-        format!("{}:{{{}:{tenant}:{}:{operation}:{key}}}", self.prefix, tenant.len(), operation.len())
+        format!("{}:{{{}}}", self.prefix, key_digest(scope, key))
     }
 
     pub(crate) async fn begin(
@@ -146,14 +145,9 @@ impl RedisTier {
         waiter: Option<&str>,
     ) -> Result<RedisBegin, RedisUnavailable> {
         let lease = lease_ms.to_string();
-        let legacy = fingerprint.legacy_hex().unwrap_or("");
-        let args = [
-            fingerprint.as_hex().as_bytes(),
-            owner.as_bytes(),
-            lease.as_bytes(),
-            waiter.unwrap_or("").as_bytes(),
-            legacy.as_bytes(),
-        ];
+        let legacy = fingerprint.legacy_bytes().map_or(&[][..], |legacy| &legacy[..]);
+        let args =
+            [&fingerprint.as_bytes()[..], owner.as_bytes(), lease.as_bytes(), waiter.unwrap_or("").as_bytes(), legacy];
         let reply =
             self.invoke("begin", &scripts::BEGIN, record_key, &args, Call::Answer).await.inspect_err(|error| {
                 // A call that timed out may still have written its marker.
@@ -176,7 +170,7 @@ impl RedisTier {
         &self,
         record_key: &str,
         state: State,
-        fingerprint: &str,
+        fingerprint: &[u8],
         owner: &str,
         response: &[u8],
         ttl_ms: i64,
@@ -185,7 +179,7 @@ impl RedisTier {
         // answered by Postgres's tombstone.
         let Some(tag) = tag_of(state) else { return Ok(()) };
         let ttl = ttl_ms.max(1).to_string();
-        let args = [tag, fingerprint.as_bytes(), owner.as_bytes(), response, ttl.as_bytes(), self.channel.as_bytes()];
+        let args = [&[tag][..], fingerprint, owner.as_bytes(), response, ttl.as_bytes(), self.channel.as_bytes()];
         let put = self.invoke("put", &scripts::PUT, record_key, &args, Call::Settle).await;
         put.map(drop).inspect_err(|_| self.left_behind(record_key))
     }
@@ -213,24 +207,35 @@ impl RedisTier {
         self.invoke("extend", &scripts::EXTEND, record_key, &args, Call::Answer).await.map(drop)
     }
 
-    /// Reads a record's copy (not budgeted: an operator command).
+    /// Reads a record's copy (not budgeted: an operator command): a completed record's string
+    /// (fingerprint, then response), or a marker's hash.
     pub(crate) async fn view(&self, record_key: &str) -> Result<Option<RedisView>, RedisUnavailable> {
+        let failed = |e: redis::RedisError| RedisUnavailable::Failed(Box::new(e));
         let mut conn = self.connection().await?;
-        let (fields, pttl): (std::collections::HashMap<String, Vec<u8>>, i64) = redis::pipe()
-            .hgetall(record_key)
-            .pttl(record_key)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
+        let (kind, pttl): (String, i64) =
+            redis::pipe().cmd("TYPE").arg(record_key).pttl(record_key).query_async(&mut conn).await.map_err(failed)?;
+        let ttl = u64::try_from(pttl).ok().map(Duration::from_millis);
+        if kind == "string" {
+            let packed: Vec<u8> = redis::cmd("GET").arg(record_key).query_async(&mut conn).await.map_err(failed)?;
+            let (fingerprint, response) = packed.split_at(packed.len().min(32));
+            let state = (fingerprint.len() == 32).then_some(State::Completed);
+            let (fingerprint, response_bytes) = (fingerprint.to_vec(), response.len());
+            return Ok(Some(RedisView { state, fingerprint, owner: None, response_bytes, ttl }));
+        }
+        if kind != "hash" {
+            return Ok(None);
+        }
+        let fields: std::collections::HashMap<String, Vec<u8>> =
+            redis::cmd("HGETALL").arg(record_key).query_async(&mut conn).await.map_err(failed)?;
         let text = |name: &str| fields.get(name).map(|v| String::from_utf8_lossy(v).into_owned());
         Ok(fields.get("s").map(|tag| RedisView {
             state: [State::InProgress, State::Completed, State::Indeterminate]
                 .into_iter()
-                .find(|state| tag_of(*state) == Some(tag.as_slice())),
-            fingerprint: text("h").unwrap_or_default(),
+                .find(|state| tag_of(*state).is_some_and(|code| tag.as_slice() == [code])),
+            fingerprint: fields.get("h").cloned().unwrap_or_default(),
             owner: text("t"),
             response_bytes: fields.get("r").map_or(0, Vec::len),
-            ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+            ttl,
         }))
     }
 

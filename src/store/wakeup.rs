@@ -13,16 +13,14 @@
 //! [`RunOptions::wait_in_flight`]: crate::RunOptions::wait_in_flight
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use sha2::{Digest as _, Sha256};
 use sqlx::postgres::{PgListener, PgPool};
 use tokio::sync::watch;
 
-use crate::key::{IdempotencyKey, Scope};
+use crate::key::{IdempotencyKey, Scope, key_digest};
 
 /// The Postgres channel settlements are announced on (the payload is the key's digest).
 pub(crate) const POSTGRES_CHANNEL: &str = "idemstore_settled";
@@ -35,19 +33,6 @@ const RECONNECT_AFTER: Duration = Duration::from_millis(500);
 
 /// Longest attempt to open a subscription.
 const CONNECT_WITHIN: Duration = Duration::from_secs(2);
-
-/// Names a key in notifications: 32 hex digits of SHA-256 over its length-prefixed tenant, operation
-/// and key (as `idempotency_key_digest` in Postgres), so no tenant can name another tenant's key. A
-/// collision only wakes a waiter that then asks again.
-pub(crate) fn digest(scope: &Scope, key: &IdempotencyKey) -> String {
-    let (tenant, operation) = (scope.tenant(), scope.operation());
-    let named = format!("{}:{tenant}:{}:{operation}:{}", tenant.len(), operation.len(), key.as_str());
-    let hash = Sha256::digest(named.as_bytes());
-    hash[..16].iter().fold(String::with_capacity(32), |mut hex, byte| {
-        let _ = write!(hex, "{byte:02x}");
-        hex
-    })
-}
 
 /// The waiters of this process, by key digest.
 #[derive(Default)]
@@ -158,7 +143,7 @@ impl Wakeups {
 
     /// Registers a waiter of `key`, before it flags the record: a settlement after the flag wakes it.
     pub(crate) fn watch(&self, scope: &Scope, key: &IdempotencyKey) -> Watch {
-        let digest = digest(scope, key);
+        let digest = key_digest(scope, key);
         let mut waiters = self.waiters.0.lock().expect("waiters lock");
         let woken = waiters.entry(digest.clone()).or_insert_with(|| watch::Sender::new(())).subscribe();
         Watch { waiters: Arc::clone(&self.waiters), digest, woken }
@@ -247,8 +232,8 @@ mod tests {
     #[test]
     fn digests_name_tenant_operation_and_key_unambiguously() {
         let key = IdempotencyKey::new("k").expect("key");
-        let a = digest(&Scope::new("ab", "c").expect("scope"), &key);
-        let b = digest(&Scope::new("a", "bc").expect("scope"), &key);
+        let a = key_digest(&Scope::new("ab", "c").expect("scope"), &key);
+        let b = key_digest(&Scope::new("a", "bc").expect("scope"), &key);
         assert_eq!(a.len(), 32);
         assert_ne!(a, b);
     }

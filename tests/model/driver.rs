@@ -108,8 +108,8 @@ impl World {
     }
 
     /// The payload of a stored fingerprint (a tombstone keeps a prefix of it).
-    fn payload_of(&self, hex: &str) -> Option<Payload> {
-        let known = self.fingerprints.iter().find(|(_, f)| !hex.is_empty() && f.as_hex().starts_with(hex));
+    fn payload_of(&self, stored: &[u8]) -> Option<Payload> {
+        let known = self.fingerprints.iter().find(|(_, f)| !stored.is_empty() && f.as_bytes().starts_with(stored));
         known.map(|(payload, _)| *payload)
     }
 
