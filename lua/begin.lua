@@ -14,7 +14,6 @@
 -- passes 64 bytes leaves Redis's compact encoding and costs about twice the memory, so only markers are
 -- hashes: s = state ('p' in progress, 'i' indeterminate), h = fingerprint, t = owner token (in progress
 -- only), w = the digest to publish when the in-progress record settles (only once a caller waits).
--- (A hash with s = 'c' and the response in r, as earlier releases wrote, is read too.)
 --
 -- Returns one of:
 --   {'claimed'}                  no record (or a malformed one): the marker is written, claim in

@@ -13,25 +13,33 @@
 -- A record that a caller waits for (field w) is published once it settles (completed, indeterminate);
 -- an in-progress one keeps its waiters.
 --
--- Returns 1 if written, 0 if a completed record was kept.
--- A completed record is written as one string, fingerprint then response (see begin.lua).
+-- Returns 1 if written, 0 if a completed record was kept (or a completed one could not be written).
+-- A completed record is written as one string, fingerprint then response (see begin.lua); without a
+-- 32-byte fingerprint it could not be read back, so nothing is written (Postgres answers).
 if ARGV[1] == 'c' and #ARGV[2] ~= 32 then
-  return redis.error_reply('a completed record needs a 32-byte fingerprint')
+  return 0
 end
 local kind = redis.call('TYPE', KEYS[1]).ok
 local prior = {}
 if kind == 'string' then
-  prior = {'c'}
+  -- A completed record, unless it is too short to be one (a miss for begin.lua too).
+  if redis.call('STRLEN', KEYS[1]) >= 32 then
+    prior = {'c'}
+  end
 elseif kind == 'hash' then
   prior = redis.call('HMGET', KEYS[1], 's', 'w')
 end
 if ARGV[1] ~= 'c' and prior[1] == 'c' then
   return 0
 end
-redis.call('DEL', KEYS[1])
+-- The first write is the one Redis's OOM check sees (under `noeviction` a full Redis refuses it): SET
+-- replaces a key of any type by itself; a marker's HSET needs the old key gone first.
 if ARGV[1] == 'c' then
   redis.call('SET', KEYS[1], ARGV[2] .. ARGV[4], 'PX', ARGV[5])
 else
+  if kind ~= 'none' then
+    redis.call('DEL', KEYS[1])
+  end
   redis.call('HSET', KEYS[1], 's', ARGV[1], 'h', ARGV[2], 't', ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[5])
 end

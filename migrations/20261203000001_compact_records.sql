@@ -3,6 +3,19 @@
 -- every update's new row version.
 --
 -- Rewrites the table under an ACCESS EXCLUSIVE lock: on a large table, run it in a quiet window.
+--
+-- Earlier releases cannot run against the new columns (their words compare with the first byte of a
+-- "char", so an owner's completion would match no row and its finished work would run again). Stop every
+-- process of an earlier release first: the migration refuses while one of their leases is live.
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM idempotency_records WHERE state = 'in_progress' AND lease_expires_at > now()) THEN
+        RAISE EXCEPTION 'idempotency_records has live leases of an earlier idemstore release: stop every '
+            'process of that release, let its leases end (or settle them), then migrate';
+    END IF;
+END
+$$;
+
 DROP INDEX idempotency_records_in_progress_lease;
 DROP INDEX idempotency_records_indeterminate;
 
@@ -26,3 +39,6 @@ CREATE INDEX idempotency_records_in_progress_lease
 
 CREATE INDEX idempotency_records_indeterminate
     ON idempotency_records (updated_at) WHERE state = 'i';
+
+-- The rewrite dropped the column statistics.
+ANALYZE idempotency_records;

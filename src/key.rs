@@ -2,7 +2,6 @@
 //! that together name one record.
 
 use std::fmt;
-use std::fmt::Write as _;
 
 use sha2::{Digest, Sha256};
 
@@ -138,12 +137,15 @@ pub(crate) fn validate_name(field: &'static str, name: &str) -> Result<(), Input
 /// replays only to a request with the same payload fingerprint.
 pub(crate) fn key_digest(scope: &Scope, key: &IdempotencyKey) -> String {
     let (tenant, operation) = (scope.tenant(), scope.operation());
-    let named = format!("{}:{tenant}:{}:{operation}:{}", tenant.len(), operation.len(), key.as_str());
-    let hash = Sha256::digest(named.as_bytes());
-    hash[..16].iter().fold(String::with_capacity(32), |mut hex, byte| {
-        let _ = write!(hex, "{byte:02x}");
-        hex
-    })
+    let mut hasher = Sha256::new();
+    for part in [tenant.len().to_string().as_str(), ":", tenant, ":", &operation.len().to_string(), ":", operation, ":"]
+    {
+        hasher.update(part);
+    }
+    hasher.update(key.as_str());
+    let mut digits = [0; 32];
+    crate::fingerprint::write_hex(&hasher.finalize()[..16], &mut digits);
+    String::from_utf8(digits.to_vec()).expect("hex digits are ASCII")
 }
 
 #[cfg(test)]

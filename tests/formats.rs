@@ -95,7 +95,8 @@ async fn non_finite_numbers_are_refused(mode: Mode) {
 
 /// The compact-records migration converts rows as the previous schema held them (hex fingerprints, states
 /// and lease rules as words): a completed record still replays and refuses another payload, an in-progress
-/// one keeps its owner's lease and rule, a released one is claimed again.
+/// one keeps its rule, a released one is claimed again. It refuses to run while a lease of the earlier
+/// release is live (that owner's completion would match no row of the new format).
 #[tokio::test]
 async fn records_of_the_previous_schema_are_converted() {
     const COMPACT: &str = "20261203000001";
@@ -120,6 +121,7 @@ async fn records_of_the_previous_schema_are_converted() {
     for (name, state, rule, response, lease) in [
         ("done", "completed", "take_over", Some(&b"\"ch_1\""[..]), None),
         ("running", "in_progress", "mark_indeterminate", None, Some(60)),
+        ("unsure", "indeterminate", "mark_indeterminate", None, None),
         ("failed", "released", "take_over", None, None),
     ] {
         sqlx::query(
@@ -138,6 +140,14 @@ async fn records_of_the_previous_schema_are_converted() {
         .await
         .expect("a record as the previous schema held it");
     }
+    let refused = store.migrate().await;
+    assert!(format!("{refused:?}").contains("live leases of an earlier idemstore release"), "{refused:?}");
+    sqlx::query(
+        "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE state = 'in_progress'",
+    )
+    .execute(&pool)
+    .await
+    .expect("the earlier release's lease ends");
     store.migrate().await.expect("the compact-records migration");
 
     let done = store.lookup(&scope, &key("done")).await.expect("lookup").expect("a record");
@@ -151,7 +161,11 @@ async fn records_of_the_previous_schema_are_converted() {
     let running = store.lookup(&scope, &key("running")).await.expect("lookup").expect("a record");
     assert_eq!(running.state, idemstore::State::InProgress);
     assert_eq!(running.lease_expiry, Some(idemstore::LeaseExpiry::MarkIndeterminate));
-    assert!(running.lease_remaining.is_some_and(|left| left > std::time::Duration::from_secs(50)));
+    let unsure = store.lookup(&scope, &key("unsure")).await.expect("lookup").expect("a record");
+    assert_eq!(unsure.state, idemstore::State::Indeterminate);
+    // The expired lease under "mark indeterminate": the retry is told so, and nothing runs.
+    let after = store.run_once(&scope, &key("running"), &payload, || async { Ok::<_, String>(json!("ran")) }).await;
+    assert!(matches!(after, Ok(RunOutcome::Indeterminate)), "{after:?}");
 
     let retried = store.run_once(&scope, &key("failed"), &payload, || async { Ok::<_, String>(json!("ran")) }).await;
     assert!(matches!(retried, Ok(RunOutcome::Executed(_))), "{retried:?}");

@@ -149,11 +149,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                // A B (C D) in even rounds, (D C) B A in odd ones; new keys also run transactionally, without
-                // and with an outbox row (C, D).
+                // A B (C D E) in even rounds, (E D C) B A in odd ones; new keys also run transactionally in
+                // both modes (C, D), and with an outbox row (E).
                 let mut order = vec![(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
                 if workload == Workload::New {
-                    order.extend([(Subject::TwoTierInTx, &two_tier), (Subject::TwoTierInTxOutbox, &two_tier)]);
+                    order.extend([
+                        (Subject::TwoTierInTx, &two_tier),
+                        (Subject::PostgresOnlyInTx, &postgres_only),
+                        (Subject::TwoTierInTxOutbox, &two_tier),
+                    ]);
                 }
                 if round % 2 == 1 {
                     order.reverse();

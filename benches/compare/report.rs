@@ -82,9 +82,9 @@ fn summarize(cells: &[Cell]) -> Vec<Row> {
             redis_per_request: median(&of, |c| c.redis_per_request),
             unexpected: of.iter().map(|c| c.unexpected).sum(),
             redis_fallbacks: of.iter().map(|c| c.redis_fallbacks).sum(),
-            vs_postgres_only: matches!(subject, Subject::TwoTier | Subject::TwoTierInTx | Subject::TwoTierInTxOutbox)
-                .then(|| ratios(&of, workload, Subject::PostgresOnly, concurrency))
-                .flatten(),
+            vs_postgres_only: subject
+                .postgres_only_baseline()
+                .and_then(|baseline| ratios(&of, workload, baseline, concurrency)),
             vs_floor: floor_for(workload, subject).and_then(|floor| ratios(&of, None, floor, concurrency)),
         })
         .collect()

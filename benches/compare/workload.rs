@@ -32,6 +32,8 @@ pub enum Subject {
     PostgresOnly,
     /// Two-tier with `run_once_in_tx`: claim, work and completion in one commit (new keys only).
     TwoTierInTx,
+    /// Postgres-only with `run_once_in_tx`: the transactional path's own baseline (new keys only).
+    PostgresOnlyInTx,
     /// As `TwoTierInTx`, the work also writing an outbox row (a receipt to send): the outbox's cost.
     TwoTierInTxOutbox,
     /// A raw EVALSHA of a trivial script: the least a Redis-answered request can cost.
@@ -46,6 +48,7 @@ impl Subject {
             Subject::TwoTier => "two-tier",
             Subject::PostgresOnly => "postgres-only",
             Subject::TwoTierInTx => "two-tier in-tx",
+            Subject::PostgresOnlyInTx => "postgres-only in-tx",
             Subject::TwoTierInTxOutbox => "two-tier in-tx + outbox",
             Subject::EvalshaFloor => "evalsha floor",
             Subject::SqlFloor => "sql floor",
@@ -65,9 +68,18 @@ pub enum NewKeyPath {
 }
 
 impl Subject {
+    /// The Postgres-only subject a two-tier one is compared with, like for like.
+    pub fn postgres_only_baseline(self) -> Option<Subject> {
+        match self {
+            Subject::TwoTier => Some(Subject::PostgresOnly),
+            Subject::TwoTierInTx | Subject::TwoTierInTxOutbox => Some(Subject::PostgresOnlyInTx),
+            _ => None,
+        }
+    }
+
     pub fn new_key_path(self) -> NewKeyPath {
         match self {
-            Subject::TwoTierInTx => NewKeyPath::InTx,
+            Subject::TwoTierInTx | Subject::PostgresOnlyInTx => NewKeyPath::InTx,
             Subject::TwoTierInTxOutbox => NewKeyPath::InTxWithOutbox,
             _ => NewKeyPath::Separate,
         }

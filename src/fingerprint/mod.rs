@@ -175,11 +175,17 @@ impl Fingerprint {
 /// 64 lowercase hex digits.
 fn hex(digest: &[u8; 32]) -> [u8; 64] {
     let mut out = [0; 64];
-    for (pair, byte) in out.chunks_exact_mut(2).zip(digest) {
+    write_hex(digest, &mut out);
+    out
+}
+
+/// `bytes` as lowercase hex digits into `out` (twice as long), without the formatting machinery: the
+/// request path names every key this way.
+pub(crate) fn write_hex(bytes: &[u8], out: &mut [u8]) {
+    for (pair, byte) in out.chunks_exact_mut(2).zip(bytes) {
         pair[0] = HEX[usize::from(byte >> 4)];
         pair[1] = HEX[usize::from(byte & 0xf)];
     }
-    out
 }
 
 impl fmt::Debug for Fingerprint {

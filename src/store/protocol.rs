@@ -248,7 +248,8 @@ impl Store {
 
     /// The claim, boxed: its state machine (Redis, Postgres, repair, waiting) is deep, and without the box
     /// every caller's future nests it, past the compiler's default query depth in applications that
-    /// await `run_once` a few `async` layers down.
+    /// await `run_once` a few `async` layers down. The Postgres half is boxed apart: a request that Redis
+    /// answers (a replay, a duplicate) builds and moves only the small Redis half.
     fn claim<'a>(
         &'a self,
         candidate: Lease,
@@ -256,114 +257,127 @@ impl Store {
         tx: Option<&'a mut PgConnection>,
         waiting: Option<&'a Waiting>,
     ) -> Boxed<'a, Result<Begin, StoreError>> {
-        Box::pin(self.claim_unboxed(candidate, heartbeat, tx, waiting))
+        Box::pin(async move {
+            let marked = match self.claim_in_redis(&candidate, waiting).await {
+                Ok(answer) => return answer,
+                Err(marked) => marked,
+            };
+            self.claim_in_postgres(candidate, heartbeat, tx, waiting, marked).await
+        })
     }
 
-    async fn claim_unboxed(
-        &self,
+    /// Redis's answer (`Ok`), or the way on to Postgres (`Err`), with the record key if the caller's
+    /// marker is in Redis: Postgres then arbitrates, and Redis is repaired if it had lost what Postgres
+    /// holds.
+    async fn claim_in_redis<'a>(
+        &'a self,
+        candidate: &Lease,
+        waiting: Option<&Waiting>,
+    ) -> Result<Result<Begin, StoreError>, Marked<'a>> {
+        let operation = candidate.scope.operation();
+        let Some(redis) = &self.inner.redis else { return Err(None) };
+        let record_key = self.record_key(redis, candidate);
+        let started = Instant::now();
+        let lease_ms = millis(candidate.policy.lease);
+        let waiter = waiting.filter(|waiting| waiting.via_redis).map(|waiting| waiting.watch.digest());
+        match redis.begin(&record_key, &candidate.fingerprint, &candidate.owner, lease_ms, waiter).await {
+            Ok(answer) => {
+                telemetry::claim_duration("redis", started.elapsed());
+                let answer_is_claimed = answer == RedisBegin::Claimed;
+                let answered = match answer {
+                    RedisBegin::Claimed | RedisBegin::Unconfirmed => None,
+                    RedisBegin::Completed(response) => Some(Begin::Completed(StoredResponse::new(response))),
+                    RedisBegin::InFlight { retry_after } => Some(Begin::InFlight { retry_after }),
+                    RedisBegin::Mismatch => Some(Begin::Mismatch),
+                    RedisBegin::Indeterminate => Some(Begin::Indeterminate),
+                };
+                if let Some(answer) = answered {
+                    telemetry::redis_lookup(operation, "hit");
+                    return Ok(Ok(match answer {
+                        // The marker could not carry the digest: the waiter asks Postgres instead.
+                        Begin::InFlight { retry_after } if let Some(waiting) = waiting.filter(|_| waiter.is_none()) => {
+                            Begin::InFlight {
+                                retry_after: self.wait_in_postgres(candidate, waiting, retry_after).await,
+                            }
+                        }
+                        answer => answer,
+                    }));
+                }
+                telemetry::redis_lookup(operation, "miss");
+                Err(answer_is_claimed.then_some((redis, record_key)))
+            }
+            Err(unavailable) => {
+                telemetry::redis_lookup(operation, "error");
+                telemetry::redis_fallback(operation, unavailable.reason());
+                Err(None)
+            }
+        }
+    }
+
+    /// The durable claim, and Redis repaired from what Postgres holds.
+    fn claim_in_postgres<'a>(
+        &'a self,
         candidate: Lease,
         heartbeat: Heartbeat,
-        tx: Option<&mut PgConnection>,
-        waiting: Option<&Waiting>,
-    ) -> Result<Begin, StoreError> {
-        let operation = candidate.scope.operation();
-        // Set when our marker is in Redis: Postgres then arbitrates, and Redis is repaired if it had lost
-        // what Postgres holds.
-        let mut marked = None;
-        if let Some(redis) = &self.inner.redis {
-            let record_key = self.record_key(redis, &candidate);
+        tx: Option<&'a mut PgConnection>,
+        waiting: Option<&'a Waiting>,
+        marked: Marked<'a>,
+    ) -> Boxed<'a, Result<Begin, StoreError>> {
+        Box::pin(async move {
+            let operation = candidate.scope.operation();
             let started = Instant::now();
-            let lease_ms = millis(candidate.policy.lease);
-            let waiter = waiting.filter(|waiting| waiting.via_redis).map(|waiting| waiting.watch.digest());
-            match redis.begin(&record_key, &candidate.fingerprint, &candidate.owner, lease_ms, waiter).await {
-                Ok(answer) => {
-                    telemetry::claim_duration("redis", started.elapsed());
-                    let answer_is_claimed = answer == RedisBegin::Claimed;
-                    let answered = match answer {
-                        RedisBegin::Claimed | RedisBegin::Unconfirmed => None,
-                        RedisBegin::Completed(response) => Some(Begin::Completed(StoredResponse::new(response))),
-                        RedisBegin::InFlight { retry_after } => Some(Begin::InFlight { retry_after }),
-                        RedisBegin::Mismatch => Some(Begin::Mismatch),
-                        RedisBegin::Indeterminate => Some(Begin::Indeterminate),
-                    };
-                    if let Some(answer) = answered {
-                        telemetry::redis_lookup(operation, "hit");
-                        return Ok(match answer {
-                            // The marker could not carry the digest: the waiter asks Postgres instead.
-                            Begin::InFlight { retry_after }
-                                if let Some(waiting) = waiting.filter(|_| waiter.is_none()) =>
-                            {
-                                Begin::InFlight {
-                                    retry_after: self.wait_in_postgres(&candidate, waiting, retry_after).await,
-                                }
-                            }
-                            answer => answer,
-                        });
+            let mut tx = tx;
+            let claim = match self.inner.postgres.claim(&candidate, tx.as_deref_mut()).await {
+                Ok(claim) => claim,
+                Err(error) => {
+                    // Fail closed, and take the marker back so retries are not told "in flight" for work
+                    // that never started.
+                    if let Some((redis, record_key)) = &marked {
+                        self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
                     }
-                    telemetry::redis_lookup(operation, "miss");
-                    if answer_is_claimed {
-                        marked = Some((redis, record_key));
+                    // The row is locked past the lock timeout: an owner is working on it inside its own
+                    // transaction (`run_once_in_tx`), which is what "in flight" means.
+                    if is_lock_timeout(&error) {
+                        return Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() });
                     }
+                    return Err(error);
                 }
-                Err(unavailable) => {
-                    telemetry::redis_lookup(operation, "error");
-                    telemetry::redis_fallback(operation, unavailable.reason());
-                }
-            }
-        }
-
-        let started = Instant::now();
-        let mut tx = tx;
-        let claim = match self.inner.postgres.claim(&candidate, tx.as_deref_mut()).await {
-            Ok(claim) => claim,
-            Err(error) => {
-                // Fail closed, and take the marker back so retries are not told "in flight" for work
-                // that never started.
-                if let Some((redis, record_key)) = &marked {
-                    self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
-                }
-                // The row is locked past the lock timeout: an owner is working on it inside its own
-                // transaction (`run_once_in_tx`), which is what "in flight" means.
-                if is_lock_timeout(&error) {
-                    return Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() });
-                }
-                return Err(error);
-            }
-        };
-        telemetry::claim_duration("postgres", started.elapsed());
-
-        if claim.acquired {
-            if claim.took_over {
-                telemetry::lease_takeover(operation);
-            }
-            let policy = match claim.record.lease_expiry {
-                // The rule stored with the record wins over the caller's.
-                Some(rule) if rule != candidate.policy.lease_expiry => {
-                    Arc::new(Policy { lease_expiry: rule, ..Policy::clone(&candidate.policy) })
-                }
-                _ => Arc::clone(&candidate.policy),
             };
-            let lease = Lease { fence: claim.record.fence, policy, ..candidate };
-            return Ok(Begin::Acquired(Owner::new(self.clone(), lease, heartbeat, tx.is_some())));
-        }
-        let mut answer = self.answer_from(&candidate, &claim.record, tx).await;
-        if let (Some(waiting), Ok(Begin::InFlight { retry_after })) = (waiting, &mut answer)
-            && claim.record.state == State::InProgress
-            && !retry_after.is_zero()
-        {
-            *retry_after = self.wait_in_postgres(&candidate, waiting, *retry_after).await;
-        }
-        if let Some((redis, record_key)) = &marked {
-            telemetry::reconciliation(operation);
-            let state = match &answer {
-                Ok(Begin::Indeterminate) => State::Indeterminate,
-                Ok(_) => claim.record.state,
-                // Postgres failed while answering: no marker stays behind for a state nobody confirmed.
-                Err(_) => State::Released,
-            };
-            self.repair(redis, record_key, &candidate, &claim.record, state).await;
-        }
-        answer
+            telemetry::claim_duration("postgres", started.elapsed());
+
+            if claim.acquired {
+                if claim.took_over {
+                    telemetry::lease_takeover(operation);
+                }
+                let policy = match claim.record.lease_expiry {
+                    // The rule stored with the record wins over the caller's.
+                    Some(rule) if rule != candidate.policy.lease_expiry => {
+                        Arc::new(Policy { lease_expiry: rule, ..Policy::clone(&candidate.policy) })
+                    }
+                    _ => Arc::clone(&candidate.policy),
+                };
+                let lease = Lease { fence: claim.record.fence, policy, ..candidate };
+                return Ok(Begin::Acquired(Owner::new(self.clone(), lease, heartbeat, tx.is_some())));
+            }
+            let mut answer = self.answer_from(&candidate, &claim.record, tx).await;
+            if let (Some(waiting), Ok(Begin::InFlight { retry_after })) = (waiting, &mut answer)
+                && claim.record.state == State::InProgress
+                && !retry_after.is_zero()
+            {
+                *retry_after = self.wait_in_postgres(&candidate, waiting, *retry_after).await;
+            }
+            if let Some((redis, record_key)) = &marked {
+                telemetry::reconciliation(operation);
+                let state = match &answer {
+                    Ok(Begin::Indeterminate) => State::Indeterminate,
+                    Ok(_) => claim.record.state,
+                    // Postgres failed while answering: no marker stays behind for a state nobody confirmed.
+                    Err(_) => State::Released,
+                };
+                self.repair(redis, record_key, &candidate, &claim.record, state).await;
+            }
+            answer
+        })
     }
 
     /// The answer for a key that Postgres holds and the caller did not acquire; on `tx` when the claim
@@ -469,6 +483,9 @@ impl Store {
 
 /// A protocol step's future behind a box, so that callers' futures do not nest its state machine.
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The Redis tier and record key when the caller's marker is in Redis.
+type Marked<'a> = Option<(&'a RedisTier, String)>;
 
 /// How a claim that waits for an in-flight duplicate asks to be woken.
 struct Waiting {

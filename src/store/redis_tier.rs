@@ -130,7 +130,7 @@ impl RedisTier {
     }
 
     /// `prefix:{digest}`: the key's digest (32 hex digits over its length-prefixed tenant, operation and
-    /// key, as Postgres's `idempotency_key_digest`) names it in a fixed 34 bytes however long the key,
+    /// key, as Postgres's `idempotency_key_digest`) names it in a fixed length however long the key,
     /// and no tenant can forge another tenant's name. The braces are the Redis Cluster hash tag.
     pub(crate) fn record_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
         format!("{}:{{{}}}", self.prefix, key_digest(scope, key))
