@@ -15,8 +15,16 @@
 --
 -- Returns 1 if written, 0 if a completed record was kept (or a completed one could not be written).
 -- A completed record is written as one string, fingerprint then response (see begin.lua); without a
--- 32-byte fingerprint it could not be read back, so nothing is written (Postgres answers).
+-- 32-byte fingerprint it could not be read back, so no copy is written: a marker goes (its waiters are
+-- told), and Postgres answers the key.
 if ARGV[1] == 'c' and #ARGV[2] ~= 32 then
+  if redis.call('TYPE', KEYS[1]).ok == 'hash' then
+    local waiter = redis.call('HGET', KEYS[1], 'w')
+    redis.call('DEL', KEYS[1])
+    if waiter then
+      redis.call('PUBLISH', ARGV[6], waiter)
+    end
+  end
   return 0
 end
 local kind = redis.call('TYPE', KEYS[1]).ok

@@ -6,7 +6,11 @@
 --
 -- Earlier releases cannot run against the new columns (their words compare with the first byte of a
 -- "char", so an owner's completion would match no row and its finished work would run again). Stop every
--- process of an earlier release first: the migration refuses while one of their leases is live.
+-- process of an earlier release first: the migration refuses while one of their leases is live. The lock
+-- comes first (the rewrite takes it anyway) so that the check waits for claims still in a transaction and
+-- no claim lands between the check and the rewrite.
+LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE;
+
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM idempotency_records WHERE state = 'in_progress' AND lease_expires_at > now()) THEN
