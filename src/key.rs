@@ -137,13 +137,10 @@ pub(crate) fn validate_name(field: &'static str, name: &str) -> Result<(), Input
 /// name another tenant's key: that takes a second preimage (2^128 work), and even an accidental collision
 /// replays only to a request with the same payload fingerprint.
 pub(crate) fn key_digest(scope: &Scope, key: &IdempotencyKey) -> String {
+    use std::io::Write as _;
     let (tenant, operation) = (scope.tenant(), scope.operation());
     let mut hasher = Sha256::new();
-    for part in [tenant.len().to_string().as_str(), ":", tenant, ":", &operation.len().to_string(), ":", operation, ":"]
-    {
-        hasher.update(part);
-    }
-    hasher.update(key.as_str());
+    let _ = write!(hasher, "{}:{tenant}:{}:{operation}:{key}", tenant.len(), operation.len());
     let mut digits = [0; 32];
     crate::fingerprint::write_hex(&hasher.finalize()[..16], &mut digits);
     String::from_utf8(digits.to_vec()).expect("hex digits are ASCII")

@@ -79,8 +79,8 @@ pub struct RedisView {
     pub ttl: Option<Duration>,
 }
 
-/// The tag (`s` field) of a state in the Lua scripts' hash; released and expired records have no copy.
-/// The `s` field of a Redis copy: the state's code, for the states Redis holds.
+/// The `s` field of a Redis marker: the state's code, for the states Redis holds (released and expired
+/// records have no copy).
 fn tag_of(state: State) -> Option<u8> {
     match state {
         State::InProgress | State::Completed | State::Indeterminate => Some(state.code()),
@@ -229,9 +229,10 @@ impl RedisTier {
             redis::cmd("HGETALL").arg(record_key).query_async(&mut conn).await.map_err(failed)?;
         let text = |name: &str| fields.get(name).map(|v| String::from_utf8_lossy(v).into_owned());
         Ok(fields.get("s").map(|tag| RedisView {
-            state: [State::InProgress, State::Completed, State::Indeterminate]
-                .into_iter()
-                .find(|state| tag_of(*state).is_some_and(|code| tag.as_slice() == [code])),
+            state: match tag.as_slice() {
+                [code] => State::from_code(*code).filter(|state| tag_of(*state).is_some()),
+                _ => None,
+            },
             fingerprint: fields.get("h").cloned().unwrap_or_default(),
             owner: text("t"),
             response_bytes: fields.get("r").map_or(0, Vec::len),
