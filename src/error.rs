@@ -80,6 +80,25 @@ pub enum ConfigError {
     /// The Redis pool could not be created from its URL.
     #[error("invalid Redis configuration")]
     Redis(#[source] deadpool_redis::CreatePoolError),
+    /// The Redis Cluster client could not be created from its seed URLs.
+    #[error("invalid Redis Cluster configuration")]
+    RedisCluster(#[source] redis::RedisError),
+    /// Both a single Redis and a Redis Cluster were given.
+    #[error("give either a Redis server or a Redis Cluster, not both")]
+    RedisTwice,
+    /// The Redis key prefix holds `{` or `}`: a Redis Cluster would hash every key by the braces'
+    /// content and put them all in one slot.
+    #[error("the Redis key prefix {prefix:?} must not contain '{{' or '}}'")]
+    KeyPrefix {
+        /// The refused prefix.
+        prefix: String,
+    },
+    /// A partition count outside 1..=1024.
+    #[error("{partitions} partitions: give between 1 and 1024")]
+    Partitions {
+        /// The refused count.
+        partitions: u16,
+    },
     /// The call needs Redis, and this store is Postgres-only.
     #[error("this store is Postgres-only; the call needs Redis")]
     NoRedis,

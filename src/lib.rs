@@ -121,3 +121,8 @@ pub use store::{
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// Compiles the scale-out guide's examples as doc tests.
+#[cfg(all(doctest, feature = "cluster"))]
+#[doc = include_str!("../docs/scale-out.md")]
+pub struct ScaleOutDoctests;

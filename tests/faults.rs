@@ -15,7 +15,9 @@ use std::time::Duration;
 use idemstore::testkit::ProxyMode;
 use idemstore::{Begin, Fingerprint, LeaseExpiry, Mode, RunOutcome, Scope, State};
 use serde_json::json;
-use support::chaos::{self, Load, Progress, Report};
+use support::chaos::{
+    self, Load, Progress, Report, assert_clean, assert_once, fallbacks, load_with_fault, load_with_fault_at, print,
+};
 use support::{Harness, Servers, attach_to_parent, child, key, short_lease};
 
 suite!(
@@ -83,58 +85,6 @@ async fn child_tx_owner() {
             })
         })
         .await;
-}
-
-/// Runs the default load, injecting `fault` once a third of the requests are answered.
-async fn load_with_fault<F: std::future::Future<Output = ()>>(h: &Harness, fault: impl FnOnce() -> F) -> Report {
-    load_with_fault_at(h, 3, fault).await
-}
-
-/// Runs the default load, injecting `fault` once 1/`fraction` of the requests are answered.
-async fn load_with_fault_at<F: std::future::Future<Output = ()>>(
-    h: &Harness,
-    fraction: u64,
-    fault: impl FnOnce() -> F,
-) -> Report {
-    let load = Load::default();
-    let progress = Progress::new();
-    let total = (load.clients * load.keys * load.passes) as u64;
-    let injected = async {
-        progress.reached(total / fraction).await;
-        fault().await;
-    };
-    let (report, ()) = tokio::join!(chaos::run(h, &h.store, "acme", load, &progress), injected);
-    report
-}
-
-/// Prints the report with what the store counted meanwhile, for `docs/reliability.md`.
-fn print(fault: &str, h: &Harness, report: &Report) {
-    let mut line = serde_json::to_value(report).expect("json");
-    line["redis_fallbacks"] = json!(fallbacks(h));
-    line["reconciliations"] = json!(h.counter("idemstore_reconciliations_total", &[]));
-    line["takeovers"] = json!(h.counter("idemstore_lease_takeovers_total", &[]));
-    println!("REPORT {fault} {:?} {line}", h.mode);
-}
-
-/// The invariants every fault must keep: nothing ran twice, every answer is what Postgres holds, and
-/// every request was answered.
-fn assert_once(report: &Report) {
-    assert_eq!(report.duplicate_executions, 0, "{report:#?}");
-    assert_clean(report);
-}
-
-/// Answers are consistent and complete (duplicates are checked by the caller).
-fn assert_clean(report: &Report) {
-    assert_eq!(report.lost_completions, 0, "{report:#?}");
-    assert_eq!(report.divergent_answers, 0, "{report:#?}");
-    assert_eq!(report.wrong_answers, 0, "{report:#?}");
-    assert_eq!(report.unanswered, 0, "{report:#?}");
-    assert_eq!(report.executions, report.keys as u64 + report.duplicate_executions, "{report:#?}");
-    assert!(report.mismatches_refused > 0, "the load reuses keys: {report:#?}");
-}
-
-fn fallbacks(h: &Harness) -> f64 {
-    h.counter("idemstore_redis_fallbacks_total", &[])
 }
 
 /// Redis is SIGKILLed mid-load and restarted empty (script cache included): the Postgres path answers

@@ -213,6 +213,10 @@ async fn idemctl_commands(mode: Mode) {
     let h = Harness::with(mode, policy(200, 400, 800, LeaseExpiry::MarkIndeterminate), Servers::Any).await;
     let op = h.operation.clone();
     assert_eq!(idemctl(&h, &["migrate"]), (0, json!({ "migrated": true })));
+    // Partitioned by tenant (CI's partitioned pass did it already with its own count: the same is a no-op).
+    let partitions = std::env::var("IDEMSTORE_TEST_PARTITIONS").unwrap_or_else(|_| "4".into());
+    let partitioned = idemctl(&h, &["migrate", "--partitions", &partitions]);
+    assert_eq!(partitioned, (0, json!({ "migrated": true, "partitions": partitions.parse::<u16>().expect("n") })));
     // Bad usage exits 2, as the usage says: a missing DATABASE_URL included (before: 1).
     let bare =
         Command::new(env!("CARGO_BIN_EXE_idemctl")).args(["--json", "stats"]).env_remove("DATABASE_URL").output();

@@ -6,7 +6,8 @@
 //! cargo bench --bench compare -- --concurrency 8,32 --rounds 5 --seconds 2
 //! ```
 //! Starts throwaway servers with durable settings (fsync and synchronous commit on; Redis without
-//! persistence, `noeviction`), or uses `IDEMSTORE_BENCH_REDIS_URL` / `IDEMSTORE_BENCH_DATABASE_URL`.
+//! persistence, `noeviction`) and a six-node Redis Cluster, or uses `IDEMSTORE_BENCH_REDIS_URL` /
+//! `IDEMSTORE_BENCH_DATABASE_URL` / `IDEMSTORE_BENCH_REDIS_CLUSTER` (comma-separated seeds).
 //! The two modes alternate within each round (A B, then B A) so that machine drift hits both. Results go
 //! to `target/bench/compare.{json,md,svg}`; the table is printed too.
 
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use hdrhistogram::Histogram;
 use idemstore::Store;
-use idemstore::testkit::{PostgresServer, RedisServer};
+use idemstore::testkit::{PostgresServer, RedisCluster, RedisServer};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::PgPoolOptions;
 use workload::{Fixture, NewKeyPath, Subject, Workload};
@@ -129,6 +130,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let redis = deadpool_redis::Config::from_url(redis_url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
     let two_tier = Store::builder().postgres(pg.clone()).redis(redis.clone()).key_prefix("bench").build()?;
     let postgres_only = Store::builder().postgres(pg.clone()).build()?;
+    let mut owned_cluster = None;
+    let seeds: Vec<String> = match std::env::var("IDEMSTORE_BENCH_REDIS_CLUSTER") {
+        Ok(seeds) => seeds.split(',').map(str::to_owned).collect(),
+        Err(_) => owned_cluster.insert(RedisCluster::start()?).seed_urls(),
+    };
+    let cluster = Store::builder().postgres(pg.clone()).redis_cluster(seeds).key_prefix("bench").build()?;
     two_tier.migrate().await?;
     sqlx::raw_sql(workload::SCHEMA).execute(&pg).await?;
 
@@ -137,7 +144,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // that whichever mode runs first does not pay for it.
     let warm_up = Plan { seconds: 0.5, ..plan.clone() };
     let widest = plan.concurrency.iter().copied().max().unwrap_or(1);
-    for (subject, store) in [(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)] {
+    let subjects =
+        [(Subject::TwoTier, &two_tier), (Subject::TwoTierCluster, &cluster), (Subject::PostgresOnly, &postgres_only)];
+    for (subject, store) in subjects {
         for workload in [Workload::New, Workload::Replay] {
             let cell = format!("r{run_id}-warm-{}", subject.name().replace(' ', "_"));
             let fixture = Fixture::library(store.clone(), pg.clone(), workload, NewKeyPath::Separate, cell).await;
@@ -149,9 +158,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                // A B (C D E) in even rounds, (E D C) B A in odd ones; new keys also run transactionally in
-                // both modes (C, D), and with an outbox row (E).
+                // A (K) B (C D E) in even rounds, (E D C) B (K) A in odd ones; replays and new keys also run
+                // on the Redis Cluster (K), new keys also transactionally in both modes (C, D), and with an
+                // outbox row (E).
                 let mut order = vec![(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
+                if matches!(workload, Workload::New | Workload::Replay) {
+                    order.insert(1, (Subject::TwoTierCluster, &cluster));
+                }
                 if workload == Workload::New {
                     order.extend([
                         (Subject::TwoTierInTx, &two_tier),
@@ -181,7 +194,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let relay = relay_throughput(&plan, &two_tier).await?;
     report::write(&plan, &cells, &relay)?;
-    drop(owned);
+    drop((owned, owned_cluster));
     Ok(())
 }
 

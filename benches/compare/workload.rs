@@ -29,6 +29,8 @@ pub enum Workload {
 #[serde(rename_all = "kebab-case")]
 pub enum Subject {
     TwoTier,
+    /// Two-tier on a three-master Redis Cluster instead of one Redis (replay and new keys).
+    TwoTierCluster,
     PostgresOnly,
     /// Two-tier with `run_once_in_tx`: claim, work and completion in one commit (new keys only).
     TwoTierInTx,
@@ -46,6 +48,7 @@ impl Subject {
     pub fn name(self) -> &'static str {
         match self {
             Subject::TwoTier => "two-tier",
+            Subject::TwoTierCluster => "two-tier cluster",
             Subject::PostgresOnly => "postgres-only",
             Subject::TwoTierInTx => "two-tier in-tx",
             Subject::PostgresOnlyInTx => "postgres-only in-tx",
@@ -71,7 +74,7 @@ impl Subject {
     /// The Postgres-only subject a two-tier one is compared with, like for like.
     pub fn postgres_only_baseline(self) -> Option<Subject> {
         match self {
-            Subject::TwoTier => Some(Subject::PostgresOnly),
+            Subject::TwoTier | Subject::TwoTierCluster => Some(Subject::PostgresOnly),
             Subject::TwoTierInTx | Subject::TwoTierInTxOutbox => Some(Subject::PostgresOnlyInTx),
             _ => None,
         }

@@ -5,7 +5,8 @@
 //! cargo run --example payments
 //! ```
 //! Environment: `DATABASE_URL`, `REDIS_URL` (throwaway local servers when unset), `BIND` (default
-//! 127.0.0.1:8080), `IDEMSTORE_MODE` (`two-tier`, the default, or `postgres-only`).
+//! 127.0.0.1:8080), `IDEMSTORE_MODE` (`two-tier`, the default, or `postgres-only`), `IDEMSTORE_REDIS_CLUSTER`
+//! (comma-separated seed URLs of a Redis Cluster, used instead of `REDIS_URL`).
 
 mod app;
 

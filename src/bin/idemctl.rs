@@ -1,7 +1,7 @@
 //! `idemctl`: the operator's view of an idemstore deployment.
 //!
 //! ```text
-//! idemctl migrate
+//! idemctl migrate [--partitions N]
 //! idemctl inspect <tenant> <operation> <key>
 //! idemctl purge [--dry-run] [--batch N]
 //! idemctl recover [--dry-run] [--batch N]
@@ -13,7 +13,8 @@
 //! idemctl outbox retry <topic>
 //! idemctl outbox discard <id>
 //! ```
-//! Reads `DATABASE_URL` and `REDIS_URL` (or `--database-url`, `--redis-url`); `--json` prints one JSON
+//! Reads `DATABASE_URL` and `REDIS_URL` (or `--database-url`, `--redis-url`; for a Redis Cluster,
+//! `--redis-cluster` / `IDEMSTORE_REDIS_CLUSTER` with comma-separated seed URLs); `--json` prints one JSON
 //! document for scripts. Exit status 0 on success, 1 when the store failed, 2 on bad usage.
 
 use std::path::PathBuf;
@@ -33,6 +34,16 @@ struct Cli {
     /// Redis URL of the store (omit for a Postgres-only deployment).
     #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
     redis_url: Option<String>,
+    /// Seed URLs of the store's Redis Cluster, comma-separated (instead of `--redis-url`).
+    #[arg(
+        long,
+        env = "IDEMSTORE_REDIS_CLUSTER",
+        global = true,
+        hide_env_values = true,
+        value_delimiter = ',',
+        conflicts_with = "redis_url"
+    )]
+    redis_cluster: Vec<String>,
     /// Prefix of the store's Redis keys.
     #[arg(long, default_value = "idem", global = true)]
     key_prefix: String,
@@ -53,7 +64,12 @@ struct RecordId {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Apply the store's migrations.
-    Migrate,
+    Migrate {
+        /// Then hash-partition the records table by tenant into N partitions (once; the same N again
+        /// does nothing). See docs/scale-out.md.
+        #[arg(long, value_name = "N")]
+        partitions: Option<u16>,
+    },
     /// Show a key as Postgres and Redis hold it.
     Inspect(RecordId),
     /// Delete expired records in batches.
@@ -230,6 +246,9 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
     if let Some(url) = &cli.redis_url {
         builder = builder.redis_url(url.clone());
     }
+    if !cli.redis_cluster.is_empty() {
+        builder = builder.redis_cluster(cli.redis_cluster.iter().cloned());
+    }
     let store = builder.build().map_err(idemstore::StoreError::from)?;
     let record = |id: &RecordId| -> Result<(Scope, IdempotencyKey), CliError> {
         let scope = Scope::new(id.tenant.clone(), id.operation.clone()).map_err(|e| CliError::Input(e.to_string()))?;
@@ -237,9 +256,18 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
         Ok((scope, key))
     };
     Ok(match &cli.command {
-        Command::Migrate => {
+        Command::Migrate { partitions } => {
             store.migrate().await?;
-            Output { json: json!({ "migrated": true }), text: "migrations applied".into() }
+            if let Some(partitions) = *partitions {
+                store.partition_by_tenant(partitions).await?;
+            }
+            match partitions {
+                Some(n) => Output {
+                    json: json!({ "migrated": true, "partitions": n }),
+                    text: format!("migrations applied; records partitioned by tenant into {n}"),
+                },
+                None => Output { json: json!({ "migrated": true }), text: "migrations applied".into() },
+            }
         }
         Command::Inspect(id) => {
             let (scope, key) = record(id)?;

@@ -10,8 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deadpool_redis::Pool;
-use redis::aio::ConnectionLike;
+use super::redis_connection::{RedisConnection, RedisSource};
 
 /// How many keys are remembered (about 10 MB at most); beyond it the oldest are forgotten, and their
 /// copies expire with their lease.
@@ -32,9 +31,9 @@ struct Remembered {
 }
 
 impl LaggingKeys {
-    /// Remembers `key`, and starts a task (one at a time) that deletes the remembered keys through `pool`
-    /// once Redis answers within `budget`, trying every `cooldown`.
-    pub(crate) fn push(&self, key: &str, pool: &Pool, cooldown: Duration, budget: Duration) {
+    /// Remembers `key`, and starts a task (one at a time) that deletes the remembered keys through
+    /// `source` once Redis answers within `budget`, trying every `cooldown`.
+    pub(crate) fn push(&self, key: &str, source: &RedisSource, cooldown: Duration, budget: Duration) {
         if let Ok(mut remembered) = self.keys.lock() {
             if remembered.keys.len() == CAPACITY {
                 remembered.keys.pop_front();
@@ -45,25 +44,27 @@ impl LaggingKeys {
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         if !self.repairing.swap(true, Ordering::AcqRel) {
-            runtime.spawn(self.clone().repair(pool.clone(), cooldown, budget));
+            runtime.spawn(self.clone().repair(source.clone(), cooldown, budget));
         }
     }
 
-    /// Deletes every remembered key on `conn`, in one pipeline. Keys are forgotten only once Redis
-    /// confirmed the deletion: a call that fails or is cancelled (a timeout) leaves them for the next try,
-    /// and a concurrent call deletes them too rather than answering before they are gone.
-    pub(crate) async fn delete_all(&self, conn: &mut impl ConnectionLike) -> Result<(), redis::RedisError> {
+    /// Deletes every remembered key on `conn`, one `DEL` each, all sent at once (a shared connection
+    /// pipelines them; a cluster sends each to its key's node, where one pipeline would be refused as
+    /// crossing slots). Keys are forgotten only once Redis confirmed every deletion: a call that fails
+    /// or is cancelled (a timeout) leaves them for the next try, and a concurrent call deletes them too
+    /// rather than answering before they are gone.
+    pub(crate) async fn delete_all(&self, conn: &RedisConnection) -> Result<(), redis::RedisError> {
         let (keys, next): (Vec<String>, u64) = match self.keys.lock() {
             Ok(remembered) if !remembered.keys.is_empty() => {
                 (remembered.keys.iter().map(|(_, key)| key.clone()).collect(), remembered.next)
             }
             _ => return Ok(()),
         };
-        let mut pipe = redis::pipe();
-        for key in &keys {
-            pipe.del(key).ignore();
-        }
-        pipe.query_async::<()>(conn).await?;
+        let deletions = keys.iter().map(|key| {
+            let mut conn = conn.clone();
+            async move { redis::cmd("DEL").arg(key).query_async::<()>(&mut conn).await }
+        });
+        futures_util::future::try_join_all(deletions).await?;
         // Keys remembered after the snapshot (even the same key, left behind again) stay.
         if let Ok(mut remembered) = self.keys.lock() {
             remembered.keys.retain(|(number, _)| *number >= next);
@@ -71,16 +72,17 @@ impl LaggingKeys {
         Ok(())
     }
 
-    fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.keys.lock().map_or(true, |remembered| remembered.keys.is_empty())
     }
 
-    async fn repair(self, pool: Pool, cooldown: Duration, budget: Duration) {
+    async fn repair(self, source: RedisSource, cooldown: Duration, budget: Duration) {
         loop {
             tokio::time::sleep(cooldown).await;
             let attempt = async {
-                let mut conn = pool.get().await.map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))?;
-                self.delete_all(&mut conn).await.map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))
+                let conn =
+                    source.connect(budget).await.map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))?;
+                self.delete_all(&conn).await.map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))
             };
             let _ = tokio::time::timeout(budget, attempt).await;
             if self.is_empty() {

@@ -4,6 +4,7 @@ mod lagging;
 mod maintenance;
 mod postgres_tier;
 mod protocol;
+mod redis_connection;
 mod redis_tier;
 mod scripts;
 mod statement;
@@ -23,6 +24,7 @@ use crate::policy::{Policy, millis};
 use crate::telemetry;
 pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
 use postgres_tier::PostgresTier;
+use redis_connection::RedisSource;
 use redis_tier::RedisTier;
 pub use redis_tier::RedisView;
 pub(crate) use statement::{BEGIN, COMMIT, Statement};
@@ -126,6 +128,34 @@ impl Store {
         let _ = sqlx::Connection::close(conn).await;
         migrated
     }
+
+    /// Turns the records table into `partitions` hash partitions by tenant (`PARTITION BY HASH
+    /// (tenant)`), after [`Store::migrate`]: the layout a tenant-distributed deployment starts from
+    /// (docs/scale-out.md). Existing records are copied under a table lock, in one transaction: claims
+    /// and completions wait for it, then find the same rows and fences. Running it again with the same
+    /// number does nothing.
+    ///
+    /// # Errors
+    /// [`ConfigError::Partitions`] for 0 or more than 1024 partitions; [`StoreError::Migrate`] when the
+    /// table is already partitioned into another number, or Postgres fails.
+    pub async fn partition_by_tenant(&self, partitions: u16) -> Result<(), StoreError> {
+        if !(1..=1024).contains(&partitions) {
+            return Err(ConfigError::Partitions { partitions }.into());
+        }
+        let failed = |e: sqlx::Error| StoreError::Migrate(sqlx::migrate::MigrateError::Execute(e));
+        let mut tx = self.pg_pool().begin().await.map_err(failed)?;
+        sqlx::raw_sql("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        sqlx::query("SELECT set_config('idemstore.partitions', $1, true)")
+            .bind(partitions.to_string())
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        sqlx::raw_sql(include_str!("partition_by_tenant.sql")).execute(&mut *tx).await.map_err(failed)?;
+        tx.commit().await.map_err(failed)
+    }
 }
 
 /// `options` with the server-side bounds of a store whose Postgres timeout is `timeout`: a
@@ -159,6 +189,8 @@ pub struct StoreBuilder {
     database_url: Option<String>,
     redis_pool: Option<deadpool_redis::Pool>,
     redis_url: Option<String>,
+    #[cfg(feature = "cluster")]
+    redis_cluster: Option<Vec<String>>,
     key_prefix: Option<String>,
     redis_budget: Option<Duration>,
     redis_cooldown: Option<Duration>,
@@ -210,7 +242,22 @@ impl StoreBuilder {
         self
     }
 
-    /// Prefix of every Redis key (default `idem`), to share one Redis between applications.
+    /// Uses a Redis Cluster as the hot tier (feature `cluster`), found through any of `seed_urls`
+    /// (`redis://host:port`; a few masters is enough, the client learns the rest).
+    ///
+    /// Every record lives in the slot of its key's digest, and each script touches that one key, so
+    /// redirects (MOVED, ASK) during a resharding or failover are followed by the client; its retries
+    /// and timeouts are held within [`StoreBuilder::redis_budget`], past which the call degrades to
+    /// Postgres (`reason="cluster"`). Replicas are never read. A node that lost its scripts is answered
+    /// with `EVAL` on that node. Claims that wait for an in-flight duplicate are woken through Postgres.
+    #[cfg(feature = "cluster")]
+    pub fn redis_cluster<S: Into<String>>(mut self, seed_urls: impl IntoIterator<Item = S>) -> Self {
+        self.redis_cluster = Some(seed_urls.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Prefix of every Redis key (default `idem`), to share one Redis between applications. It must
+    /// not contain `{` or `}` (the Redis Cluster hash tag).
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = Some(prefix.into());
         self
@@ -274,9 +321,13 @@ impl StoreBuilder {
     /// Builds the store. No connection is made here; call [`Store::migrate`] to check Postgres.
     ///
     /// # Errors
-    /// [`ConfigError`] when no Postgres is given, a URL does not parse or the Redis pool cannot be
-    /// created.
+    /// [`ConfigError`] when no Postgres is given, a URL does not parse, the Redis pool or cluster client
+    /// cannot be created, or the key prefix holds a brace.
     pub fn build(self) -> Result<Store, ConfigError> {
+        let prefix = self.key_prefix.unwrap_or_else(|| "idem".into());
+        if prefix.contains(['{', '}']) {
+            return Err(ConfigError::KeyPrefix { prefix });
+        }
         let timeout = self.postgres_timeout.unwrap_or(Duration::from_secs(5));
         let pg_pool = match (self.pg_pool, self.database_url) {
             (Some(pool), _) => pool,
@@ -293,23 +344,25 @@ impl StoreBuilder {
         };
         // A client of its own for the subscription that wakes waiting claims: a pool given ready-made
         // does not tell its URL, and its waiters follow Postgres instead.
-        let (redis_pool, subscriber) = match (self.redis_pool, self.redis_url) {
-            (Some(pool), _) => (Some(pool), None),
+        let budget = self.redis_budget.unwrap_or(Duration::from_millis(100));
+        let (source, subscriber) = match (self.redis_pool, self.redis_url) {
+            #[cfg(feature = "cluster")]
+            (pool, url) if let Some(seeds) = self.redis_cluster => {
+                if pool.is_some() || url.is_some() {
+                    return Err(ConfigError::RedisTwice);
+                }
+                (Some(RedisSource::cluster(&seeds, budget).map_err(ConfigError::RedisCluster)?), None)
+            }
+            (Some(pool), _) => (Some(RedisSource::Single(pool)), None),
             (None, Some(url)) => {
                 let config = deadpool_redis::Config::from_url(url.as_str());
                 let pool = config.create_pool(Some(deadpool_redis::Runtime::Tokio1)).map_err(ConfigError::Redis)?;
-                (Some(pool), redis::Client::open(url).ok())
+                (Some(RedisSource::Single(pool)), redis::Client::open(url).ok())
             }
             (None, None) => (None, None),
         };
-        let redis = redis_pool.map(|pool| {
-            RedisTier::new(
-                pool,
-                self.key_prefix.unwrap_or_else(|| "idem".into()),
-                self.redis_budget.unwrap_or(Duration::from_millis(100)),
-                self.redis_cooldown.unwrap_or(Duration::from_secs(1)),
-            )
-        });
+        let cooldown = self.redis_cooldown.unwrap_or(Duration::from_secs(1));
+        let redis = source.map(|source| RedisTier::new(source, prefix, budget, cooldown));
         let (mut patterns, policies): (Vec<_>, Vec<_>) =
             self.policies.into_iter().map(|(op, p)| (op, Arc::new(p))).partition(|(op, _)| op.ends_with('*'));
         let policies: HashMap<_, _> = policies.into_iter().collect();

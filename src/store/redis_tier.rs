@@ -5,12 +5,11 @@ use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use deadpool_redis::Pool;
-use redis::aio::MultiplexedConnection;
-use redis::{Script, Value};
+use redis::Value;
 
 use super::lagging::LaggingKeys;
-use super::scripts::{self, RedisBegin};
+use super::redis_connection::{RedisConnection, RedisSource};
+use super::scripts::{self, LuaScript, RedisBegin};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope, key_digest};
 use crate::record::State;
@@ -47,8 +46,25 @@ pub(crate) enum RedisUnavailable {
     CircuitOpen,
     #[error("Redis did not answer within the budget")]
     Timeout,
+    /// A cluster still answered MOVED, ASK, TRYAGAIN or CLUSTERDOWN once its retries within the budget
+    /// were spent: a failover or a slot migration under way.
+    #[error("the Redis Cluster is reconfiguring")]
+    Cluster(#[source] redis::RedisError),
     #[error("Redis failed")]
     Failed(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<redis::RedisError> for RedisUnavailable {
+    fn from(error: redis::RedisError) -> Self {
+        if error.is_cluster_error() {
+            Self::Cluster(error)
+        } else if error.is_timeout() {
+            // A cluster client's own response timeout, held within the budget.
+            Self::Timeout
+        } else {
+            Self::Failed(Box::new(error))
+        }
+    }
 }
 
 impl RedisUnavailable {
@@ -57,6 +73,7 @@ impl RedisUnavailable {
         match self {
             RedisUnavailable::CircuitOpen => "circuit_open",
             RedisUnavailable::Timeout => "timeout",
+            RedisUnavailable::Cluster(_) => "cluster",
             RedisUnavailable::Failed(_) => "error",
         }
     }
@@ -89,11 +106,11 @@ fn tag_of(state: State) -> Option<u8> {
 }
 
 pub(crate) struct RedisTier {
-    pool: Pool,
-    /// One multiplexed connection, shared by every call: it pipelines concurrent requests on one socket.
-    /// Taking a connection from the pool per call would cost a recycling PING each time, doubling the
-    /// round trips; the pool is only asked again after a failure.
-    shared: RwLock<Option<MultiplexedConnection>>,
+    source: RedisSource,
+    /// One connection, shared by every call: it pipelines concurrent requests on one socket (per node,
+    /// on a cluster). Taking a connection from the pool per call would cost a recycling PING each time,
+    /// doubling the round trips; the source is only asked again after a failure.
+    shared: RwLock<Option<RedisConnection>>,
     prefix: String,
     /// Where settlements of waited-for records are published (`<prefix>:settled`).
     channel: String,
@@ -107,9 +124,9 @@ pub(crate) struct RedisTier {
 }
 
 impl RedisTier {
-    pub(crate) fn new(pool: Pool, prefix: String, budget: Duration, cooldown: Duration) -> Self {
+    pub(crate) fn new(source: RedisSource, prefix: String, budget: Duration, cooldown: Duration) -> Self {
         Self {
-            pool,
+            source,
             shared: RwLock::new(None),
             lagging: LaggingKeys::default(),
             channel: format!("{prefix}:settled"),
@@ -210,7 +227,7 @@ impl RedisTier {
     /// Reads a record's copy (not budgeted: an operator command): a completed record's string
     /// (fingerprint, then response), or a marker's hash.
     pub(crate) async fn view(&self, record_key: &str) -> Result<Option<RedisView>, RedisUnavailable> {
-        let failed = |e: redis::RedisError| RedisUnavailable::Failed(Box::new(e));
+        let failed = RedisUnavailable::from;
         let mut conn = self.connection().await?;
         let (kind, pttl): (String, i64) =
             redis::pipe().cmd("TYPE").arg(record_key).pttl(record_key).query_async(&mut conn).await.map_err(failed)?;
@@ -243,26 +260,21 @@ impl RedisTier {
     /// Deletes a record's copy; returns whether there was one.
     pub(crate) async fn evict(&self, record_key: &str) -> Result<bool, RedisUnavailable> {
         let mut conn = self.connection().await?;
-        let deleted: i64 = redis::cmd("DEL")
-            .arg(record_key)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
+        let deleted: i64 = redis::cmd("DEL").arg(record_key).query_async(&mut conn).await?;
         Ok(deleted == 1)
     }
 
     /// Remembers a key whose Redis copy may now lag behind Postgres ([`LaggingKeys`]).
     fn left_behind(&self, record_key: &str) {
-        self.lagging.push(record_key, &self.pool, self.cooldown, self.budget);
+        self.lagging.push(record_key, &self.source, self.cooldown, self.budget);
     }
 
-    /// Runs one script with EVALSHA (reloaded on NOSCRIPT by `Script::invoke_async`), bounded by the
-    /// budget, after deleting the keys that lag behind Postgres; a failure opens the circuit for the
+    /// Runs one script ([`LuaScript::invoke`]), bounded by the budget, after deleting the keys that lag behind Postgres; a failure opens the circuit for the
     /// cool-down. An open circuit skips answers, not settlements (see [`Call`]).
     async fn invoke(
         &self,
         name: &'static str,
-        script: &Script,
+        script: &LuaScript,
         record_key: &str,
         args: &[&[u8]],
         call: Call,
@@ -273,12 +285,11 @@ impl RedisTier {
         telemetry::redis_call(name);
         let call = async {
             let mut conn = self.connection().await?;
-            self.lagging.delete_all(&mut conn).await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
-            let mut invocation = script.key(record_key);
-            for arg in args {
-                invocation.arg(*arg);
+            // Boxed: rare, and it keeps every request's future shallow.
+            if !self.lagging.is_empty() {
+                Box::pin(self.lagging.delete_all(&conn)).await?;
             }
-            invocation.invoke_async::<Value>(&mut conn).await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))
+            Ok(script.invoke(&mut conn, record_key, args).await?)
         };
         match tokio::time::timeout(self.budget, call).await {
             Ok(Ok(reply)) => Ok(reply),
@@ -287,26 +298,30 @@ impl RedisTier {
         }
     }
 
-    async fn connection(&self) -> Result<MultiplexedConnection, RedisUnavailable> {
+    async fn connection(&self) -> Result<RedisConnection, RedisUnavailable> {
         if let Some(conn) = self.shared.read().ok().and_then(|shared| shared.clone()) {
             return Ok(conn);
         }
-        let pooled = self.pool.get().await.map_err(|e| RedisUnavailable::Failed(Box::new(e)))?;
-        let conn = deadpool_redis::Connection::take(pooled);
+        // Boxed: only after a failure, and it keeps every request's future shallow.
+        let conn = Box::pin(self.source.connect(self.budget)).await.map_err(RedisUnavailable::Failed)?;
         if let Ok(mut shared) = self.shared.write() {
             *shared = Some(conn.clone());
         }
         Ok(conn)
     }
 
-    /// Opens the circuit for the cool-down, and drops the shared connection, which may be the broken part.
+    /// Opens the circuit for the cool-down, and drops the shared connection, which may be the broken
+    /// part (a cluster connection that lost a master stays stuck on it; a new one maps the slots
+    /// afresh). A cluster answering redirects keeps its connection: it follows them by itself.
     fn trip(&self, error: RedisUnavailable) -> RedisUnavailable {
-        if let Ok(mut shared) = self.shared.write() {
+        if !matches!(error, RedisUnavailable::Cluster(_))
+            && let Ok(mut shared) = self.shared.write()
+        {
             *shared = None;
         }
         let until = self.now_ms() + u64::try_from(self.cooldown.as_millis()).unwrap_or(u64::MAX / 2);
         self.open_until.store(until, Ordering::Relaxed);
-        tracing::warn!(error = %error, cooldown = ?self.cooldown, "Redis unavailable; using the Postgres path");
+        tracing::warn!(error = ?error, cooldown = ?self.cooldown, "Redis unavailable; using the Postgres path");
         error
     }
 

@@ -1,14 +1,48 @@
-//! The Lua scripts of `lua/`, loaded once, and the one place their replies are decoded.
+//! The Lua scripts of `lua/`, called by their SHA, and the one place their replies are decoded.
 
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use redis::{Script, Value};
+use redis::aio::ConnectionLike;
+use redis::{ErrorKind, RedisResult, ServerErrorKind, Value};
 
-pub(crate) static BEGIN: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/begin.lua")));
-pub(crate) static PUT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/put.lua")));
-pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/release.lua")));
-pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/extend.lua")));
+pub(crate) static BEGIN: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(include_str!("../../lua/begin.lua")));
+pub(crate) static PUT: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(include_str!("../../lua/put.lua")));
+pub(crate) static RELEASE: LazyLock<LuaScript> =
+    LazyLock::new(|| LuaScript::new(include_str!("../../lua/release.lua")));
+pub(crate) static EXTEND: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(include_str!("../../lua/extend.lua")));
+
+/// A script of one key, sent as `EVALSHA`, and as `EVAL` of its source where the server answers
+/// NOSCRIPT (a restarted or flushed server, a cluster node that never saw it). `EVAL` goes to the key's
+/// node and caches the script there; `redis::Script` would instead answer NOSCRIPT with `SCRIPT LOAD`,
+/// which a cluster sends to every node and which fails while any node is down.
+pub(crate) struct LuaScript {
+    source: &'static str,
+    sha: String,
+}
+
+impl LuaScript {
+    fn new(source: &'static str) -> Self {
+        Self { source, sha: redis::Script::new(source).get_hash().to_owned() }
+    }
+
+    pub(crate) async fn invoke(&self, conn: &mut impl ConnectionLike, key: &str, args: &[&[u8]]) -> RedisResult<Value> {
+        let call = |command: &str, script: &str| {
+            let mut cmd = redis::cmd(command);
+            cmd.arg(script).arg(1).arg(key);
+            for arg in args {
+                cmd.arg(*arg);
+            }
+            cmd
+        };
+        match call("EVALSHA", &self.sha).query_async(conn).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                call("EVAL", self.source).query_async(conn).await
+            }
+            answered => answered,
+        }
+    }
+}
 
 /// The answer of `begin.lua`.
 #[derive(Debug, PartialEq, Eq)]

@@ -7,6 +7,8 @@
 
 mod postgres_server;
 mod proxy;
+#[cfg(feature = "cluster")]
+mod redis_cluster;
 mod redis_server;
 
 use std::net::TcpListener;
@@ -14,6 +16,8 @@ use std::process::{Command, Output};
 
 pub use postgres_server::PostgresServer;
 pub use proxy::{Proxy, ProxyMode};
+#[cfg(feature = "cluster")]
+pub use redis_cluster::RedisCluster;
 pub use redis_server::RedisServer;
 
 /// A throwaway server could not be started or controlled.
@@ -107,13 +111,16 @@ fn is_root() -> bool {
 }
 
 /// Servers for demos: `DATABASE_URL` and `REDIS_URL` when set, else throwaway servers (announced on
-/// stdout) that stop when this is dropped. `IDEMSTORE_MODE=postgres-only` leaves Redis out.
+/// stdout) that stop when this is dropped. `IDEMSTORE_MODE=postgres-only` leaves Redis out;
+/// `IDEMSTORE_REDIS_CLUSTER` (comma-separated seed URLs) uses a Redis Cluster instead of `REDIS_URL`.
 #[derive(Debug)]
 pub struct LocalServers {
     /// The Postgres URL to use.
     pub database_url: String,
-    /// The Redis URL to use; `None` in Postgres-only mode.
+    /// The Redis URL to use; `None` in Postgres-only mode or on a cluster.
     pub redis_url: Option<String>,
+    /// The Redis Cluster's seed URLs, from `IDEMSTORE_REDIS_CLUSTER`.
+    pub redis_cluster: Option<Vec<String>>,
     _postgres: Option<PostgresServer>,
     _redis: Option<RedisServer>,
 }
@@ -134,8 +141,12 @@ impl LocalServers {
             }
         };
         let postgres_only = std::env::var("IDEMSTORE_MODE").is_ok_and(|mode| mode == "postgres-only");
+        let redis_cluster = std::env::var("IDEMSTORE_REDIS_CLUSTER")
+            .ok()
+            .filter(|_| !postgres_only)
+            .map(|seeds| seeds.split(',').map(|seed| seed.trim().to_owned()).filter(|s| !s.is_empty()).collect());
         let (redis, redis_url) = match std::env::var("REDIS_URL") {
-            _ if postgres_only => (None, None),
+            _ if postgres_only || redis_cluster.is_some() => (None, None),
             Ok(url) => (None, Some(url)),
             Err(_) => {
                 let server = RedisServer::start()?;
@@ -144,12 +155,16 @@ impl LocalServers {
                 (Some(server), Some(url))
             }
         };
-        Ok(Self { database_url, redis_url, _postgres: postgres, _redis: redis })
+        Ok(Self { database_url, redis_url, redis_cluster, _postgres: postgres, _redis: redis })
     }
 
     /// A store builder connected to these servers (Postgres-only when there is no Redis).
     pub fn store_builder(&self) -> crate::StoreBuilder {
         let builder = crate::Store::builder().database_url(&self.database_url);
+        #[cfg(feature = "cluster")]
+        if let Some(seeds) = &self.redis_cluster {
+            return builder.redis_cluster(seeds.clone());
+        }
         match &self.redis_url {
             Some(url) => builder.redis_url(url),
             None => builder,

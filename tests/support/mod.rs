@@ -17,6 +17,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 
 /// Instantiates each `async fn name(mode: Mode)` of the calling file once per mode, as
 /// `two_tier::name` and `postgres_only::name`.
+#[allow(unused_macros)]
 macro_rules! suite {
     ($($test:ident),* $(,)?) => {
         mod two_tier {
@@ -120,6 +121,10 @@ impl Harness {
         }
         let store = build_store(&store_url, &prefix, &operation, store_redis_url.as_deref(), policy);
         store.migrate().await.expect("migrate");
+        // CI runs the suite a second time on the tenant-partitioned layout.
+        if let Some(partitions) = std::env::var("IDEMSTORE_TEST_PARTITIONS").ok().and_then(|n| n.parse().ok()) {
+            store.partition_by_tenant(partitions).await.expect("partition the records by tenant");
+        }
         recorder();
         Self {
             mode,
@@ -135,6 +140,22 @@ impl Harness {
             prefix,
             operation,
         }
+    }
+
+    /// A two-tier harness whose hot tier is `cluster` (a throwaway Postgres of its own).
+    pub async fn on_cluster(cluster: &idemstore::testkit::RedisCluster, policy: Policy) -> Self {
+        let mut h = Self::with(Mode::PostgresOnly, policy.clone(), Servers::Owned).await;
+        h.store = Store::builder()
+            .database_url(&h.store_url)
+            .key_prefix(&h.prefix)
+            .redis_cluster(cluster.seed_urls())
+            .redis_cooldown(Duration::from_millis(50))
+            .postgres_timeout(Duration::from_secs(2))
+            .policy(&h.operation, policy)
+            .build()
+            .expect("build the cluster store");
+        h.mode = Mode::TwoTier;
+        h
     }
 
     /// Joins servers another process started (for child processes of fault tests): no server is
