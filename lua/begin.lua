@@ -17,7 +17,9 @@
 --
 -- Returns one of:
 --   {'claimed'}                  no record (or a malformed one): the marker is written, claim in
---                                Postgres next
+--                                Postgres next. Also the answer to the caller's own marker: a client
+--                                that re-sends the script (a Redis Cluster client retries a call whose
+--                                connection dropped after sending) must not be told its key is in flight.
 --   {'mismatch'}                 the key's settled record (completed or indeterminate) holds a
 --                                different fingerprint
 --   {'unconfirmed'}              an in-progress marker holds a different fingerprint; it may be the marker
@@ -27,15 +29,15 @@
 --   {'completed', response}      replay this response
 --   {'indeterminate'}            the key awaits resolution
 local kind = redis.call('TYPE', KEYS[1]).ok
-local state, fingerprint, response, waiter
+local state, fingerprint, response, waiter, owner
 if kind == 'string' then
   local packed = redis.call('GET', KEYS[1])
   if #packed >= 32 then
     state, fingerprint, response = 'c', string.sub(packed, 1, 32), string.sub(packed, 33)
   end
 elseif kind == 'hash' then
-  local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r', 'w')
-  state, fingerprint, response, waiter = rec[1], rec[2], rec[3], rec[4]
+  local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r', 'w', 't')
+  state, fingerprint, response, waiter, owner = rec[1], rec[2], rec[3], rec[4], rec[5]
 end
 
 -- No record, or one outside this contract (fields lost, or written by something else): a miss. It is
@@ -62,6 +64,9 @@ if state == 'c' then
 end
 if state == 'i' then
   return {'indeterminate'}
+end
+if owner == ARGV[2] then
+  return {'claimed'}
 end
 if ARGV[4] ~= '' and waiter ~= ARGV[4] then
   redis.call('HSET', KEYS[1], 'w', ARGV[4])

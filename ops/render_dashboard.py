@@ -158,7 +158,7 @@ def render(snapshots, out):
         ("Redis hit ratio", [("hit", ratio([("idemstore_redis_lookups_total", {"result": "hit"})],
                                            ("idemstore_redis_lookups_total", {})))], "share"),
         ("Redis fallbacks to Postgres", [(reason, rate("idemstore_redis_fallbacks_total", reason=reason))
-                                         for reason in ("timeout", "circuit_open", "error")], "ops/s"),
+                                         for reason in ("timeout", "circuit_open", "error", "cluster")], "ops/s"),
         ("Takeovers and reconciliations", [("takeovers", rate("idemstore_lease_takeovers_total")),
                                            ("reconciliations", rate("idemstore_reconciliations_total"))], "ops/s"),
     ]

@@ -86,8 +86,8 @@ pub enum ConfigError {
     /// Both a single Redis and a Redis Cluster were given.
     #[error("give either a Redis server or a Redis Cluster, not both")]
     RedisTwice,
-    /// The Redis key prefix holds `{` or `}`: a Redis Cluster would hash every key by the braces'
-    /// content and put them all in one slot.
+    /// A Redis Cluster store's key prefix holds `{` or `}`: the cluster would hash every key by the
+    /// braces' content and put them all in one slot.
     #[error("the Redis key prefix {prefix:?} must not contain '{{' or '}}'")]
     KeyPrefix {
         /// The refused prefix.

@@ -28,7 +28,8 @@ pub const SETTLE_FAILURES: &str = "idemstore_settle_failures_total";
 pub const WAIT_WAKEUPS: &str = "idemstore_wait_wakeups_total";
 /// Redis hot-path answers; label `result`: hit (answered from Redis), miss (went on to Postgres), error.
 pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";
-/// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open.
+/// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open, cluster
+/// (a Redis Cluster still redirecting: MOVED, ASK, TRYAGAIN, CLUSTERDOWN).
 pub const REDIS_FALLBACKS: &str = "idemstore_redis_fallbacks_total";
 /// Records found in Postgres that Redis had lost (eviction, flush, restart, expired TTL) and repaired.
 pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
@@ -103,7 +104,7 @@ pub fn describe() {
 /// its first increment has no earlier sample, so Prometheus's `rate()` and `increase()` never count it.
 const OUTCOME_NAMES: [&str; 7] = ["executed", "replayed", "in_flight", "mismatch", "indeterminate", "expired", "error"];
 const LOOKUP_RESULTS: [&str; 3] = ["hit", "miss", "error"];
-const FALLBACK_REASONS: [&str; 3] = ["error", "timeout", "circuit_open"];
+const FALLBACK_REASONS: [&str; 4] = ["error", "timeout", "circuit_open", "cluster"];
 /// Beyond this many operations a store stops registering new ones ahead (their series still appear at
 /// their first increment): a bound on what a caller that names operations freely can cost.
 const MAX_REGISTERED_OPERATIONS: usize = 10_000;

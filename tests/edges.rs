@@ -475,3 +475,28 @@ async fn a_completed_record_costs_redis_at_most_200_bytes_beyond_its_response() 
     let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     assert!(matches!(&replay, Begin::Completed(stored) if stored.as_bytes() == [b'x'; 160]), "{replay:?}");
 }
+
+/// begin.lua sent twice by the same caller (a Redis Cluster client re-sends a call whose connection
+/// dropped after sending; the first run may have written the marker) answers "claimed" both times, so
+/// the caller goes on to claim in Postgres instead of being told its own key is in flight; another
+/// caller still hears "in flight". (Before: the second run answered in flight for a whole lease.)
+#[tokio::test]
+async fn begin_resent_by_its_own_caller_is_still_claimed() {
+    let h = Harness::start(Mode::TwoTier).await;
+    let record_key = h.redis_key(&h.scope("acme"), &key("resent"));
+    let mut conn = h.redis_connection().await;
+    let script = redis::Script::new(include_str!("../lua/begin.lua"));
+    let fingerprint = [7u8; 32];
+    let begin = |owner: &'static str| {
+        let mut invocation = script.key(&record_key);
+        invocation.arg(&fingerprint[..]).arg(owner).arg(60_000).arg("").arg("");
+        invocation
+    };
+    let first: Vec<redis::Value> = begin("owner-a").invoke_async(&mut conn).await.expect("first run");
+    let resent: Vec<redis::Value> = begin("owner-a").invoke_async(&mut conn).await.expect("resent");
+    let other: Vec<redis::Value> = begin("owner-b").invoke_async(&mut conn).await.expect("another caller");
+    let claimed = vec![redis::Value::BulkString(b"claimed".to_vec())];
+    assert_eq!(first, claimed);
+    assert_eq!(resent, claimed);
+    assert!(matches!(other.first(), Some(redis::Value::BulkString(tag)) if tag == b"in_flight"), "{other:?}");
+}

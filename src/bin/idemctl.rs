@@ -34,15 +34,9 @@ struct Cli {
     /// Redis URL of the store (omit for a Postgres-only deployment).
     #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
     redis_url: Option<String>,
-    /// Seed URLs of the store's Redis Cluster, comma-separated (instead of `--redis-url`).
-    #[arg(
-        long,
-        env = "IDEMSTORE_REDIS_CLUSTER",
-        global = true,
-        hide_env_values = true,
-        value_delimiter = ',',
-        conflicts_with = "redis_url"
-    )]
+    /// Seed URLs of the store's Redis Cluster, comma-separated (used instead of `--redis-url` when both
+    /// are given).
+    #[arg(long, env = "IDEMSTORE_REDIS_CLUSTER", global = true, hide_env_values = true, value_delimiter = ',')]
     redis_cluster: Vec<String>,
     /// Prefix of the store's Redis keys.
     #[arg(long, default_value = "idem", global = true)]
@@ -67,7 +61,7 @@ enum Command {
     Migrate {
         /// Then hash-partition the records table by tenant into N partitions (once; the same N again
         /// does nothing). See docs/scale-out.md.
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
         partitions: Option<u16>,
     },
     /// Show a key as Postgres and Redis hold it.
@@ -243,11 +237,10 @@ fn print(cli: &Cli, output: &Output) {
 async fn run(cli: &Cli) -> Result<Output, CliError> {
     let database_url = cli.database_url.clone().ok_or(CliError::NoDatabase)?;
     let mut builder = Store::builder().database_url(database_url).key_prefix(cli.key_prefix.clone());
-    if let Some(url) = &cli.redis_url {
-        builder = builder.redis_url(url.clone());
-    }
     if !cli.redis_cluster.is_empty() {
         builder = builder.redis_cluster(cli.redis_cluster.iter().cloned());
+    } else if let Some(url) = &cli.redis_url {
+        builder = builder.redis_url(url.clone());
     }
     let store = builder.build().map_err(idemstore::StoreError::from)?;
     let record = |id: &RecordId| -> Result<(Scope, IdempotencyKey), CliError> {

@@ -2,10 +2,14 @@
 //! may have been written by a call that timed out. Such a copy could answer "in flight" for a key
 //! Postgres already settled, to this process and to every other one, for up to a lease. So each key is
 //! remembered and deleted as soon as Redis answers again: by a background task that tries every
-//! cool-down (for the other processes' sake), and before this process's next script call (for its own).
-//! Deleting is always safe: Redis is a cache, and a miss asks Postgres.
+//! cool-down (for the other processes' sake), and before this process's next script call on that key
+//! (for its own: every script reads and writes its one key only). Deleting is always safe: Redis is a
+//! cache, and a miss asks Postgres.
+//!
+//! Per key, not all at once: on a Redis Cluster one shard that is still down must not hold up calls
+//! on the others, and a long list left by an outage is not sent again with every request.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,6 +20,9 @@ use super::redis_connection::{RedisConnection, RedisSource};
 /// copies expire with their lease.
 const CAPACITY: usize = 100_000;
 
+/// How many keys the background task deletes per attempt, each attempt within one budget.
+const REPAIR_BATCH: usize = 1_000;
+
 #[derive(Clone, Default)]
 pub(crate) struct LaggingKeys {
     keys: Arc<Mutex<Remembered>>,
@@ -23,11 +30,22 @@ pub(crate) struct LaggingKeys {
     repairing: Arc<AtomicBool>,
 }
 
-/// The remembered keys, numbered in the order they were left behind (numbers never repeat).
+/// The remembered keys: each with the number of its latest push (numbers never repeat), and the pushes
+/// in order, for forgetting the oldest beyond the capacity.
 #[derive(Default)]
 struct Remembered {
     next: u64,
-    keys: VecDeque<(u64, String)>,
+    latest: HashMap<String, u64>,
+    order: VecDeque<(u64, String)>,
+}
+
+impl Remembered {
+    /// Forgets `key` if it was not left behind again after push number `seen`.
+    fn forget(&mut self, key: &str, seen: u64) {
+        if self.latest.get(key).is_some_and(|latest| *latest <= seen) {
+            self.latest.remove(key);
+        }
+    }
 }
 
 impl LaggingKeys {
@@ -35,12 +53,15 @@ impl LaggingKeys {
     /// `source` once Redis answers within `budget`, trying every `cooldown`.
     pub(crate) fn push(&self, key: &str, source: &RedisSource, cooldown: Duration, budget: Duration) {
         if let Ok(mut remembered) = self.keys.lock() {
-            if remembered.keys.len() == CAPACITY {
-                remembered.keys.pop_front();
-            }
             let number = remembered.next;
             remembered.next += 1;
-            remembered.keys.push_back((number, key.to_owned()));
+            remembered.latest.insert(key.to_owned(), number);
+            remembered.order.push_back((number, key.to_owned()));
+            while remembered.order.len() > CAPACITY {
+                if let Some((oldest, key)) = remembered.order.pop_front() {
+                    remembered.forget(&key, oldest);
+                }
+            }
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         if !self.repairing.swap(true, Ordering::AcqRel) {
@@ -48,32 +69,42 @@ impl LaggingKeys {
         }
     }
 
-    /// Deletes every remembered key on `conn`, one `DEL` each, all sent at once (a shared connection
-    /// pipelines them; a cluster sends each to its key's node, where one pipeline would be refused as
-    /// crossing slots). Keys are forgotten only once Redis confirmed every deletion: a call that fails
-    /// or is cancelled (a timeout) leaves them for the next try, and a concurrent call deletes them too
-    /// rather than answering before they are gone.
-    pub(crate) async fn delete_all(&self, conn: &RedisConnection) -> Result<(), redis::RedisError> {
-        let (keys, next): (Vec<String>, u64) = match self.keys.lock() {
-            Ok(remembered) if !remembered.keys.is_empty() => {
-                (remembered.keys.iter().map(|(_, key)| key.clone()).collect(), remembered.next)
-            }
-            _ => return Ok(()),
-        };
-        let deletions = keys.iter().map(|key| {
-            let mut conn = conn.clone();
-            async move { redis::cmd("DEL").arg(key).query_async::<()>(&mut conn).await }
-        });
-        futures_util::future::try_join_all(deletions).await?;
-        // Keys remembered after the snapshot (even the same key, left behind again) stay.
+    /// The number of `key`'s latest push, if its copy may lag.
+    pub(crate) fn lagging(&self, key: &str) -> Option<u64> {
+        self.keys.lock().ok()?.latest.get(key).copied()
+    }
+
+    /// Deletes `key` on `conn` and forgets it once Redis confirmed, unless it was left behind again
+    /// after push `seen`. A call that fails or is cancelled (a timeout) keeps it for the next try.
+    pub(crate) async fn delete(&self, conn: &RedisConnection, key: &str, seen: u64) -> Result<(), redis::RedisError> {
+        redis::cmd("DEL").arg(key).query_async::<()>(&mut conn.clone()).await?;
         if let Ok(mut remembered) = self.keys.lock() {
-            remembered.keys.retain(|(number, _)| *number >= next);
+            remembered.forget(key, seen);
         }
         Ok(())
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.keys.lock().map_or(true, |remembered| remembered.keys.is_empty())
+    /// Deletes up to [`REPAIR_BATCH`] remembered keys, one `DEL` each, all sent at once (a shared
+    /// connection pipelines them; a cluster sends each to its key's node). Each is forgotten as soon as
+    /// its own deletion is confirmed.
+    async fn delete_batch(&self, conn: &RedisConnection) -> Result<(), redis::RedisError> {
+        let batch: Vec<(String, u64)> = match self.keys.lock() {
+            Ok(remembered) => {
+                remembered.latest.iter().take(REPAIR_BATCH).map(|(key, seen)| (key.clone(), *seen)).collect()
+            }
+            Err(_) => return Ok(()),
+        };
+        let deletions = batch.iter().map(|(key, seen)| self.delete(conn, key, *seen));
+        let failed = futures_util::future::join_all(deletions).await.into_iter().find_map(Result::err);
+        if let Ok(mut remembered) = self.keys.lock() {
+            let Remembered { latest, order, .. } = &mut *remembered;
+            order.retain(|(number, key)| latest.get(key) == Some(number));
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.keys.lock().map_or(true, |remembered| remembered.latest.is_empty())
     }
 
     async fn repair(self, source: RedisSource, cooldown: Duration, budget: Duration) {
@@ -82,9 +113,15 @@ impl LaggingKeys {
             let attempt = async {
                 let conn =
                     source.connect(budget).await.map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))?;
-                self.delete_all(&conn).await.map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))
+                while !self.is_empty() {
+                    self.delete_batch(&conn)
+                        .await
+                        .map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))?;
+                }
+                Ok::<_, ()>(())
             };
-            let _ = tokio::time::timeout(budget, attempt).await;
+            // Each batch within a budget; a long list takes several.
+            let _ = tokio::time::timeout(budget * 10, attempt).await;
             if self.is_empty() {
                 self.repairing.store(false, Ordering::Release);
                 // A key pushed between the check and the store found the task still running: go on.

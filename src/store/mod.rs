@@ -131,13 +131,16 @@ impl Store {
 
     /// Turns the records table into `partitions` hash partitions by tenant (`PARTITION BY HASH
     /// (tenant)`), after [`Store::migrate`]: the layout a tenant-distributed deployment starts from
-    /// (docs/scale-out.md). Existing records are copied under a table lock, in one transaction: claims
-    /// and completions wait for it, then find the same rows and fences. Running it again with the same
-    /// number does nothing.
+    /// (docs/scale-out.md). Run it with the application stopped, like a migration that rewrites a table:
+    /// existing records are copied under a table lock, in one transaction, keeping their fences, and a
+    /// claim or completion that waits on that lock past its own lock timeout fails. The table keeps its
+    /// owner, grants, index and constraint names; one with triggers, row security policies or
+    /// publications of its own is refused. Running it again with the same number does nothing.
     ///
     /// # Errors
     /// [`ConfigError::Partitions`] for 0 or more than 1024 partitions; [`StoreError::Migrate`] when the
-    /// table is already partitioned into another number, or Postgres fails.
+    /// table is already partitioned into another number, has triggers, policies or publications, its
+    /// lock is not granted within 5 s, or Postgres fails.
     pub async fn partition_by_tenant(&self, partitions: u16) -> Result<(), StoreError> {
         if !(1..=1024).contains(&partitions) {
             return Err(ConfigError::Partitions { partitions }.into());
@@ -256,8 +259,8 @@ impl StoreBuilder {
         self
     }
 
-    /// Prefix of every Redis key (default `idem`), to share one Redis between applications. It must
-    /// not contain `{` or `}` (the Redis Cluster hash tag).
+    /// Prefix of every Redis key (default `idem`), to share one Redis between applications. On a Redis
+    /// Cluster it must not contain `{` or `}` (it would become every key's hash tag).
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.key_prefix = Some(prefix.into());
         self
@@ -322,10 +325,11 @@ impl StoreBuilder {
     ///
     /// # Errors
     /// [`ConfigError`] when no Postgres is given, a URL does not parse, the Redis pool or cluster client
-    /// cannot be created, or the key prefix holds a brace.
+    /// cannot be created, or a cluster store's key prefix holds a brace.
     pub fn build(self) -> Result<Store, ConfigError> {
         let prefix = self.key_prefix.unwrap_or_else(|| "idem".into());
-        if prefix.contains(['{', '}']) {
+        #[cfg(feature = "cluster")]
+        if self.redis_cluster.is_some() && prefix.contains(['{', '}']) {
             return Err(ConfigError::KeyPrefix { prefix });
         }
         let timeout = self.postgres_timeout.unwrap_or(Duration::from_secs(5));

@@ -111,6 +111,8 @@ pub(crate) struct RedisTier {
     /// on a cluster). Taking a connection from the pool per call would cost a recycling PING each time,
     /// doubling the round trips; the source is only asked again after a failure.
     shared: RwLock<Option<RedisConnection>>,
+    /// Held while a new shared connection is built.
+    connecting: tokio::sync::Mutex<()>,
     prefix: String,
     /// Where settlements of waited-for records are published (`<prefix>:settled`).
     channel: String,
@@ -128,6 +130,7 @@ impl RedisTier {
         Self {
             source,
             shared: RwLock::new(None),
+            connecting: tokio::sync::Mutex::new(()),
             lagging: LaggingKeys::default(),
             channel: format!("{prefix}:settled"),
             prefix,
@@ -269,8 +272,9 @@ impl RedisTier {
         self.lagging.push(record_key, &self.source, self.cooldown, self.budget);
     }
 
-    /// Runs one script ([`LuaScript::invoke`]), bounded by the budget, after deleting the keys that lag behind Postgres; a failure opens the circuit for the
-    /// cool-down. An open circuit skips answers, not settlements (see [`Call`]).
+    /// Runs one script ([`LuaScript::invoke`]), bounded by the budget, after deleting the key's copy if
+    /// it may lag behind Postgres; a failure opens the circuit for the cool-down. An open circuit skips
+    /// answers, not settlements (see [`Call`]).
     async fn invoke(
         &self,
         name: &'static str,
@@ -286,8 +290,8 @@ impl RedisTier {
         let call = async {
             let mut conn = self.connection().await?;
             // Boxed: rare, and it keeps every request's future shallow.
-            if !self.lagging.is_empty() {
-                Box::pin(self.lagging.delete_all(&conn)).await?;
+            if let Some(seen) = self.lagging.lagging(record_key) {
+                Box::pin(self.lagging.delete(&conn, record_key, seen)).await?;
             }
             Ok(script.invoke(&mut conn, record_key, args).await?)
         };
@@ -299,11 +303,24 @@ impl RedisTier {
     }
 
     async fn connection(&self) -> Result<RedisConnection, RedisUnavailable> {
-        if let Some(conn) = self.shared.read().ok().and_then(|shared| shared.clone()) {
+        let shared = || self.shared.read().ok().and_then(|shared| shared.clone());
+        if let Some(conn) = shared() {
+            return Ok(conn);
+        }
+        // One connection is built at a time; the callers that waited for it share it. (A cluster
+        // connection opens one socket per master: a storm of them would hit a cluster while it recovers.)
+        let _building = self.connecting.lock().await;
+        if let Some(conn) = shared() {
             return Ok(conn);
         }
         // Boxed: only after a failure, and it keeps every request's future shallow.
-        let conn = Box::pin(self.source.connect(self.budget)).await.map_err(RedisUnavailable::Failed)?;
+        let conn = Box::pin(self.source.connect(self.budget)).await.map_err(|error| {
+            if error.is::<tokio::time::error::Elapsed>() {
+                RedisUnavailable::Timeout
+            } else {
+                RedisUnavailable::Failed(error)
+            }
+        })?;
         if let Ok(mut shared) = self.shared.write() {
             *shared = Some(conn.clone());
         }
@@ -311,12 +328,12 @@ impl RedisTier {
     }
 
     /// Opens the circuit for the cool-down, and drops the shared connection, which may be the broken
-    /// part (a cluster connection that lost a master stays stuck on it; a new one maps the slots
-    /// afresh). A cluster answering redirects keeps its connection: it follows them by itself.
+    /// part (a cluster connection that lost a master, or that keeps hearing CLUSTERDOWN from one on the
+    /// wrong side of a partition, stays stuck on it; a new one maps the slots afresh). A cluster
+    /// answering MOVED or ASK keeps its connection: it follows redirects and refreshes its map itself.
     fn trip(&self, error: RedisUnavailable) -> RedisUnavailable {
-        if !matches!(error, RedisUnavailable::Cluster(_))
-            && let Ok(mut shared) = self.shared.write()
-        {
+        let redirected = matches!(&error, RedisUnavailable::Cluster(e) if e.redirect_node().is_some());
+        if !redirected && let Ok(mut shared) = self.shared.write() {
             *shared = None;
         }
         let until = self.now_ms() + u64::try_from(self.cooldown.as_millis()).unwrap_or(u64::MAX / 2);

@@ -330,7 +330,10 @@ impl RedisCluster {
             .spawn()
             .map_err(io("starting redis-server"))?;
         let deadline = Instant::now() + Duration::from_secs(10);
-        while query::<String>(port, &redis::cmd("PING")).is_err() {
+        // The answer must come from this child: another process may hold the port (this child then
+        // exits, unable to bind).
+        let own = format!("process_id:{}\r\n", child.id());
+        while !query::<String>(port, redis::cmd("INFO").arg("server")).is_ok_and(|info| info.contains(&own)) {
             if Instant::now() > deadline || child.try_wait().ok().flatten().is_some() {
                 let _ = child.kill();
                 let _ = child.wait();

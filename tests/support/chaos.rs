@@ -191,6 +191,26 @@ pub async fn load_with_fault_at<F: std::future::Future<Output = ()>>(
     report
 }
 
+/// Runs `load`, injecting `fault` once a quarter of its requests are answered, and checks that the load
+/// outlived the fault: requests were still answered after the fault's last step (a fault that ends after
+/// the load proves nothing about it).
+pub async fn load_across_fault<F: std::future::Future<Output = ()>>(
+    h: &Harness,
+    load: Load,
+    fault: impl FnOnce() -> F,
+) -> Report {
+    let progress = Progress::new();
+    let total = (load.clients * load.keys * load.passes) as u64;
+    let injected = async {
+        progress.reached(total / 4).await;
+        fault().await;
+        *progress.0.borrow()
+    };
+    let (report, answered_by_then) = tokio::join!(run(h, &h.store, "acme", load, &progress), injected);
+    assert!(answered_by_then < total, "the load ended before the fault did ({answered_by_then} of {total} answered)");
+    report
+}
+
 /// Prints the report with what the store counted meanwhile, for `docs/reliability.md`.
 pub fn print(fault: &str, h: &Harness, report: &Report) {
     let mut line = serde_json::to_value(report).expect("json");

@@ -149,6 +149,9 @@ impl Harness {
             .database_url(&h.store_url)
             .key_prefix(&h.prefix)
             .redis_cluster(cluster.seed_urls())
+            // Six nodes, Postgres and the client share two cores here: a budget that a healthy cluster
+            // always meets, so that a fallback means a fault.
+            .redis_budget(Duration::from_millis(500))
             .redis_cooldown(Duration::from_millis(50))
             .postgres_timeout(Duration::from_secs(2))
             .policy(&h.operation, policy)
