@@ -207,12 +207,20 @@ impl fmt::Debug for StoreBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoreBuilder")
             .field("redis", &(self.redis_pool.is_some() || self.redis_url.is_some()))
+            .field("redis_cluster", &self.has_cluster())
             .field("key_prefix", &self.key_prefix)
             .finish_non_exhaustive()
     }
 }
 
 impl StoreBuilder {
+    fn has_cluster(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        return self.redis_cluster.is_some();
+        #[cfg(not(feature = "cluster"))]
+        false
+    }
+
     /// Uses an existing Postgres pool, as it is. The server-side bounds of
     /// [`StoreBuilder::postgres_timeout`] are then yours to set on its connections (build it with
     /// [`server_bounded`](crate::server_bounded)), or the store's timeout stays client-side only. Keep its

@@ -141,10 +141,12 @@ impl LocalServers {
             }
         };
         let postgres_only = std::env::var("IDEMSTORE_MODE").is_ok_and(|mode| mode == "postgres-only");
-        let redis_cluster = std::env::var("IDEMSTORE_REDIS_CLUSTER")
+        // Only where the store can use a cluster (feature `cluster`); an empty list names none.
+        let redis_cluster: Option<Vec<String>> = std::env::var("IDEMSTORE_REDIS_CLUSTER")
             .ok()
-            .filter(|_| !postgres_only)
-            .map(|seeds| seeds.split(',').map(|seed| seed.trim().to_owned()).filter(|s| !s.is_empty()).collect());
+            .filter(|_| !postgres_only && cfg!(feature = "cluster"))
+            .map(|seeds| seeds.split(',').map(|seed| seed.trim().to_owned()).filter(|s| !s.is_empty()).collect())
+            .filter(|seeds: &Vec<String>| !seeds.is_empty());
         let (redis, redis_url) = match std::env::var("REDIS_URL") {
             _ if postgres_only || redis_cluster.is_some() => (None, None),
             Ok(url) => (None, Some(url)),

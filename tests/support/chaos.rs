@@ -180,15 +180,7 @@ pub async fn load_with_fault_at<F: std::future::Future<Output = ()>>(
     fraction: u64,
     fault: impl FnOnce() -> F,
 ) -> Report {
-    let load = Load::default();
-    let progress = Progress::new();
-    let total = (load.clients * load.keys * load.passes) as u64;
-    let injected = async {
-        progress.reached(total / fraction).await;
-        fault().await;
-    };
-    let (report, ()) = tokio::join!(run(h, &h.store, "acme", load, &progress), injected);
-    report
+    load_injecting(h, Load::default(), fraction, fault).await.0
 }
 
 /// Runs `load`, injecting `fault` once a quarter of its requests are answered, and checks that the load
@@ -199,16 +191,28 @@ pub async fn load_across_fault<F: std::future::Future<Output = ()>>(
     load: Load,
     fault: impl FnOnce() -> F,
 ) -> Report {
+    let total = (load.clients * load.keys * load.passes) as u64;
+    let (report, answered_by_then) = load_injecting(h, load, 4, fault).await;
+    assert!(answered_by_then < total, "the load ended before the fault did ({answered_by_then} of {total} answered)");
+    report
+}
+
+/// Runs `load`, injecting `fault` once 1/`fraction` of its requests are answered; also returns how many
+/// were answered when the fault's last step ended.
+async fn load_injecting<F: std::future::Future<Output = ()>>(
+    h: &Harness,
+    load: Load,
+    fraction: u64,
+    fault: impl FnOnce() -> F,
+) -> (Report, u64) {
     let progress = Progress::new();
     let total = (load.clients * load.keys * load.passes) as u64;
     let injected = async {
-        progress.reached(total / 4).await;
+        progress.reached(total / fraction).await;
         fault().await;
         *progress.0.borrow()
     };
-    let (report, answered_by_then) = tokio::join!(run(h, &h.store, "acme", load, &progress), injected);
-    assert!(answered_by_then < total, "the load ended before the fault did ({answered_by_then} of {total} answered)");
-    report
+    tokio::join!(run(h, &h.store, "acme", load, &progress), injected)
 }
 
 /// Prints the report with what the store counted meanwhile, for `docs/reliability.md`.
