@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemstore::testkit::RedisCluster;
-use idemstore::{LeaseExpiry, RunError, RunOutcome};
+use idemstore::{Begin, Fingerprint, LeaseExpiry, Policy, RunError, RunOptions, RunOutcome};
 use serde_json::json;
 use support::chaos::{Load, assert_once, fallbacks, load_across_fault, print};
 use support::{Harness, key, short_lease};
@@ -227,4 +227,43 @@ fn a_key_prefix_with_a_brace_is_refused() {
         .key_prefix("app{1}")
         .build();
     assert!(matches!(built, Err(idemstore::ConfigError::KeyPrefix { .. })), "{built:?}");
+}
+
+/// A claim waiting for an in-flight owner on a cluster store (no Redis subscription there) flags the
+/// record in Postgres and is woken by the owner's completion through `LISTEN`/`NOTIFY`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_on_a_cluster_is_woken_through_postgres() {
+    let cluster = tokio::task::spawn_blocking(RedisCluster::start).await.expect("join").expect("start a cluster");
+    let long_lease = Policy::builder().lease(Duration::from_secs(60)).build().expect("policy");
+    let h = Harness::on_cluster(&cluster, long_lease.clone()).await;
+    let (scope, k) = (h.scope("acme"), key("awaited"));
+    let fingerprint = Fingerprint::of_serialize(&json!({"n": 1}), h.store.policy(&h.operation).fingerprint());
+    let fingerprint = fingerprint.expect("fingerprint");
+    let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint).await.expect("claim") else {
+        panic!("the key is new")
+    };
+    let waiter = {
+        let (store, scope, k, fingerprint) = (h.store.clone(), scope.clone(), k.clone(), fingerprint.clone());
+        tokio::spawn(async move {
+            let options = RunOptions::default().wait_in_flight(Duration::from_secs(30));
+            store.begin_with(&scope, &k, &fingerprint, &options).await.expect("the waiting claim")
+        })
+    };
+    let flagged =
+        "SELECT waited FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
+    while !sqlx::query_scalar::<_, bool>(flagged)
+        .bind(scope.tenant())
+        .bind(scope.operation())
+        .bind(k.as_str())
+        .fetch_one(&h.pool)
+        .await
+        .expect("the waited flag")
+    {
+        assert!(!waiter.is_finished(), "the waiter answered before asking to be woken");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    owner.complete(b"the result").await.expect("complete");
+    let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
+    assert_eq!(stored.as_bytes(), b"the result");
+    assert_eq!(h.counter("idemstore_wait_wakeups_total", &[("by", "notification")]), 1.0);
 }
