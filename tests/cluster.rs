@@ -16,9 +16,6 @@ use serde_json::json;
 use support::chaos::{Load, assert_once, fallbacks, load_across_fault, print};
 use support::{Harness, key, short_lease};
 
-/// The fault suite's workload, four times longer, so that it outlives a failover or a slot migration.
-const LOAD: Load = Load { clients: 8, keys: 24, passes: 12, attempts: 400 };
-
 async fn start() -> (Arc<RedisCluster>, Harness) {
     let cluster = tokio::task::spawn_blocking(RedisCluster::start).await.expect("join").expect("start a cluster");
     let h = Harness::on_cluster(&cluster, short_lease(LeaseExpiry::TakeOver)).await;
@@ -114,7 +111,7 @@ async fn every_script_runs_on_every_shard() {
 async fn manual_failover_mid_load() {
     let (cluster, h) = start().await;
     let master = master_of_first_key(&cluster, &h).await;
-    let report = load_across_fault(&h, LOAD, || async {
+    let report = load_across_fault(&h, Load::default(), || async {
         control(&cluster, move |c| c.failover(master)).await.expect("fail over");
     })
     .await;
@@ -131,9 +128,7 @@ async fn manual_failover_mid_load() {
 async fn master_killed_mid_load() {
     let (cluster, h) = start().await;
     let master = master_of_first_key(&cluster, &h).await;
-    // Longer than the others: the takeover alone takes the 2 s node timeout and an election.
-    let load = Load { passes: 36, ..LOAD };
-    let report = load_across_fault(&h, load, || async {
+    let report = load_across_fault(&h, Load::default(), || async {
         control(&cluster, move |c| {
             c.kill(master);
             c.wait_for_takeover_of(master)
@@ -159,7 +154,7 @@ async fn slot_migrated_mid_load() {
     let source = master_of_first_key(&cluster, &h).await;
     let masters = control(&cluster, |c| c.master_ports()).await.expect("masters");
     let target = masters.into_iter().find(|port| *port != source).expect("another master");
-    let report = load_across_fault(&h, LOAD, || async {
+    let report = load_across_fault(&h, Load::default(), || async {
         control(&cluster, move |c| c.migrate_slot(slot, target, Duration::from_millis(300))).await.expect("migrate");
     })
     .await;
@@ -235,7 +230,7 @@ fn a_key_prefix_with_a_brace_is_refused() {
 async fn a_waiter_on_a_cluster_is_woken_through_postgres() {
     let cluster = tokio::task::spawn_blocking(RedisCluster::start).await.expect("join").expect("start a cluster");
     let long_lease = Policy::builder().lease(Duration::from_secs(60)).build().expect("policy");
-    let h = Harness::on_cluster(&cluster, long_lease.clone()).await;
+    let h = Harness::on_cluster(&cluster, long_lease).await;
     let (scope, k) = (h.scope("acme"), key("awaited"));
     let fingerprint = Fingerprint::of_serialize(&json!({"n": 1}), h.store.policy(&h.operation).fingerprint());
     let fingerprint = fingerprint.expect("fingerprint");
@@ -249,19 +244,7 @@ async fn a_waiter_on_a_cluster_is_woken_through_postgres() {
             store.begin_with(&scope, &k, &fingerprint, &options).await.expect("the waiting claim")
         })
     };
-    let flagged =
-        "SELECT waited FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
-    while !sqlx::query_scalar::<_, bool>(flagged)
-        .bind(scope.tenant())
-        .bind(scope.operation())
-        .bind(k.as_str())
-        .fetch_one(&h.pool)
-        .await
-        .expect("the waited flag")
-    {
-        assert!(!waiter.is_finished(), "the waiter answered before asking to be woken");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    h.wait_until_flagged(&scope, &k, false).await;
     owner.complete(b"the result").await.expect("complete");
     let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
     assert_eq!(stored.as_bytes(), b"the result");

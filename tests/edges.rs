@@ -477,9 +477,10 @@ async fn a_completed_record_costs_redis_at_most_200_bytes_beyond_its_response() 
 }
 
 /// begin.lua sent twice by the same caller (a Redis Cluster client re-sends a call whose connection
-/// dropped after sending; the first run may have written the marker) answers "claimed" both times, so
-/// the caller goes on to claim in Postgres instead of being told its own key is in flight; another
-/// caller still hears "in flight". (Before: the second run answered in flight for a whole lease.)
+/// dropped after sending; the first run may have written the marker) answers "claimed" both times (the
+/// answer that sends the caller on to claim in Postgres) instead of telling it its own key is in
+/// flight; another caller still hears "in flight". The script's replies are checked directly. (Before:
+/// the second run answered in flight for a whole lease.)
 #[tokio::test]
 async fn begin_resent_by_its_own_caller_is_still_claimed() {
     let h = Harness::start(Mode::TwoTier).await;
@@ -499,4 +500,40 @@ async fn begin_resent_by_its_own_caller_is_still_claimed() {
     assert_eq!(first, claimed);
     assert_eq!(resent, claimed);
     assert!(matches!(other.first(), Some(redis::Value::BulkString(tag)) if tag == b"in_flight"), "{other:?}");
+}
+
+/// Found by the model checker (MODEL_SEED=14070766192722663491, case 87; it fails at 215872d too): an
+/// operator's store whose Redis connection went stale in a Redis restart resolved an indeterminate key
+/// as released in Postgres, but its eviction of the "indeterminate" copy failed on that connection, so
+/// every process went on answering "indeterminate" for a key the next request should execute. A write
+/// that settles a key now tries once more on a new connection when the shared one fails.
+#[tokio::test]
+async fn a_resolution_clears_the_redis_copy_after_a_redis_restart() {
+    let policy = policy(LeaseExpiry::MarkIndeterminate);
+    let h = Harness::with(Mode::TwoTier, policy.clone(), Servers::Owned).await;
+    let (scope, k, payload) = (h.scope("acme"), key("resolved-after-restart"), r#"{"a":1}"#);
+    // The operator's store holds a connection from before the restart.
+    let operator = h.new_store(policy.clone());
+    let warm = operator.begin(&scope, &key("warm-up"), &fingerprint(payload)).await.expect("warm up");
+    assert!(matches!(warm, Begin::Acquired(_)), "{warm:?}");
+    h.redis.as_ref().expect("an owned Redis").restart().expect("restart Redis");
+    // A store connected after the restart leaves an "indeterminate" copy in Redis.
+    let app = h.new_store(policy);
+    let Begin::Acquired(_owner) = app.begin(&scope, &k, &fingerprint(payload)).await.expect("claim") else {
+        panic!("the key is new")
+    };
+    h.pass_lease(&scope, &k).await;
+    let seen = app.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
+    assert!(matches!(seen, Begin::Indeterminate), "{seen:?}");
+    let copy: Option<String> = redis::cmd("HGET")
+        .arg(h.redis_key(&scope, &k))
+        .arg("s")
+        .query_async(&mut h.redis_connection().await)
+        .await
+        .expect("HGET");
+    assert_eq!(copy.as_deref(), Some("i"), "Redis holds the indeterminate copy");
+
+    assert!(operator.resolve(&scope, &k, idemstore::Resolution::Released).await.expect("resolve"));
+    let next = app.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
+    assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
 }

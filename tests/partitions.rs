@@ -11,6 +11,12 @@ use support::{Harness, key};
 
 suite!(converting_keeps_records_owners_and_names);
 
+/// `r` for a plain table, `p` for a partitioned one.
+async fn relkind(h: &Harness) -> String {
+    let sql = "SELECT relkind::text FROM pg_class WHERE oid = 'idempotency_records'::regclass";
+    sqlx::query_scalar(sql).fetch_one(&h.pool).await.expect("relkind")
+}
+
 /// Index and constraint names of the records table, sorted.
 async fn names(h: &Harness) -> Vec<String> {
     let sql = "SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = 'idempotency_records'::regclass
@@ -34,16 +40,23 @@ async fn converting_keeps_records_owners_and_names(mode: Mode) {
     let Begin::Acquired(owner) = h.store.begin(&scope, &live, &fingerprint).await.expect("begin") else {
         panic!("the key is new")
     };
-    // An application role with its grants, as a deployment that migrates under another role has.
-    let role = format!("app_{}", h.id());
-    for statement in
-        [format!("CREATE ROLE {role}"), format!("GRANT SELECT, INSERT, UPDATE ON idempotency_records TO {role}")]
-    {
-        sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&h.pool).await.expect("a role and its grants");
+    // A table owned by a role of its own (a name that needs quoting), with an application role's grants
+    // (one with grant option), a grant to PUBLIC and a storage parameter: what a deployment that
+    // migrates under another role has. Only where this test converts the table itself (not in CI's
+    // partitioned pass, where the harness did).
+    let converting = relkind(&h).await == "r";
+    let (owner_role, app_role) = (format!("App-Owner-{}", h.id()), format!("app_{}", h.id()));
+    let setup = [
+        format!(r#"CREATE ROLE "{owner_role}""#),
+        format!("CREATE ROLE {app_role}"),
+        format!(r#"ALTER TABLE idempotency_records OWNER TO "{owner_role}""#),
+        format!("GRANT SELECT, INSERT, UPDATE ON idempotency_records TO {app_role} WITH GRANT OPTION"),
+        "GRANT SELECT ON idempotency_records TO PUBLIC".to_owned(),
+        "ALTER TABLE idempotency_records SET (fillfactor = 90)".to_owned(),
+    ];
+    for statement in setup.into_iter().filter(|_| converting) {
+        sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&h.pool).await.expect("roles, grants, parameters");
     }
-    let can_write = format!("SELECT has_table_privilege('{role}', 'idempotency_records', 'UPDATE')");
-    let table_owner = "SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = 'idempotency_records'::regclass";
-    let owner_before: String = sqlx::query_scalar(table_owner).fetch_one(&h.pool).await.expect("owner");
     let before = names(&h).await;
     for name in ["idempotency_records_pkey", "idempotency_records_state_check", "idempotency_records_expires_at"] {
         assert!(before.iter().any(|n| n == name), "{name} in {before:?}");
@@ -51,15 +64,29 @@ async fn converting_keeps_records_owners_and_names(mode: Mode) {
 
     h.store.partition_by_tenant(partitions).await.expect("partition");
 
-    let kind: String = sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE relname = 'idempotency_records'")
-        .fetch_one(&h.pool)
-        .await
-        .expect("relkind");
-    assert_eq!(kind, "p", "partitioned");
+    assert_eq!(relkind(&h).await, "p", "partitioned");
     assert_eq!(names(&h).await, before, "later migrations find the names they expect");
-    let granted: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(can_write)).fetch_one(&h.pool).await.expect("privilege");
-    assert!(granted, "the application role keeps its grants");
-    assert_eq!(sqlx::query_scalar::<_, String>(table_owner).fetch_one(&h.pool).await.expect("owner"), owner_before);
+    if converting {
+        let kept = format!(
+            "SELECT pg_get_userbyid(relowner) = '{owner_role}'
+                    AND has_table_privilege('{app_role}', 'idempotency_records', 'UPDATE WITH GRANT OPTION')
+                    AND has_table_privilege('public', 'idempotency_records', 'SELECT')
+             FROM pg_class WHERE oid = 'idempotency_records'::regclass"
+        );
+        let kept: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(kept)).fetch_one(&h.pool).await.expect("owner, grants");
+        assert!(kept, "the table keeps its owner and grants");
+        let parameters = "SELECT bool_and(c.reloptions @> '{fillfactor=90}' AND pg_get_userbyid(c.relowner) = $1)
+                          FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                          WHERE i.inhparent = 'idempotency_records'::regclass";
+        let parameters: bool =
+            sqlx::query_scalar(parameters).bind(&owner_role).fetch_one(&h.pool).await.expect("partitions");
+        assert!(parameters, "every partition has the table's owner and storage parameters");
+        let cleanup = format!(
+            r#"REASSIGN OWNED BY "{owner_role}", {app_role} TO CURRENT_USER;
+               DROP OWNED BY "{owner_role}", {app_role}; DROP ROLE "{owner_role}"; DROP ROLE {app_role}"#
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(cleanup)).execute(&h.pool).await.expect("drop the roles");
+    }
     let replayed = h.store.run_once(&scope, &done, &json!({"n": 1}), || h.charge("acme", &done)).await;
     assert!(matches!(replayed, Ok(RunOutcome::Replayed(_))), "{replayed:?}");
     assert_eq!(h.effects("acme", &done).await, 1);

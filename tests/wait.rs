@@ -36,35 +36,6 @@ fn fingerprint() -> Fingerprint {
     Fingerprint::of_json(br#"{"amount":1}"#, &FingerprintOptions::default()).expect("fingerprint")
 }
 
-/// Waits until a claim has asked to hear of the record's settlement: the digest in the Redis marker, or
-/// the `waited` flag in Postgres (`in_redis` chooses).
-async fn flagged(h: &Harness, scope: &Scope, k: &IdempotencyKey, in_redis: bool) {
-    let started = Instant::now();
-    loop {
-        let flagged = if in_redis {
-            let field: Option<String> =
-                h.redis_connection().await.hget(h.redis_key(scope, k), "w").await.expect("hget");
-            field.is_some()
-        } else {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT waited FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3",
-            )
-            .bind(scope.tenant())
-            .bind(scope.operation())
-            .bind(k.as_str())
-            .fetch_optional(&h.pool)
-            .await
-            .expect("read the flag")
-            .unwrap_or(false)
-        };
-        if flagged {
-            return;
-        }
-        assert!(started.elapsed() < Duration::from_secs(10), "the waiter never asked to be woken");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 /// Starts a claim on `store` that waits up to `wait` for the key's owner.
 fn wait_on(store: &Store, scope: &Scope, k: &IdempotencyKey, wait: Duration) -> tokio::task::JoinHandle<Begin> {
     let (store, scope, k) = (store.clone(), scope.clone(), k.clone());
@@ -81,7 +52,7 @@ async fn a_waiter_in_another_store_is_woken_when_the_owner_completes(mode: Mode)
     let (scope, k) = (h.scope("acme"), key("awaited"));
     let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
     let waiter = wait_on(&h.new_store(long_lease()), &scope, &k, Duration::from_secs(30));
-    flagged(&h, &scope, &k, mode == Mode::TwoTier).await;
+    h.wait_until_flagged(&scope, &k, mode == Mode::TwoTier).await;
     owner.complete(b"the result").await.expect("complete");
     let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
     assert_eq!(stored.as_bytes(), b"the result");
@@ -96,7 +67,7 @@ async fn a_waiter_is_woken_when_the_owner_releases_and_claims_the_key(mode: Mode
     let (scope, k) = (h.scope("acme"), key("released"));
     let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
     let waiter = wait_on(&h.new_store(long_lease()), &scope, &k, Duration::from_secs(30));
-    flagged(&h, &scope, &k, mode == Mode::TwoTier).await;
+    h.wait_until_flagged(&scope, &k, mode == Mode::TwoTier).await;
     owner.release().await.expect("release");
     let Begin::Acquired(next) = waiter.await.expect("join") else { panic!("the waiter claims the released key") };
     next.complete(b"second try").await.expect("the waiter completes");
@@ -152,7 +123,7 @@ async fn an_http_retry_waits_for_the_first_response(mode: Mode) {
     entered.notified().await;
     let retry = tokio::spawn(service.clone().oneshot(request()));
     let scope = h.scope("acme");
-    flagged(&h, &scope, &key("waited-over-http"), mode == Mode::TwoTier).await;
+    h.wait_until_flagged(&scope, &key("waited-over-http"), mode == Mode::TwoTier).await;
     finish.notify_one();
     for answer in [first.await.expect("join"), retry.await.expect("join")] {
         let response = answer.expect("infallible");
@@ -172,7 +143,7 @@ async fn a_waiter_follows_postgres_when_redis_lost_the_marker() {
     let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
     let _: () = h.redis_connection().await.del(h.redis_key(&scope, &k)).await.expect("drop the marker");
     let waiter = wait_on(&h.new_store(long_lease()), &scope, &k, Duration::from_secs(30));
-    flagged(&h, &scope, &k, false).await;
+    h.wait_until_flagged(&scope, &k, false).await;
     owner.complete(b"the result").await.expect("complete");
     let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
     assert_eq!(stored.as_bytes(), b"the result");
@@ -192,7 +163,7 @@ async fn waiters_do_not_wake_each_other_in_turn() {
     let waiters = h.new_store(long_lease());
     let first = wait_on(&waiters, &scope, &k, Duration::from_secs(30));
     let second = wait_on(&waiters, &scope, &k, Duration::from_secs(30));
-    flagged(&h, &scope, &k, false).await;
+    h.wait_until_flagged(&scope, &k, false).await;
     // What the waiters do while the owner works: a loop shows as hundreds of wake-ups in this window.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let woken = h.counter(WAKEUPS, &[]);

@@ -237,8 +237,9 @@ fn print(cli: &Cli, output: &Output) {
 async fn run(cli: &Cli) -> Result<Output, CliError> {
     let database_url = cli.database_url.clone().ok_or(CliError::NoDatabase)?;
     let mut builder = Store::builder().database_url(database_url).key_prefix(cli.key_prefix.clone());
-    if !cli.redis_cluster.is_empty() {
-        builder = builder.redis_cluster(cli.redis_cluster.iter().cloned());
+    let seeds: Vec<String> = cli.redis_cluster.iter().filter(|seed| !seed.is_empty()).cloned().collect();
+    if !seeds.is_empty() {
+        builder = builder.redis_cluster(seeds);
     } else if let Some(url) = &cli.redis_url {
         builder = builder.redis_url(url.clone());
     }

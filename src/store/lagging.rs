@@ -20,7 +20,7 @@ use super::redis_connection::{RedisConnection, RedisSource};
 /// copies expire with their lease.
 const CAPACITY: usize = 100_000;
 
-/// How many keys the background task deletes per attempt, each attempt within one budget.
+/// How many deletions the background task sends at once.
 const REPAIR_BATCH: usize = 1_000;
 
 #[derive(Clone, Default)]
@@ -84,18 +84,21 @@ impl LaggingKeys {
         Ok(())
     }
 
-    /// Deletes up to [`REPAIR_BATCH`] remembered keys, one `DEL` each, all sent at once (a shared
-    /// connection pipelines them; a cluster sends each to its key's node). Each is forgotten as soon as
-    /// its own deletion is confirmed.
-    async fn delete_batch(&self, conn: &RedisConnection) -> Result<(), redis::RedisError> {
-        let batch: Vec<(String, u64)> = match self.keys.lock() {
-            Ok(remembered) => {
-                remembered.latest.iter().take(REPAIR_BATCH).map(|(key, seen)| (key.clone(), *seen)).collect()
-            }
+    /// Deletes every remembered key, one `DEL` each, [`REPAIR_BATCH`] at a time (a shared connection
+    /// pipelines them; a cluster sends each to its key's node). Each is forgotten as soon as its own
+    /// deletion is confirmed; one that fails (its shard still down) does not stop the others. Returns
+    /// the first failure, after trying them all.
+    async fn delete_remembered(&self, conn: &RedisConnection) -> Result<(), redis::RedisError> {
+        let remembered: Vec<(String, u64)> = match self.keys.lock() {
+            Ok(remembered) => remembered.latest.iter().map(|(key, seen)| (key.clone(), *seen)).collect(),
             Err(_) => return Ok(()),
         };
-        let deletions = batch.iter().map(|(key, seen)| self.delete(conn, key, *seen));
-        let failed = futures_util::future::join_all(deletions).await.into_iter().find_map(Result::err);
+        let mut failed = None;
+        for batch in remembered.chunks(REPAIR_BATCH) {
+            let deletions = batch.iter().map(|(key, seen)| self.delete(conn, key, *seen));
+            let first = futures_util::future::join_all(deletions).await.into_iter().find_map(Result::err);
+            failed = failed.or(first);
+        }
         if let Ok(mut remembered) = self.keys.lock() {
             let Remembered { latest, order, .. } = &mut *remembered;
             order.retain(|(number, key)| latest.get(key) == Some(number));
@@ -113,14 +116,9 @@ impl LaggingKeys {
             let attempt = async {
                 let conn =
                     source.connect(budget).await.map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))?;
-                while !self.is_empty() {
-                    self.delete_batch(&conn)
-                        .await
-                        .map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))?;
-                }
-                Ok::<_, ()>(())
+                self.delete_remembered(&conn).await.map_err(|e| tracing::debug!(error = %e, "Redis still unavailable"))
             };
-            // Each batch within a budget; a long list takes several.
+            // A long list takes several budgets; what is left waits for the next attempt.
             let _ = tokio::time::timeout(budget * 10, attempt).await;
             if self.is_empty() {
                 self.repairing.store(false, Ordering::Release);

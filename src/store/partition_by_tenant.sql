@@ -21,24 +21,34 @@ DECLARE
     owner_name text;
     options text[];
 BEGIN
-    PERFORM set_config('lock_timeout', '5s', true);
-    LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE;
-    PERFORM set_config('lock_timeout', '0', true);
-    IF EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'idempotency_records'::regclass) THEN
-        SELECT count(*) INTO existing FROM pg_inherits WHERE inhparent = 'idempotency_records'::regclass;
-        IF existing <> partitions THEN
-            RAISE EXCEPTION 'idempotency_records is already partitioned into % partitions, not %',
-                existing, partitions;
+    -- Twice: before the lock, so that running it again on a live store takes no lock at all; and
+    -- under the lock, for a conversion that committed meanwhile.
+    FOR attempt IN 1 .. 2 LOOP
+        IF EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'idempotency_records'::regclass) THEN
+            SELECT count(*) INTO existing FROM pg_inherits WHERE inhparent = 'idempotency_records'::regclass;
+            IF existing <> partitions THEN
+                RAISE EXCEPTION 'idempotency_records is already partitioned into % partitions, not %',
+                    existing, partitions;
+            END IF;
+            RETURN;
         END IF;
-        RETURN;
-    END IF;
+        IF attempt = 1 THEN
+            PERFORM set_config('lock_timeout', '5s', true);
+            LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE;
+            PERFORM set_config('lock_timeout', '0', true);
+        END IF;
+    END LOOP;
 
     -- What a copy would silently lose is refused instead: convert such a table by hand.
     IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'idempotency_records'::regclass AND NOT tgisinternal)
        OR EXISTS (SELECT 1 FROM pg_policy WHERE polrelid = 'idempotency_records'::regclass)
-       OR EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = 'idempotency_records'::regclass) THEN
-        RAISE EXCEPTION 'idempotency_records has triggers, row security policies or publications of its own: '
-            'partition it by hand (see docs/scale-out.md)';
+       OR EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = 'idempotency_records'::regclass)
+       OR EXISTS (SELECT 1 FROM pg_class WHERE oid = 'idempotency_records'::regclass
+                                           AND (relrowsecurity OR relforcerowsecurity))
+       OR EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'idempotency_records'::regclass AND attacl IS NOT NULL)
+       OR EXISTS (SELECT 1 FROM pg_rewrite WHERE ev_class = 'idempotency_records'::regclass) THEN
+        RAISE EXCEPTION 'idempotency_records has triggers, row security, column privileges, rules or '
+            'publications of its own: partition it by hand (see docs/scale-out.md)';
     END IF;
     SELECT n.nspname, pg_get_userbyid(c.relowner), c.reloptions INTO schema_name, owner_name, options
     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = 'idempotency_records'::regclass;

@@ -260,11 +260,14 @@ impl RedisTier {
         }))
     }
 
-    /// Deletes a record's copy; returns whether there was one.
+    /// Deletes a record's copy; returns whether there was one. A copy that could not be deleted is left
+    /// to the lagging keys' repair (the caller settled the record in Postgres, or asked for it gone).
     pub(crate) async fn evict(&self, record_key: &str) -> Result<bool, RedisUnavailable> {
-        let mut conn = self.connection().await?;
-        let deleted: i64 = redis::cmd("DEL").arg(record_key).query_async(&mut conn).await?;
-        Ok(deleted == 1)
+        let evict = |mut conn: RedisConnection| async move {
+            let deleted: i64 = redis::cmd("DEL").arg(record_key).query_async(&mut conn).await?;
+            Ok(deleted == 1)
+        };
+        self.on_live_connection(evict).await.inspect_err(|_| self.left_behind(record_key))
     }
 
     /// Remembers a key whose Redis copy may now lag behind Postgres ([`LaggingKeys`]).
@@ -287,18 +290,43 @@ impl RedisTier {
             return Err(RedisUnavailable::CircuitOpen);
         }
         telemetry::redis_call(name);
-        let call = async {
-            let mut conn = self.connection().await?;
+        let attempt = |mut conn: RedisConnection| async move {
             // Boxed: rare, and it keeps every request's future shallow.
             if let Some(seen) = self.lagging.lagging(record_key) {
                 Box::pin(self.lagging.delete(&conn, record_key, seen)).await?;
             }
-            Ok(script.invoke(&mut conn, record_key, args).await?)
+            script.invoke(&mut conn, record_key, args).await
+        };
+        let call = async {
+            match call {
+                // A settlement is worth a second connection: every process reads what it leaves.
+                Call::Settle => Box::pin(self.on_live_connection(attempt)).await,
+                Call::Answer => Ok(attempt(self.connection().await?).await?),
+            }
         };
         match tokio::time::timeout(self.budget, call).await {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) => Err(self.trip(e)),
             Err(_) => Err(self.trip(RedisUnavailable::Timeout)),
+        }
+    }
+
+    /// Runs `call` on the shared connection, and once more on a new one if that connection itself
+    /// failed (gone stale, as after a Redis restart: the first command on it fails), not when Redis
+    /// answered an error. Only for calls that are safe to run twice (all of them are: see the scripts).
+    async fn on_live_connection<T, Fut>(&self, call: impl Fn(RedisConnection) -> Fut) -> Result<T, RedisUnavailable>
+    where
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        match call(self.connection().await?).await {
+            Err(error) if error.is_io_error() || error.is_connection_dropped() => {
+                tracing::debug!(%error, "the shared Redis connection failed; trying a new one");
+                if let Ok(mut shared) = self.shared.write() {
+                    *shared = None;
+                }
+                Ok(call(self.connection().await?).await?)
+            }
+            answered => Ok(answered?),
         }
     }
 

@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use idemstore::{IdempotencyKey, RunOutcome, Store};
@@ -88,11 +89,29 @@ fn payload(key: usize) -> Value {
 
 /// Runs the load on `store` under `tenant`, then checks the effects.
 pub async fn run(h: &Harness, store: &Store, tenant: &str, load: Load, progress: &Progress) -> Report {
+    run_until(h, store, tenant, load, progress, None).await
+}
+
+/// As [`run`]; with `fault_over`, each client goes on past `load.passes` until it has made one whole
+/// pass that started after the flag was set.
+async fn run_until(
+    h: &Harness,
+    store: &Store,
+    tenant: &str,
+    load: Load,
+    progress: &Progress,
+    fault_over: Option<&AtomicBool>,
+) -> Report {
     let tally = Mutex::new(Tally::default());
     let clients = (0..load.clients).map(|client| {
         let tally = &tally;
         async move {
-            for pass in 0..load.passes {
+            let mut passes_after_fault = 0;
+            for pass in 0.. {
+                if pass >= load.passes && (fault_over.is_none() || passes_after_fault > 0) {
+                    break;
+                }
+                let after_fault = fault_over.is_some_and(|over| over.load(Ordering::Acquire));
                 for i in 0..load.keys {
                     let k = (i + client) % load.keys;
                     let key = IdempotencyKey::new(format!("chaos-{k}")).expect("key");
@@ -102,6 +121,7 @@ pub async fn run(h: &Harness, store: &Store, tenant: &str, load: Load, progress:
                     request(h, store, tenant, &key, &body, reused, load.attempts, tally).await;
                     progress.advance();
                 }
+                passes_after_fault += usize::from(after_fault);
             }
         }
     });
@@ -180,39 +200,36 @@ pub async fn load_with_fault_at<F: std::future::Future<Output = ()>>(
     fraction: u64,
     fault: impl FnOnce() -> F,
 ) -> Report {
-    load_injecting(h, Load::default(), fraction, fault).await.0
+    let (load, progress) = (Load::default(), Progress::new());
+    let total = (load.clients * load.keys * load.passes) as u64;
+    let injected = async {
+        progress.reached(total / fraction).await;
+        fault().await;
+    };
+    tokio::join!(run(h, &h.store, "acme", load, &progress), injected).0
 }
 
-/// Runs `load`, injecting `fault` once a quarter of its requests are answered, and checks that the load
-/// outlived the fault: requests were still answered after the fault's last step (a fault that ends after
-/// the load proves nothing about it).
+/// Runs `load`, injecting `fault` once a quarter of its requests are answered, and goes on until every
+/// client made one whole pass that started after the fault's last step (a load that ended before the
+/// fault did would prove nothing about it); checks that those requests were answered.
 pub async fn load_across_fault<F: std::future::Future<Output = ()>>(
     h: &Harness,
     load: Load,
     fault: impl FnOnce() -> F,
 ) -> Report {
-    let total = (load.clients * load.keys * load.passes) as u64;
-    let (report, answered_by_then) = load_injecting(h, load, 4, fault).await;
-    assert!(answered_by_then < total, "the load ended before the fault did ({answered_by_then} of {total} answered)");
-    report
-}
-
-/// Runs `load`, injecting `fault` once 1/`fraction` of its requests are answered; also returns how many
-/// were answered when the fault's last step ended.
-async fn load_injecting<F: std::future::Future<Output = ()>>(
-    h: &Harness,
-    load: Load,
-    fraction: u64,
-    fault: impl FnOnce() -> F,
-) -> (Report, u64) {
-    let progress = Progress::new();
+    let (progress, fault_over) = (Progress::new(), AtomicBool::new(false));
     let total = (load.clients * load.keys * load.passes) as u64;
     let injected = async {
-        progress.reached(total / fraction).await;
+        progress.reached(total / 4).await;
         fault().await;
+        fault_over.store(true, Ordering::Release);
         *progress.0.borrow()
     };
-    tokio::join!(run(h, &h.store, "acme", load, &progress), injected)
+    let (report, answered_by_then) =
+        tokio::join!(run_until(h, &h.store, "acme", load, &progress, Some(&fault_over)), injected);
+    let after = report.requests - answered_by_then;
+    assert!(after >= (load.clients * load.keys) as u64, "only {after} requests after the fault: {report:#?}");
+    report
 }
 
 /// Prints the report with what the store counted meanwhile, for `docs/reliability.md`.

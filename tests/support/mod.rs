@@ -295,6 +295,40 @@ impl Harness {
         format!("{}:{{{digest}}}", self.prefix)
     }
 
+    /// Waits until a claim has asked to hear of the record's settlement: the digest in the Redis marker, or
+    /// the `waited` flag in Postgres (`in_redis` chooses).
+    pub async fn wait_until_flagged(&self, scope: &Scope, k: &IdempotencyKey, in_redis: bool) {
+        let started = std::time::Instant::now();
+        loop {
+            let flagged = if in_redis {
+                let mut conn = self.redis_connection().await;
+                let field: Option<String> = redis::cmd("HGET")
+                    .arg(self.redis_key(scope, k))
+                    .arg("w")
+                    .query_async(&mut conn)
+                    .await
+                    .expect("HGET");
+                field.is_some()
+            } else {
+                sqlx::query_scalar::<_, bool>(
+                    "SELECT waited FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3",
+                )
+                .bind(scope.tenant())
+                .bind(scope.operation())
+                .bind(k.as_str())
+                .fetch_optional(&self.pool)
+                .await
+                .expect("read the flag")
+                .unwrap_or(false)
+            };
+            if flagged {
+                return;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "the waiter never asked to be woken");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// A counter of this test's operation (labels other than `operation` must match too).
     pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         counter(&self.operation, name, labels)
