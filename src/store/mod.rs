@@ -134,13 +134,14 @@ impl Store {
     /// (docs/scale-out.md). Run it with the application stopped, like a migration that rewrites a table:
     /// existing records are copied under a table lock, in one transaction, keeping their fences, and a
     /// claim or completion that waits on that lock past its own lock timeout fails. The table keeps its
-    /// owner, grants, index and constraint names; one with triggers, row security policies or
-    /// publications of its own is refused. Running it again with the same number does nothing.
+    /// schema, owner, grants, index and constraint names; one with triggers, row security, column
+    /// privileges, rules or publications of its own is refused. Running it again with the same number
+    /// does nothing and takes no lock.
     ///
     /// # Errors
     /// [`ConfigError::Partitions`] for 0 or more than 1024 partitions; [`StoreError::Migrate`] when the
-    /// table is already partitioned into another number, has triggers, policies or publications, its
-    /// lock is not granted within 5 s, or Postgres fails.
+    /// table is already partitioned into another number, has what it refuses above, its lock is not
+    /// granted within 5 s, or Postgres fails.
     pub async fn partition_by_tenant(&self, partitions: u16) -> Result<(), StoreError> {
         if !(1..=1024).contains(&partitions) {
             return Err(ConfigError::Partitions { partitions }.into());
