@@ -99,6 +99,13 @@ pub enum ConfigError {
         /// The refused count.
         partitions: u16,
     },
+    /// A webhook verifier was given no secret, an empty one, or a Standard Webhooks secret that is not
+    /// `whsec_` and base64.
+    #[error("webhook secret: {reason}")]
+    WebhookSecret {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// The call needs Redis, and this store is Postgres-only.
     #[error("this store is Postgres-only; the call needs Redis")]
     NoRedis,
@@ -146,6 +153,52 @@ pub enum ConfigError {
         /// The unknown tier.
         tier: String,
     },
+}
+
+/// A webhook delivery was refused before anything was read or written: it is unsigned, garbled, signed
+/// with no active secret, or signed too long ago (or ahead).
+///
+/// [`SignatureError::is_unauthorized`] tells a forged or stale delivery (HTTP 401) from a malformed one
+/// (400); both must not be acknowledged as handled.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SignatureError {
+    /// The inbox has no verifier ([`crate::Inbox::verified_by`]).
+    #[error("this inbox has no webhook verifier")]
+    NoVerifier,
+    /// A header the scheme requires is absent (the delivery is unsigned).
+    #[error("the delivery has no {name} header")]
+    MissingHeader {
+        /// The header's name.
+        name: &'static str,
+    },
+    /// A signature header does not parse.
+    #[error("the delivery's {name} header is malformed")]
+    MalformedHeader {
+        /// The header's name.
+        name: &'static str,
+    },
+    /// No signature matches any active secret over this body, timestamp and event id.
+    #[error("no signature of the delivery matches an active secret")]
+    Mismatch,
+    /// The signed timestamp is further from now than the tolerance.
+    #[error("the delivery was signed {skew:?} away from now; the tolerance is {tolerance:?}")]
+    Stale {
+        /// How far the signed timestamp is from now.
+        skew: std::time::Duration,
+        /// The verifier's tolerance.
+        tolerance: std::time::Duration,
+    },
+    /// The signed body has no top-level string `id` (Stripe's event id).
+    #[error("the signed body has no event id")]
+    MissingEventId,
+}
+
+impl SignatureError {
+    /// Whether the delivery is signed wrongly or too long ago (401), as opposed to malformed (400).
+    pub fn is_unauthorized(&self) -> bool {
+        matches!(self, SignatureError::Mismatch | SignatureError::Stale { .. })
+    }
 }
 
 /// The store could not answer.

@@ -53,7 +53,9 @@ impl IdempotencyKey {
             hasher.update((part.len() as u64).to_le_bytes());
             hasher.update(part.as_bytes());
         }
-        IdempotencyKey(format!("idem-{:x}", hasher.finalize()))
+        let mut digits = [0; 64];
+        crate::fingerprint::write_hex(&hasher.finalize(), &mut digits);
+        IdempotencyKey(format!("idem-{}", std::str::from_utf8(&digits).expect("hex digits are ASCII")))
     }
 
     /// The key of outbox row `id` (`outbox-<id>`), valid by construction.
@@ -137,10 +139,9 @@ pub(crate) fn validate_name(field: &'static str, name: &str) -> Result<(), Input
 /// name another tenant's key: that takes a second preimage (2^128 work), and even an accidental collision
 /// replays only to a request with the same payload fingerprint.
 pub(crate) fn key_digest(scope: &Scope, key: &IdempotencyKey) -> String {
-    use std::io::Write as _;
     let (tenant, operation) = (scope.tenant(), scope.operation());
-    let mut hasher = Sha256::new();
-    let _ = write!(hasher, "{}:{tenant}:{}:{operation}:{key}", tenant.len(), operation.len());
+    let prefixed = format!("{}:{tenant}:{}:{operation}:{key}", tenant.len(), operation.len());
+    let hasher = Sha256::new_with_prefix(prefixed);
     let mut digits = [0; 32];
     crate::fingerprint::write_hex(&hasher.finalize()[..16], &mut digits);
     String::from_utf8(digits.to_vec()).expect("hex digits are ASCII")

@@ -69,7 +69,8 @@
 //!   settled by its rule. [`RunOptions`] is the one way to change a claim (policy, wait, heartbeat).
 //! - [`Store::run_once`] and [`Store::run_once_in_tx`]: the generic APIs on top; derived downstream keys
 //!   with [`Owner::derive_key`].
-//! - [`Inbox`] (`Store::inbox`): webhook and message consumers handle each event once.
+//! - [`Inbox`] (`Store::inbox`): webhook and message consumers handle each event once; deliveries
+//!   signed the Stripe or Standard Webhooks way are verified first ([`WebhookVerifier`]).
 //! - [`Outbox`] (`Store::outbox`): rows written in the application's transaction, delivered after the
 //!   commit by a relay the application schedules.
 //! - [`http`] (feature `http`): the `Idempotency-Key` middleware for any tower service (axum routes,
@@ -103,9 +104,11 @@ pub mod telemetry;
 pub mod testkit;
 
 pub use config::{PolicyConfig, parse_duration};
-pub use error::{ConfigError, InputError, StoreError};
+pub use error::{ConfigError, InputError, SignatureError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
-pub use inbox::{Inbox, Received};
+pub use inbox::{
+    DEFAULT_TOLERANCE, DeliveryHeaders, Inbox, Received, SignatureScheme, VerifiedDelivery, WebhookVerifier,
+};
 pub use key::{IdempotencyKey, Scope};
 pub use options::{Heartbeat, RunOptions};
 pub use outbox::{Drained, Message, Outbox, TopicBacklog};

@@ -6,9 +6,11 @@ mod support;
 #[path = "support/payments.rs"]
 mod payments;
 
+use std::time::{Duration, SystemTime};
+
 use futures::future::join_all;
 use idemstore::http::problem_types;
-use idemstore::{Mode, State};
+use idemstore::{IdempotencyKey, Mode, Scope, State};
 use payments::{PAYMENTS, app, charge, charges, post_payment, problem_type, serve, wait_for_state};
 use serde_json::{Value, json};
 use support::Harness;
@@ -18,36 +20,100 @@ suite!(
     tenants_get_their_own_charges_end_to_end,
     metrics_match_a_known_sequence_end_to_end,
     webhook_redelivered_five_times_is_handled_once_end_to_end,
+    unsigned_forged_or_stale_webhooks_are_refused_and_record_nothing,
     every_metric_ops_uses_is_emitted,
 );
 
-/// A provider re-delivers one event five times at once to the demo's inbox: one row in
+/// A provider re-delivers one signed event five times at once to the demo's inbox: one row in
 /// `webhook_events`, every delivery acknowledged (or asked to retry), later ones marked duplicate.
 async fn webhook_redelivered_five_times_is_handled_once_end_to_end(mode: Mode) {
     let h = Harness::start(mode).await;
     let base = serve(&h).await;
     let client = reqwest::Client::new();
     let provider = format!("stripe-{}", h.id());
+    let body = json!({"id": "evt_42", "type": "charge.succeeded"}).to_string();
     let deliver = || {
-        client
-            .post(format!("{base}/webhooks/{provider}"))
-            .header("x-event-id", "evt_42")
+        let signed = sign_webhook(&provider, "evt_42", SystemTime::now(), &body);
+        signed
+            .iter()
+            .fold(client.post(format!("{base}/webhooks/{provider}")), |request, (name, value)| {
+                request.header(*name, value)
+            })
             .header("x-event-sequence", "3")
-            .json(&json!({"id": "evt_42", "type": "charge.succeeded"}))
+            .body(body.clone())
             .send()
     };
     let statuses: Vec<u16> =
         join_all((0..5).map(|_| deliver())).await.iter().map(|r| r.as_ref().expect("HTTP").status().as_u16()).collect();
     assert!(statuses.iter().all(|s| [200, 409].contains(s)), "{statuses:?}");
-    let count: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE provider = $1 AND event_id = 'evt_42'")
-            .bind(&provider)
-            .fetch_one(&h.pool)
-            .await
-            .expect("count");
-    assert_eq!(count, 1);
+    assert_eq!(webhook_events(&h, &provider).await, 1);
     let late: Value = deliver().await.expect("HTTP").json().await.expect("json");
     assert_eq!(late["status"], "duplicate");
+}
+
+/// Deliveries the provider did not sign, signed with another secret or for other bytes, or signed too long
+/// ago (or ahead),
+/// are refused (400 for missing or garbled headers, 401 for a wrong or stale signature) in both
+/// schemes, and record nothing: neither a handled event nor an inbox record that would make the real
+/// delivery of that event id a "duplicate". The real delivery is then handled.
+async fn unsigned_forged_or_stale_webhooks_are_refused_and_record_nothing(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    for provider in [format!("stripe-{}", h.id()), format!("partner-{}", h.id())] {
+        let body = json!({"id": "evt_7", "type": "charge.succeeded"}).to_string();
+        let send = |headers: Headers, body: String| {
+            let request = client.post(format!("{base}/webhooks/{provider}"));
+            headers.iter().fold(request, |request, (name, value)| request.header(*name, value)).body(body).send()
+        };
+        let now = SystemTime::now();
+        let signed = sign_webhook(&provider, "evt_7", now, &body);
+        let other = app::webhook_verifier(&provider, "whsec_b3RoZXItc2VjcmV0").expect("verifier");
+        let cases: Vec<(&str, Headers, String, u16)> = vec![
+            ("unsigned", vec![("x-event-id", "evt_7".into())], body.clone(), 400),
+            ("another body", signed.clone(), body.replace("succeeded", "refunded"), 401),
+            ("another secret", other.sign("evt_7", now, body.as_bytes()), body.clone(), 401),
+            (
+                "an hour old",
+                sign_webhook(&provider, "evt_7", now - Duration::from_secs(3600), &body),
+                body.clone(),
+                401,
+            ),
+            (
+                "an hour ahead",
+                sign_webhook(&provider, "evt_7", now + Duration::from_secs(3600), &body),
+                body.clone(),
+                401,
+            ),
+        ];
+        for (case, headers, body, status) in cases {
+            let response = send(headers, body).await.expect("HTTP");
+            assert_eq!(response.status().as_u16(), status, "{provider}: {case}");
+        }
+        assert_eq!(webhook_events(&h, &provider).await, 0, "{provider}: nothing handled");
+        let scope = Scope::new(provider.clone(), "inbox").expect("scope");
+        let key = IdempotencyKey::new("evt_7").expect("key");
+        assert_eq!(h.store.lookup(&scope, &key).await.expect("lookup"), None, "{provider}: nothing recorded");
+        let real: Value = send(signed, body).await.expect("HTTP").json().await.expect("json");
+        assert_eq!(real["status"], "processed", "{provider}: the real delivery is handled");
+        assert_eq!(webhook_events(&h, &provider).await, 1);
+    }
+}
+
+type Headers = Vec<(&'static str, String)>;
+
+/// The headers the provider would sign `body` with (the demo's secret, the provider's scheme).
+fn sign_webhook(provider: &str, event_id: &str, at: SystemTime, body: &str) -> Headers {
+    let verifier = app::webhook_verifier(provider, app::DEMO_WEBHOOK_SECRET).expect("the demo's verifier");
+    verifier.sign(event_id, at, body.as_bytes())
+}
+
+async fn webhook_events(h: &Harness, provider: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE provider = $1")
+        .bind(provider)
+        .fetch_one(&h.pool)
+        .await
+        .expect("count")
 }
 
 /// 50 concurrent POSTs with one key over real HTTP: one charge row and one receipt sent through the

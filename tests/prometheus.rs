@@ -106,7 +106,11 @@ async fn prometheus_sees_the_first_burst_and_the_first_outage(mode: Mode) {
     }
     let h = Harness::with(mode, Policy::default(), Servers::Owned).await;
     app::migrate(&h.store).await.expect("migrations");
-    let router = app::router(app::App { store: h.store.clone(), metrics: support::recorder().clone() });
+    let router = app::router(app::App {
+        store: h.store.clone(),
+        metrics: support::recorder().clone(),
+        webhook_secret: app::DEMO_WEBHOOK_SECRET.to_owned(),
+    });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let target = listener.local_addr().expect("address").to_string();
     tokio::spawn(async move { axum::serve(listener, router).await });

@@ -3,9 +3,12 @@
 //! Demo-grade authentication: the tenant is the bearer token itself (`Authorization: Bearer acme`).
 //! `POST /payments` records the charge and its receipt e-mail (an outbox row) in one transaction;
 //! [`send_receipts`] relays the receipts to the "mail provider" (the `receipts` table).
-//! `POST /webhooks/{provider}` is an inbox: the event id comes from `X-Event-Id` (or the body's `id`), an
-//! optional `X-Event-Sequence` is recorded, and a re-delivered event (whatever bookkeeping changed in its
-//! body) is acknowledged without re-running; the handler's insert commits with the inbox record.
+//! `POST /webhooks/{provider}` is an inbox for signed deliveries: providers whose name starts with `stripe`
+//! sign the Stripe way (`Stripe-Signature`), others the Standard Webhooks way (`webhook-id`,
+//! `webhook-timestamp`, `webhook-signature`), both with the demo's secret; the event id comes from the
+//! signed material, an unsigned, forged or stale delivery gets 400/401 and nothing is recorded. An optional
+//! `X-Event-Sequence` is recorded, and a re-delivered event (whatever bookkeeping changed in its body) is
+//! acknowledged without re-running; the handler's insert commits with the inbox record.
 //! Demo-only knobs: `X-Demo-Delay-Ms` slows the handler (to see a 409 for a concurrent retry) and
 //! `X-Demo-Fail: 500|400` makes it fail (to see what is stored and what is released).
 
@@ -18,7 +21,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idemstore::http::IdempotencyLayer;
-use idemstore::{Drained, Message, Received, RunError, Store, StoreError};
+use idemstore::{Drained, Message, Received, RunError, SignatureScheme, Store, StoreError, WebhookVerifier};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -28,10 +31,23 @@ use sqlx::migrate::Migrator;
 /// The demo's tables (`charges`, `webhook_events`, `receipts`), separate from the store's own schema.
 pub static CHARGES: Migrator = sqlx::migrate!("examples/payments/migrations");
 
+/// The webhook secret when `IDEMSTORE_DEMO_WEBHOOK_SECRET` is unset: `whsec_` and base64, which both
+/// schemes accept. Public, so never use it outside the demo.
+pub const DEMO_WEBHOOK_SECRET: &str = "whsec_ZGVtby1vbmx5LXdlYmhvb2stc2VjcmV0LTMyLWJ5dGVz";
+
 #[derive(Clone)]
 pub struct App {
     pub store: Store,
     pub metrics: PrometheusHandle,
+    /// The secret providers sign deliveries with (`whsec_` and base64).
+    pub webhook_secret: String,
+}
+
+/// The signature check of `provider`'s deliveries.
+pub fn webhook_verifier(provider: &str, secret: &str) -> Result<WebhookVerifier, idemstore::ConfigError> {
+    let scheme =
+        if provider.starts_with("stripe") { SignatureScheme::Stripe } else { SignatureScheme::StandardWebhooks };
+    WebhookVerifier::new(scheme, [secret])
 }
 
 /// Applies the store's migrations, then the demo's.
@@ -171,17 +187,22 @@ async fn receive_webhook(
     State(app): State<App>,
     Path(provider): Path<String>,
     headers: HeaderMap,
-    Json(event): Json<serde_json::Value>,
+    body: axum::body::Bytes,
 ) -> Response {
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let Some(event_id) = header("x-event-id").or_else(|| event["id"].as_str().map(str::to_owned)) else {
-        return error(StatusCode::BAD_REQUEST, "the event has no id (X-Event-Id or a JSON id)");
+    let inbox = match (app.store.inbox(provider.clone()), webhook_verifier(&provider, &app.webhook_secret)) {
+        (Ok(inbox), Ok(verifier)) => inbox.verified_by(verifier),
+        (Err(e), _) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
+        (_, Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
     };
-    let sequence = header("x-event-sequence").and_then(|s| s.parse().ok());
-    let inbox = match app.store.inbox(provider.clone()) {
-        Ok(inbox) => inbox,
+    let event_id = match inbox.verify(&headers, &body) {
+        Ok(delivery) => delivery.event_id,
+        Err(e) if e.is_unauthorized() => return error(StatusCode::UNAUTHORIZED, &e.to_string()),
         Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
     };
+    let Ok(event) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "the event is not JSON");
+    };
+    let sequence = headers.get("x-event-sequence").and_then(|v| v.to_str().ok()?.parse().ok());
     let handle = record_event(provider.clone(), event_id.clone());
     match inbox.receive_in_tx(&event_id, sequence, &event, handle).await {
         Ok(Received::Handled(_)) => Json(json!({ "status": "processed" })).into_response(),

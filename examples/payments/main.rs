@@ -6,7 +6,9 @@
 //! ```
 //! Environment: `DATABASE_URL`, `REDIS_URL` (throwaway local servers when unset), `BIND` (default
 //! 127.0.0.1:8080), `IDEMSTORE_MODE` (`two-tier`, the default, or `postgres-only`), `IDEMSTORE_REDIS_CLUSTER`
-//! (comma-separated seed URLs of a Redis Cluster, used instead of `REDIS_URL`).
+//! (comma-separated seed URLs of a Redis Cluster, used instead of `REDIS_URL`),
+//! `IDEMSTORE_DEMO_WEBHOOK_SECRET` (the secret `/webhooks/{provider}` verifies signatures with, `whsec_` and
+//! base64; a public demo secret when unset).
 
 mod app;
 
@@ -44,6 +46,14 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
     println!("  curl -s http://{addr}/metrics | grep idemstore_\n");
 
+    let webhook_secret =
+        std::env::var("IDEMSTORE_DEMO_WEBHOOK_SECRET").unwrap_or_else(|_| app::DEMO_WEBHOOK_SECRET.to_owned());
+    // Refuse a bad secret at start, not on the first delivery.
+    app::webhook_verifier("any", &webhook_secret)?;
+    if webhook_secret == app::DEMO_WEBHOOK_SECRET {
+        println!("webhooks are verified with the demo secret {webhook_secret} (set IDEMSTORE_DEMO_WEBHOOK_SECRET)\n");
+    }
+
     let relay = store.clone();
     tokio::spawn(async move {
         loop {
@@ -65,7 +75,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         }
     });
 
-    let app = app::router(app::App { store, metrics });
+    let app = app::router(app::App { store, metrics, webhook_secret });
     axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
     drop(servers);
     Ok(())

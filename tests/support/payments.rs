@@ -20,7 +20,11 @@ pub const PAYMENTS: &str = "POST /payments";
 /// The demo's router on the harness's store, its migrations applied.
 pub async fn demo(h: &Harness) -> Router {
     app::migrate(&h.store).await.expect("migrations");
-    app::router(app::App { store: h.store.clone(), metrics: super::support::recorder().clone() })
+    app::router(app::App {
+        store: h.store.clone(),
+        metrics: super::support::recorder().clone(),
+        webhook_secret: app::DEMO_WEBHOOK_SECRET.to_owned(),
+    })
 }
 
 pub fn charge(amount: i64) -> Value {

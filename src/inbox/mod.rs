@@ -5,6 +5,13 @@
 //! bookkeeping changed (Stripe counts `pending_webhooks` down), so comparing whole bodies would refuse
 //! every re-delivery after a failed first attempt, for as long as the record is kept. By default the
 //! body is not compared at all; [`Inbox::compare_fields`] names the fields whose change is a conflict.
+//!
+//! A delivery's id must come from the provider: [`Inbox::verify`] checks its signature (see
+//! [`WebhookVerifier`]) and takes the id from what was signed.
+
+mod signature;
+
+pub use signature::{DEFAULT_TOLERANCE, DeliveryHeaders, SignatureScheme, VerifiedDelivery, WebhookVerifier};
 
 use std::future::Future;
 use std::time::Duration;
@@ -14,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use sqlx::postgres::PgConnection;
 
-use crate::error::{InputError, StoreError};
+use crate::error::{InputError, SignatureError, StoreError};
 use crate::fingerprint::{Fingerprint, FingerprintOptions};
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::RunOptions;
@@ -32,6 +39,8 @@ pub struct Inbox {
     options: RunOptions,
     /// The fields compared between deliveries of one event; none by default.
     compared: Option<FingerprintOptions>,
+    /// The provider's signature check, for [`Inbox::verify`].
+    verifier: Option<WebhookVerifier>,
 }
 
 /// What [`Inbox::receive`] did with a delivery.
@@ -93,7 +102,13 @@ impl Store {
     /// [`InputError::InvalidScope`] if `consumer` is not a valid tenant name.
     pub fn inbox(&self, consumer: impl Into<String>) -> Result<Inbox, InputError> {
         let options = RunOptions::default().policy(Policy::tier(Tier::Webhook));
-        Ok(Inbox { store: self.clone(), scope: Scope::new(consumer, "inbox")?, options, compared: None })
+        Ok(Inbox {
+            store: self.clone(),
+            scope: Scope::new(consumer, "inbox")?,
+            options,
+            compared: None,
+            verifier: None,
+        })
     }
 }
 
@@ -102,6 +117,40 @@ impl Inbox {
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.options = self.options.policy(policy);
         self
+    }
+
+    /// Checks deliveries with `verifier` in [`Inbox::verify`].
+    pub fn verified_by(mut self, verifier: WebhookVerifier) -> Self {
+        self.verifier = Some(verifier);
+        self
+    }
+
+    /// Checks a delivery's signature, before anything is read or written, and returns its event id
+    /// (from the signed material only) for [`Inbox::receive`]. A refused delivery must not be
+    /// acknowledged: its sender was not the provider, or it was captured and sent again too late.
+    ///
+    /// ```
+    /// # async fn handle(store: idemstore::Store, headers: http::HeaderMap, body: bytes::Bytes) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idemstore::{SignatureScheme, WebhookVerifier};
+    ///
+    /// let secret = std::env::var("STRIPE_WEBHOOK_SECRET")?;
+    /// let inbox = store.inbox("stripe")?.verified_by(WebhookVerifier::new(SignatureScheme::Stripe, [secret])?);
+    /// let delivery = inbox.verify(&headers, &body)?; // Err: answer 400, or 401 if `is_unauthorized()`
+    /// let event: serde_json::Value = serde_json::from_slice(&body)?;
+    /// inbox.receive(&delivery.event_id, None, &event, || async { Ok::<_, std::io::Error>(()) }).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`SignatureError::NoVerifier`] without [`Inbox::verified_by`]; otherwise as
+    /// [`WebhookVerifier::verify`].
+    pub fn verify<H: DeliveryHeaders + ?Sized>(
+        &self,
+        headers: &H,
+        body: &[u8],
+    ) -> Result<VerifiedDelivery, SignatureError> {
+        self.verifier.as_ref().ok_or(SignatureError::NoVerifier)?.verify(headers, body)
     }
 
     /// Refuses a delivery as [`Received::Conflict`] when one of these fields (JSON pointers, such as
