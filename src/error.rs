@@ -106,6 +106,12 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// An encryption key list is empty, repeats a key, or holds an entry that is not base64 of 32 bytes.
+    #[error("encryption key: {reason}")]
+    EncryptionKey {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// The call needs Redis, and this store is Postgres-only.
     #[error("this store is Postgres-only; the call needs Redis")]
     NoRedis,
@@ -201,6 +207,37 @@ impl SignatureError {
     }
 }
 
+/// A stored response could not be opened ([`crate::Encryption`]): it is never replayed then, and the
+/// work is not run again (it completed); an operator restores the key or resolves the record.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncryptionError {
+    /// The response was sealed with a master key that is no longer configured.
+    #[error("the stored response was sealed with key {id:08x}, which is not configured")]
+    UnknownKey {
+        /// The id of the missing key (as [`crate::Encryption::key_ids`] lists them).
+        id: u32,
+    },
+    /// The sealed bytes were changed, or moved from another record.
+    #[error("the stored response does not open: it was changed or belongs to another record")]
+    Tampered,
+    /// The response is stored in clear, and the store does not accept that
+    /// ([`crate::Encryption::accept_unsealed`]).
+    #[error("the stored response is not encrypted")]
+    Unsealed,
+}
+
+impl EncryptionError {
+    /// The metric label of this refusal.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            EncryptionError::UnknownKey { .. } => "unknown_key",
+            EncryptionError::Tampered => "tampered",
+            EncryptionError::Unsealed => "unsealed",
+        }
+    }
+}
+
 /// The store could not answer.
 ///
 /// A caller that gets one of these must not assume anything ran or did not run, except where a
@@ -234,6 +271,9 @@ pub enum StoreError {
     /// The store or policy configuration is invalid.
     #[error("invalid configuration: {0}")]
     Config(#[from] ConfigError),
+    /// A stored response could not be opened; nothing was replayed or run.
+    #[error(transparent)]
+    Encryption(#[from] EncryptionError),
     /// Redis failed an operator command that only Redis can answer (such as `evict`). The protocol
     /// itself never returns this: it degrades to Postgres instead.
     #[error("Redis is unavailable")]

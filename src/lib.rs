@@ -86,6 +86,7 @@
 #![warn(missing_debug_implementations, unreachable_pub)]
 
 pub mod config;
+mod encryption;
 mod error;
 mod fingerprint;
 #[cfg(feature = "http")]
@@ -104,7 +105,8 @@ pub mod telemetry;
 pub mod testkit;
 
 pub use config::{PolicyConfig, parse_duration};
-pub use error::{ConfigError, InputError, SignatureError, StoreError};
+pub use encryption::{Encryption, SEALING_OVERHEAD};
+pub use error::{ConfigError, EncryptionError, InputError, SignatureError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
 pub use inbox::{
     DEFAULT_TOLERANCE, DeliveryHeaders, Inbox, Received, SignatureScheme, VerifiedDelivery, WebhookVerifier,

@@ -114,7 +114,8 @@ impl Owner {
     /// [`StoreError::StoreUnavailable`] if Postgres failed (the lease runs out, then the rule applies).
     pub async fn complete(mut self, response: &[u8]) -> Result<(), StoreError> {
         self.settled = true;
-        self.store.complete(&self.lease, response).await
+        let sealed = self.store.sealed(&self.lease, response);
+        self.store.complete(&self.lease, &sealed).await
     }
 
     /// Gives the key up after a failure that a retry may repair: the next request executes.
@@ -146,13 +147,14 @@ impl Owner {
         response: &[u8],
     ) -> Result<(), StoreError> {
         let (store, lease) = (&self.store, &self.lease);
-        let committed = match store.complete_in(&mut tx, lease, response).await {
+        let response = store.sealed(lease, response);
+        let committed = match store.complete_in(&mut tx, lease, &response).await {
             Ok(retained) => store.bounded(&COMMIT, tx.commit()).await.map(|()| retained),
             Err(error) => Err(error),
         };
         let completed = match committed {
             Ok(retained) => {
-                store.cache_completion(lease, response, &retained).await;
+                store.cache_completion(lease, &response, &retained).await;
                 Ok(())
             }
             Err(error) => {

@@ -31,6 +31,9 @@ pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";
 /// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open, cluster
 /// (a Redis Cluster still redirecting: MOVED, ASK, TRYAGAIN, CLUSTERDOWN).
 pub const REDIS_FALLBACKS: &str = "idemstore_redis_fallbacks_total";
+/// Stored responses refused instead of replayed because they do not open ([`crate::Encryption`]), by
+/// operation and reason (`unknown_key`, `tampered`, `unsealed`). Any increase needs an operator.
+pub const UNREADABLE_RESPONSES: &str = "idemstore_unreadable_responses_total";
 /// Records found in Postgres that Redis had lost (eviction, flush, restart, expired TTL) and repaired.
 pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
@@ -79,6 +82,7 @@ pub fn describe() {
     describe_counter!(REDIS_LOOKUPS, "Redis hot-path answers by result.");
     describe_counter!(REDIS_FALLBACKS, "Redis calls that degraded to the Postgres path, by reason.");
     describe_counter!(RECONCILIATIONS, "Records Redis had lost, served from Postgres and repaired.");
+    describe_counter!(UNREADABLE_RESPONSES, "Stored responses that did not open (key gone, changed), by reason.");
     describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
     describe_counter!(SETTLE_FAILURES, "Owner writes (complete, release, extend) that did not land, by reason.");
     describe_counter!(WAIT_WAKEUPS, "Wake-ups of claims waiting for an in-flight duplicate, by cause.");
@@ -216,6 +220,10 @@ pub(crate) fn redis_lookup(operation: &str, result: &'static str) {
 
 pub(crate) fn redis_fallback(operation: &str, reason: &'static str) {
     metrics::counter!(REDIS_FALLBACKS, "operation" => operation.to_owned(), "reason" => reason).increment(1);
+}
+
+pub(crate) fn unreadable_response(operation: &str, reason: &'static str) {
+    metrics::counter!(UNREADABLE_RESPONSES, "operation" => operation.to_owned(), "reason" => reason).increment(1);
 }
 
 pub(crate) fn reconciliation(operation: &str) {

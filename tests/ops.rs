@@ -198,6 +198,10 @@ async fn tiers_are_selected_by_operation_from_a_config_file(mode: Mode) {
 fn idemctl(h: &Harness, args: &[&str]) -> (i32, Value) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_idemctl"));
     command.args(["--json", "--key-prefix", &h.prefix]).args(args).env("DATABASE_URL", &h.database_url);
+    // The harness's stores' keys, when this run encrypts.
+    if let Ok(keys) = std::env::var("IDEMSTORE_TEST_ENCRYPTION_KEY") {
+        command.env("IDEMSTORE_ENCRYPTION_KEY", keys);
+    }
     match &h.redis_url {
         Some(url) => command.env("REDIS_URL", url),
         None => command.env_remove("REDIS_URL"),

@@ -136,6 +136,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => owned_cluster.insert(RedisCluster::start()?).seed_urls(),
     };
     let cluster = Store::builder().postgres(pg.clone()).redis_cluster(seeds).key_prefix("bench").build()?;
+    // A fixed key: the bench measures the cost of sealing, not key management.
+    let encryption = idemstore::Encryption::new([[0x5e; 32]])?;
+    let encrypted = Store::builder()
+        .postgres(pg.clone())
+        .redis(redis.clone())
+        .key_prefix("bench")
+        .encryption(encryption)
+        .build()?;
     two_tier.migrate().await?;
     sqlx::raw_sql(workload::SCHEMA).execute(&pg).await?;
 
@@ -144,8 +152,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // that whichever mode runs first does not pay for it.
     let warm_up = Plan { seconds: 0.5, ..plan.clone() };
     let widest = plan.concurrency.iter().copied().max().unwrap_or(1);
-    let subjects =
-        [(Subject::TwoTier, &two_tier), (Subject::TwoTierCluster, &cluster), (Subject::PostgresOnly, &postgres_only)];
+    let subjects = [
+        (Subject::TwoTier, &two_tier),
+        (Subject::TwoTierCluster, &cluster),
+        (Subject::TwoTierEncrypted, &encrypted),
+        (Subject::PostgresOnly, &postgres_only),
+    ];
     for (subject, store) in subjects {
         for workload in [Workload::New, Workload::Replay] {
             let cell = format!("r{run_id}-warm-{}", subject.name().replace(' ', "_"));
@@ -158,12 +170,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                // A (K) B (C D E) in even rounds, (E D C) B (K) A in odd ones; replays and new keys also run
-                // on the Redis Cluster (K), new keys also transactionally in both modes (C, D), and with an
-                // outbox row (E).
+                // A (K S) B (C D E) in even rounds, (E D C) B (S K) A in odd ones; replays and new keys also
+                // run on the Redis Cluster (K) and with responses encrypted (S), new keys also transactionally
+                // in both modes (C, D), and with an outbox row (E).
                 let mut order = vec![(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
                 if matches!(workload, Workload::New | Workload::Replay) {
-                    order.insert(1, (Subject::TwoTierCluster, &cluster));
+                    order.splice(1..1, [(Subject::TwoTierCluster, &cluster), (Subject::TwoTierEncrypted, &encrypted)]);
                 }
                 if workload == Workload::New {
                     order.extend([

@@ -29,8 +29,8 @@ struct Row {
     vs_postgres_only: Option<Spread>,
     /// Throughput ÷ the floor's in the same round: EVALSHA for answers from Redis, SQL for new keys.
     vs_floor: Option<Spread>,
-    /// Redis Cluster ÷ single Redis throughput, per round (cluster rows only).
-    vs_single_redis: Option<Spread>,
+    /// A two-tier variant (Redis Cluster, encrypted responses) ÷ plain two-tier throughput, per round.
+    vs_two_tier: Option<Spread>,
 }
 
 type Group = (Option<Workload>, Subject, usize);
@@ -38,7 +38,7 @@ type Group = (Option<Workload>, Subject, usize);
 fn floor_for(workload: Option<Workload>, subject: Subject) -> Option<Subject> {
     match (workload?, subject) {
         (Workload::New | Workload::Mixed, _) => Some(Subject::SqlFloor),
-        (_, Subject::TwoTier | Subject::TwoTierCluster) => Some(Subject::EvalshaFloor),
+        (_, Subject::TwoTier | Subject::TwoTierCluster | Subject::TwoTierEncrypted) => Some(Subject::EvalshaFloor),
         (_, _) => Some(Subject::SqlFloor),
     }
 }
@@ -88,7 +88,8 @@ fn summarize(cells: &[Cell]) -> Vec<Row> {
                 .postgres_only_baseline()
                 .and_then(|baseline| ratios(&of, workload, baseline, concurrency)),
             vs_floor: floor_for(workload, subject).and_then(|floor| ratios(&of, None, floor, concurrency)),
-            vs_single_redis: (subject == Subject::TwoTierCluster)
+            vs_two_tier: subject
+                .is_two_tier_variant()
                 .then(|| ratios(&of, workload, Subject::TwoTier, concurrency))
                 .flatten(),
         })
@@ -141,26 +142,28 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
             notes(r),
         );
     }
-    let cluster: Vec<&Row> = rows.iter().filter(|r| r.vs_single_redis.is_some()).collect();
-    if !cluster.is_empty() {
+    let variants: Vec<&Row> = rows.iter().filter(|r| r.vs_two_tier.is_some()).collect();
+    if !variants.is_empty() {
         md.push_str(
             "
-Redis Cluster (three masters, three replicas) ÷ one Redis, two-tier throughput per round:
+Two-tier variants ÷ plain two-tier (one Redis, responses in clear), throughput per round: Redis Cluster
+(three masters, three replicas), and every response encrypted (`StoreBuilder::encryption`):
 
 ",
         );
         md.push_str(
-            "| workload | c | cluster req/s | ÷ single Redis | p99 ms |
-|---|---:|---:|---:|---:|
+            "| workload | c | subject | req/s | ÷ two-tier | p99 ms |
+|---|---:|---|---:|---:|---:|
 ",
         );
-        for r in cluster {
+        for r in variants {
             let workload = r.workload.map_or("—".to_owned(), |w| format!("{w:?}").to_lowercase());
-            let ratio = r.vs_single_redis.map_or(String::new(), |s| spread(&s, 2));
+            let ratio = r.vs_two_tier.map_or(String::new(), |s| spread(&s, 2));
             let _ = writeln!(
                 md,
-                "| {workload} | {} | {} | {ratio} | {:.2} |",
+                "| {workload} | {} | {} | {} | {ratio} | {:.2} |",
                 r.concurrency,
+                r.subject.name(),
                 spread(&r.throughput, 0),
                 r.p99_ms
             );

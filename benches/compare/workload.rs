@@ -31,6 +31,8 @@ pub enum Subject {
     TwoTier,
     /// Two-tier on a three-master Redis Cluster instead of one Redis (replay and new keys).
     TwoTierCluster,
+    /// Two-tier with every response encrypted (`StoreBuilder::encryption`): its cost (replay and new keys).
+    TwoTierEncrypted,
     PostgresOnly,
     /// Two-tier with `run_once_in_tx`: claim, work and completion in one commit (new keys only).
     TwoTierInTx,
@@ -49,6 +51,7 @@ impl Subject {
         match self {
             Subject::TwoTier => "two-tier",
             Subject::TwoTierCluster => "two-tier cluster",
+            Subject::TwoTierEncrypted => "two-tier encrypted",
             Subject::PostgresOnly => "postgres-only",
             Subject::TwoTierInTx => "two-tier in-tx",
             Subject::PostgresOnlyInTx => "postgres-only in-tx",
@@ -74,10 +77,15 @@ impl Subject {
     /// The Postgres-only subject a two-tier one is compared with, like for like.
     pub fn postgres_only_baseline(self) -> Option<Subject> {
         match self {
-            Subject::TwoTier | Subject::TwoTierCluster => Some(Subject::PostgresOnly),
+            Subject::TwoTier | Subject::TwoTierCluster | Subject::TwoTierEncrypted => Some(Subject::PostgresOnly),
             Subject::TwoTierInTx | Subject::TwoTierInTxOutbox => Some(Subject::PostgresOnlyInTx),
             _ => None,
         }
+    }
+
+    /// Whether this is a variant of two-tier, compared with plain two-tier (one Redis, responses in clear).
+    pub fn is_two_tier_variant(self) -> bool {
+        matches!(self, Subject::TwoTierCluster | Subject::TwoTierEncrypted)
     }
 
     pub fn new_key_path(self) -> NewKeyPath {

@@ -8,7 +8,8 @@
 //! 127.0.0.1:8080), `IDEMSTORE_MODE` (`two-tier`, the default, or `postgres-only`), `IDEMSTORE_REDIS_CLUSTER`
 //! (comma-separated seed URLs of a Redis Cluster, used instead of `REDIS_URL`),
 //! `IDEMSTORE_DEMO_WEBHOOK_SECRET` (the secret `/webhooks/{provider}` verifies signatures with, `whsec_` and
-//! base64; a public demo secret when unset).
+//! base64; a public demo secret when unset), `IDEMSTORE_ENCRYPTION_KEY` (base64 of 32 bytes, newest first,
+//! comma-separated: stored responses are encrypted in both tiers).
 
 mod app;
 
@@ -26,7 +27,12 @@ async fn main() -> Result<(), Box<dyn Error>> {
     idemstore::telemetry::describe();
 
     let servers = LocalServers::from_env()?;
-    let store = servers.store_builder().build()?;
+    let mut builder = servers.store_builder();
+    if let Some(keys) = std::env::var("IDEMSTORE_ENCRYPTION_KEY").ok().filter(|keys| !keys.is_empty()) {
+        builder = builder.encryption(idemstore::Encryption::from_base64(&keys)?);
+        println!("stored responses are encrypted (IDEMSTORE_ENCRYPTION_KEY)");
+    }
+    let store = builder.build()?;
     app::migrate(&store).await?;
 
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:8080".into());

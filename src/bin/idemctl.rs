@@ -22,7 +22,7 @@ use std::process::{ExitCode, Stdio};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use idemstore::{IdempotencyKey, Inspection, Message, Resolution, Scope, Store, StoreError, TopicBacklog};
+use idemstore::{Encryption, IdempotencyKey, Inspection, Message, Resolution, Scope, Store, StoreError, TopicBacklog};
 use serde_json::{Value, json};
 
 #[derive(Parser, Debug)]
@@ -38,6 +38,10 @@ struct Cli {
     /// are given).
     #[arg(long, env = "IDEMSTORE_REDIS_CLUSTER", global = true, hide_env_values = true, value_delimiter = ',')]
     redis_cluster: Vec<String>,
+    /// The store's encryption keys (base64 of 32 bytes, newest first, comma-separated), to open stored
+    /// responses in `inspect` and seal the response of `resolve --completed`.
+    #[arg(long, env = "IDEMSTORE_ENCRYPTION_KEY", global = true, hide_env_values = true)]
+    encryption_key: Option<String>,
     /// Prefix of the store's Redis keys.
     #[arg(long, default_value = "idem", global = true)]
     key_prefix: String,
@@ -242,6 +246,9 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
         builder = builder.redis_cluster(seeds);
     } else if let Some(url) = &cli.redis_url {
         builder = builder.redis_url(url.clone());
+    }
+    if let Some(keys) = cli.encryption_key.as_deref().filter(|keys| !keys.is_empty()) {
+        builder = builder.encryption(Encryption::from_base64(keys).map_err(StoreError::from)?);
     }
     let store = builder.build().map_err(idemstore::StoreError::from)?;
     let record = |id: &RecordId| -> Result<(Scope, IdempotencyKey), CliError> {
@@ -461,6 +468,8 @@ fn inspection(inspection: &Inspection) -> Output {
             "lease_remaining_ms": millis(r.lease_remaining),
             "expires_in_ms": millis(r.expires_in),
             "response_bytes": r.response.as_ref().map(|r| r.as_bytes().len()),
+            "response": r.response.as_ref().map(|r| String::from_utf8_lossy(r.as_bytes()).into_owned()),
+            "response_error": inspection.unreadable.as_ref().map(ToString::to_string),
         })
     });
     let redis = inspection.redis.as_ref().map(|r| {

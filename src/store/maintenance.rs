@@ -8,7 +8,7 @@ use sqlx::Row as _;
 
 use super::redis_tier::RedisView;
 use super::{Statement, Store};
-use crate::error::{ConfigError, StoreError};
+use crate::error::{ConfigError, EncryptionError, StoreError};
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::{LeaseExpiry, millis};
 use crate::record::{Lease, Record, State};
@@ -173,8 +173,10 @@ pub struct StatsRow {
 pub struct Inspection {
     /// The Redis key of the record.
     pub redis_key: Option<String>,
-    /// What Postgres holds, the source of truth.
+    /// What Postgres holds, the source of truth, its response opened ([`crate::Encryption`]).
     pub postgres: Option<Record>,
+    /// Why the stored response did not open (it is left out of `postgres` then).
+    pub unreadable: Option<EncryptionError>,
     /// What Redis holds, if it is configured and reachable.
     pub redis: Option<RedisView>,
 }
@@ -320,7 +322,7 @@ impl Store {
                 .bind(scope.tenant())
                 .bind(scope.operation())
                 .bind(key.as_str())
-                .bind(response.as_slice())
+                .bind(self.sealed_for(scope, key, response).into_owned())
                 .bind(retention),
             Resolution::Released => {
                 sqlx::query(RESOLVE_RELEASED.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str())
@@ -375,7 +377,14 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn inspect(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Inspection, StoreError> {
-        let postgres = self.lookup(scope, key).await?;
+        let (postgres, unreadable) = match self.lookup_stored(scope, key).await? {
+            Some(record) => match self.opened_record(scope, key, record.clone()) {
+                Ok(opened) => (Some(opened), None),
+                Err(StoreError::Encryption(error)) => (Some(Record { response: None, ..record }), Some(error)),
+                Err(other) => return Err(other),
+            },
+            None => (None, None),
+        };
         let (redis_key, redis) = match &self.inner.redis {
             Some(redis) => {
                 let record_key = redis.record_key(scope, key);
@@ -384,7 +393,7 @@ impl Store {
             }
             None => (None, None),
         };
-        Ok(Inspection { redis_key, postgres, redis })
+        Ok(Inspection { redis_key, postgres, unreadable, redis })
     }
 
     /// Deletes a key's Redis copy (Postgres keeps the record); the next request reads Postgres and

@@ -7,6 +7,7 @@ mod protocol;
 mod redis_connection;
 mod redis_tier;
 mod scripts;
+mod sealing;
 mod statement;
 mod wakeup;
 
@@ -19,6 +20,7 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 use crate::config::PolicyConfig;
+use crate::encryption::Encryption;
 use crate::error::{ConfigError, StoreError};
 use crate::policy::{Policy, millis};
 use crate::telemetry;
@@ -64,6 +66,8 @@ struct Inner {
     registered: telemetry::Registered,
     /// Claims waiting for an in-flight duplicate, and the subscriptions that wake them.
     wakeups: wakeup::Wakeups,
+    /// Seals responses before they are stored, and opens them before they are replayed.
+    encryption: Option<Encryption>,
 }
 
 impl fmt::Debug for Store {
@@ -202,6 +206,7 @@ pub struct StoreBuilder {
     server_timeouts: Option<bool>,
     default_policy: Option<Policy>,
     policies: HashMap<String, Policy>,
+    encryption: Option<Encryption>,
 }
 
 impl fmt::Debug for StoreBuilder {
@@ -210,6 +215,7 @@ impl fmt::Debug for StoreBuilder {
             .field("redis", &(self.redis_pool.is_some() || self.redis_url.is_some()))
             .field("redis_cluster", &self.has_cluster())
             .field("key_prefix", &self.key_prefix)
+            .field("encryption", &self.encryption)
             .finish_non_exhaustive()
     }
 }
@@ -330,6 +336,14 @@ impl StoreBuilder {
         self
     }
 
+    /// Seals every stored response before either tier sees it (see [`Encryption`]): Redis and Postgres
+    /// then hold ciphertext only, and a response whose key is no longer configured, or whose bytes were
+    /// changed, is refused as [`StoreError::Encryption`](crate::StoreError::Encryption), never replayed.
+    pub fn encryption(mut self, encryption: Encryption) -> Self {
+        self.encryption = Some(encryption);
+        self
+    }
+
     /// Builds the store. No connection is made here; call [`Store::migrate`] to check Postgres.
     ///
     /// # Errors
@@ -397,6 +411,7 @@ impl StoreBuilder {
                 policies,
                 registered,
                 wakeups,
+                encryption: self.encryption,
             }),
         })
     }

@@ -238,11 +238,22 @@ impl Store {
         Ok(())
     }
 
-    /// Reads a record from Postgres, the source of truth.
+    /// Reads a record from Postgres, the source of truth, its response opened.
     ///
     /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    /// [`StoreError::StoreUnavailable`] if Postgres failed; [`StoreError::Encryption`] if the stored
+    /// response cannot be opened.
     pub async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let record = self.lookup_stored(scope, key).await?;
+        record.map(|record| self.opened_record(scope, key, record)).transpose()
+    }
+
+    /// The record as Postgres stores it (its response sealed, with encryption).
+    pub(crate) async fn lookup_stored(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+    ) -> Result<Option<Record>, StoreError> {
         self.inner.postgres.lookup(scope, key).await
     }
 
@@ -258,11 +269,16 @@ impl Store {
         waiting: Option<&'a Waiting>,
     ) -> Boxed<'a, Result<Begin, StoreError>> {
         Box::pin(async move {
-            let marked = match self.claim_in_redis(&candidate, waiting).await {
-                Ok(answer) => return answer,
-                Err(marked) => marked,
+            // Both tiers answer a completed record with its stored (sealed) response.
+            let record = self.inner.encryption.is_some().then(|| (candidate.scope.clone(), candidate.key.clone()));
+            let answer = match self.claim_in_redis(&candidate, waiting).await {
+                Ok(answer) => answer,
+                Err(marked) => self.claim_in_postgres(candidate, heartbeat, tx, waiting, marked).await,
             };
-            self.claim_in_postgres(candidate, heartbeat, tx, waiting, marked).await
+            match record {
+                Some((scope, key)) => answer.and_then(|answer| self.opened_answer(&scope, &key, answer)),
+                None => answer,
+            }
         })
     }
 

@@ -1,0 +1,295 @@
+//! Responses encrypted at rest (`StoreBuilder::encryption`), against real Redis and Postgres in both
+//! modes: no plaintext canary in either tier by any write path, rotation, tampered or moved ciphertext
+//! refused without running the work again.
+
+#[macro_use]
+mod support;
+#[path = "support/payments.rs"]
+mod payments;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use idemstore::{Begin, Encryption, EncryptionError, Mode, Resolution, RunError, RunOutcome, Scope, Store, StoreError};
+use serde_json::{Value, json};
+use support::{Harness, key};
+
+suite!(
+    no_tier_holds_a_response_in_clear,
+    a_store_without_encryption_holds_the_canary_in_both_tiers,
+    rotated_keys_open_old_responses_until_retired,
+    tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again,
+    responses_in_clear_are_refused_unless_accepted,
+    the_demo_with_an_encryption_key_stores_no_charge_in_clear,
+);
+
+const CANARY: &str = "CANARY-4242-4242-4242-4242";
+const KEY_A: [u8; 32] = [0xA1; 32];
+const KEY_B: [u8; 32] = [0xB2; 32];
+
+/// Another store on the harness's servers, sealing with `keys` (newest first).
+fn sealing(h: &Harness, encryption: Encryption) -> Store {
+    let mut builder = Store::builder()
+        .database_url(&h.store_url)
+        .key_prefix(&h.prefix)
+        .redis_cooldown(std::time::Duration::from_millis(50))
+        .encryption(encryption);
+    if let Some(url) = &h.redis_url {
+        builder = builder.redis_url(url);
+    }
+    builder.build().expect("store")
+}
+
+fn keys(keys: &[[u8; 32]]) -> Encryption {
+    Encryption::new(keys.iter().copied()).expect("keys")
+}
+
+/// Records (Postgres) whose any column holds `needle`, as text or as bytes.
+async fn postgres_rows_holding(h: &Harness, needle: &str) -> i64 {
+    let hex: String = needle.bytes().map(|b| format!("{b:02x}")).collect();
+    sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_records t
+         WHERE position($1::bytea IN coalesce(response, '')) > 0 OR t::text LIKE '%' || $2 || '%'
+            OR t::text LIKE '%' || $3 || '%'",
+    )
+    .bind(needle.as_bytes())
+    .bind(needle)
+    .bind(hex)
+    .fetch_one(&h.pool)
+    .await
+    .expect("scan the records")
+}
+
+/// Redis values of this test (strings and hash fields) that hold `needle`.
+async fn redis_values_holding(h: &Harness, needle: &str) -> usize {
+    if h.mode == Mode::PostgresOnly {
+        return 0;
+    }
+    let mut conn = h.redis_connection().await;
+    let mut holding = 0;
+    for name in h.redis_keys().await {
+        let kind: String = redis::cmd("TYPE").arg(&name).query_async(&mut conn).await.expect("TYPE");
+        let values: Vec<Vec<u8>> = match kind.as_str() {
+            "string" => vec![redis::cmd("GET").arg(&name).query_async(&mut conn).await.expect("GET")],
+            "hash" => redis::cmd("HGETALL").arg(&name).query_async(&mut conn).await.expect("HGETALL"),
+            _ => Vec::new(),
+        };
+        holding += values.iter().filter(|value| value.windows(needle.len()).any(|w| w == needle.as_bytes())).count();
+    }
+    holding
+}
+
+/// Completed records in this test's Redis (the completion was cached there).
+async fn redis_copies(h: &Harness) -> usize {
+    if h.mode == Mode::PostgresOnly { 0 } else { h.redis_keys().await.len() }
+}
+
+/// `run_once` of key `name` with payload `{"n": n}` whose work answers `response`.
+async fn run(
+    store: &Store,
+    scope: &Scope,
+    name: &str,
+    n: i64,
+    response: Value,
+) -> Result<RunOutcome<Value>, RunError<std::io::Error>> {
+    store.run_once(scope, &key(name), &json!({ "n": n }), || async move { Ok(response) }).await
+}
+
+/// The three ways a response gets stored: `run_once`, `run_once_in_tx`, an operator's `resolve`.
+async fn store_canaries(h: &Harness, store: &Store, scope: &Scope) {
+    let stored = run(store, scope, "run-once", 1, json!({ "card": CANARY })).await;
+    assert!(matches!(stored, Ok(RunOutcome::Executed(_))));
+    let in_tx = store
+        .run_once_in_tx(scope, &key("in-tx"), &json!({"n": 2}), |_tx| {
+            Box::pin(async { Ok::<_, std::io::Error>(json!({ "card": CANARY })) })
+        })
+        .await;
+    assert!(matches!(in_tx, Ok(RunOutcome::Executed(_))), "{in_tx:?}");
+    let fingerprint = idemstore::Fingerprint::of_json(br#"{"n":3}"#, &Default::default()).expect("fingerprint");
+    let Ok(Begin::Acquired(owner)) = store.begin(scope, &key("resolved"), &fingerprint).await else { panic!() };
+    owner.abandon();
+    h.pass_lease(scope, &key("resolved")).await;
+    sqlx::query("UPDATE idempotency_records SET state = 'i' WHERE idempotency_key = 'resolved'")
+        .execute(&h.pool)
+        .await
+        .expect("mark indeterminate");
+    let resolution = Resolution::Completed(json!({ "card": CANARY }).to_string().into_bytes());
+    assert!(store.resolve(scope, &key("resolved"), resolution).await.expect("resolve"));
+}
+
+/// Every write path stores ciphertext in both tiers, and every read path replays the plaintext: from
+/// Redis, from Postgres after Redis lost the copy, through `lookup`.
+async fn no_tier_holds_a_response_in_clear(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let store = sealing(&h, keys(&[KEY_A]));
+    let scope = h.scope("acme");
+    store_canaries(&h, &store, &scope).await;
+    // A replay of each (the resolved one repairs Redis from Postgres on its way).
+    for (name, n) in [("run-once", 1), ("in-tx", 2)] {
+        let replay = run(&store, &scope, name, n, json!(0)).await;
+        assert_eq!(replay.expect("replay"), RunOutcome::Replayed(json!({ "card": CANARY })), "{name}");
+    }
+    let record = store.lookup(&scope, &key("resolved")).await.expect("lookup").expect("record");
+    assert!(String::from_utf8_lossy(record.response.expect("response").as_bytes()).contains(CANARY));
+    if mode == Mode::TwoTier {
+        assert!(redis_copies(&h).await >= 2, "Redis holds the completions");
+        h.store.evict(&scope, &key("run-once")).await.expect("evict");
+    }
+    let from_postgres = run(&store, &scope, "run-once", 1, json!(0)).await;
+    assert_eq!(from_postgres.expect("replay"), RunOutcome::Replayed(json!({ "card": CANARY })));
+    assert_eq!(postgres_rows_holding(&h, CANARY).await, 0, "Postgres holds no canary");
+    assert_eq!(redis_values_holding(&h, CANARY).await, 0, "Redis holds no canary");
+    assert_eq!(postgres_rows_holding(&h, "card").await, 0, "nor any part of a response");
+
+    // The operator's view: idemctl opens the response with the key, and says why without it.
+    let inspect = |keys: &[[u8; 32]]| {
+        let encoded: Vec<String> = keys.iter().map(|key| BASE64.encode(key)).collect();
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idemctl"));
+        command.args(["--json", "--key-prefix", &h.prefix, "inspect", "acme", &h.operation, "run-once"]);
+        command.env("DATABASE_URL", &h.database_url).env("IDEMSTORE_ENCRYPTION_KEY", encoded.join(","));
+        let output = command.output().expect("run idemctl");
+        serde_json::from_slice::<Value>(&output.stdout).expect("JSON")["postgres"].clone()
+    };
+    let opened = inspect(&[KEY_B, KEY_A]);
+    assert!(opened["response"].as_str().expect("response").contains(CANARY), "{opened}");
+    let unopened = inspect(&[KEY_B]);
+    assert_eq!(unopened["response"], Value::Null);
+    assert!(unopened["response_error"].as_str().expect("why").contains("not configured"), "{unopened}");
+}
+
+/// The control: the same writes without encryption leave the canary in both tiers, so the scans above
+/// can see it.
+async fn a_store_without_encryption_holds_the_canary_in_both_tiers(mode: Mode) {
+    let h = Harness::start(mode).await;
+    if std::env::var_os("IDEMSTORE_TEST_ENCRYPTION_KEY").is_some() {
+        return; // the harness's stores encrypt in this run
+    }
+    let scope = h.scope("acme");
+    store_canaries(&h, &h.store, &scope).await;
+    assert_eq!(postgres_rows_holding(&h, CANARY).await, 3);
+    if mode == Mode::TwoTier {
+        assert_eq!(redis_values_holding(&h, CANARY).await, 2, "run_once and run_once_in_tx cached it");
+    }
+}
+
+/// New responses use the newest key; responses of the previous key replay while it is listed; once it
+/// is removed they are refused as `UnknownKey`, and the work does not run again.
+async fn rotated_keys_open_old_responses_until_retired(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
+    let k = key("rotated");
+    let before = sealing(&h, keys(&[KEY_A]));
+    let first = before.run_once(&scope, &k, &json!({"n": 1}), || h.charge("acme", &k)).await.expect("run");
+    let RunOutcome::Executed(answer) = first else { panic!("{first:?}") };
+
+    let rotating = sealing(&h, keys(&[KEY_B, KEY_A]));
+    for from in ["redis", "postgres"] {
+        if from == "postgres" && mode == Mode::TwoTier {
+            h.store.evict(&scope, &k).await.expect("evict");
+        }
+        let replay = rotating.run_once(&scope, &k, &json!({"n": 1}), || h.charge("acme", &k)).await.expect("replay");
+        assert_eq!(replay, RunOutcome::Replayed(answer.clone()), "from {from}");
+    }
+    let newer = key("after-rotation");
+    rotating.run_once(&scope, &newer, &json!({"n": 2}), || h.charge("acme", &newer)).await.expect("run");
+
+    let retired = sealing(&h, keys(&[KEY_B]));
+    let refused = retired.run_once(&scope, &k, &json!({"n": 1}), || h.charge("acme", &k)).await;
+    let a_id = keys(&[KEY_A]).key_ids()[0];
+    assert!(
+        matches!(&refused, Err(RunError::Store(StoreError::Encryption(EncryptionError::UnknownKey { id }))) if *id == a_id),
+        "{refused:?}"
+    );
+    let replay = retired.run_once(&scope, &newer, &json!({"n": 2}), || h.charge("acme", &newer)).await;
+    assert!(matches!(replay, Ok(RunOutcome::Replayed(_))), "sealed with the newest key: {replay:?}");
+    assert_eq!(h.effects("acme", &k).await, 1, "the refused retry did not run the work again");
+    assert_eq!(h.counter("idemstore_unreadable_responses_total", &[("reason", "unknown_key")]), 1.0);
+}
+
+/// A changed byte of the stored ciphertext, or a ciphertext copied from another record of the same
+/// tenant, is refused from either tier, and nothing runs again.
+async fn tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let store = sealing(&h, keys(&[KEY_A]));
+    let (scope, victim) = (h.scope("acme"), key("victim"));
+    for name in ["victim", "donor"] {
+        let k = key(name);
+        store.run_once(&scope, &k, &json!({"n": 1}), || h.charge("acme", &k)).await.expect("run");
+    }
+    if mode == Mode::TwoTier {
+        // Redis's copy of the victim, changed in place: the replay from Redis is refused.
+        let mut conn = h.redis_connection().await;
+        let name = h.redis_key(&scope, &key("victim"));
+        let mut stored: Vec<u8> = redis::cmd("GET").arg(&name).query_async(&mut conn).await.expect("GET");
+        let last = stored.len() - 1;
+        stored[last] ^= 1;
+        let () = redis::cmd("SET").arg(&name).arg(&stored).arg("KEEPTTL").query_async(&mut conn).await.expect("SET");
+        let refused = store.run_once(&scope, &victim, &json!({"n": 1}), || h.charge("acme", &victim)).await;
+        assert!(
+            matches!(refused, Err(RunError::Store(StoreError::Encryption(EncryptionError::Tampered)))),
+            "{refused:?}"
+        );
+        h.store.evict(&scope, &key("victim")).await.expect("evict");
+    }
+    let moves = [
+        "UPDATE idempotency_records SET response = set_byte(response, 40, get_byte(response, 40) # 1) WHERE idempotency_key = 'victim'",
+        "UPDATE idempotency_records v SET response = d.response FROM idempotency_records d
+         WHERE v.idempotency_key = 'victim' AND d.idempotency_key = 'donor'",
+    ];
+    for change in moves {
+        sqlx::query(change).execute(&h.pool).await.expect("change the stored response");
+        let refused = store.run_once(&scope, &victim, &json!({"n": 1}), || h.charge("acme", &victim)).await;
+        assert!(
+            matches!(refused, Err(RunError::Store(StoreError::Encryption(EncryptionError::Tampered)))),
+            "{refused:?}"
+        );
+        let inspected = store.inspect(&scope, &key("victim")).await.expect("inspect");
+        assert_eq!(inspected.unreadable, Some(EncryptionError::Tampered));
+    }
+    assert_eq!(h.effects("acme", &key("victim")).await, 1, "refusals never run the work again");
+}
+
+/// Records stored before encryption was turned on hold responses in clear: refused by default (nobody
+/// who can write a tier can plant a replay), replayed with `accept_unsealed`.
+async fn responses_in_clear_are_refused_unless_accepted(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
+    let clear = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
+    let clear = match &h.redis_url {
+        Some(url) => clear.redis_url(url),
+        None => clear,
+    };
+    let clear = clear.build().expect("store");
+    assert!(matches!(run(&clear, &scope, "from-before", 1, json!("before")).await, Ok(RunOutcome::Executed(_))));
+    let strict = run(&sealing(&h, keys(&[KEY_A])), &scope, "from-before", 1, json!(0)).await;
+    assert!(matches!(strict, Err(RunError::Store(StoreError::Encryption(EncryptionError::Unsealed)))), "{strict:?}");
+    let lenient = sealing(&h, keys(&[KEY_A]).accept_unsealed());
+    let replay = run(&lenient, &scope, "from-before", 1, json!(0)).await;
+    assert_eq!(replay.expect("replay"), RunOutcome::Replayed(json!("before")));
+}
+
+/// The demo's charges through the HTTP layer, with an encrypting store: the customer id of the charge
+/// (in the stored response) is in neither tier, and the retry replays it.
+async fn the_demo_with_an_encryption_key_stores_no_charge_in_clear(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let store = sealing(&h, keys(&[KEY_A]));
+    payments::app::migrate(&store).await.expect("migrations");
+    let router = payments::app::router(payments::app::App {
+        store,
+        metrics: support::recorder().clone(),
+        webhook_secret: payments::app::DEMO_WEBHOOK_SECRET.to_owned(),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = reqwest::Client::new();
+    let body = json!({"amount": 1200, "currency": "EUR", "customer": CANARY});
+    let first = payments::post_payment(&client, &base, "encrypted-1", "acme", &body, 0).await;
+    assert_eq!(first.status(), reqwest::StatusCode::CREATED);
+    let first = first.bytes().await.expect("body");
+    let retry = payments::post_payment(&client, &base, "encrypted-1", "acme", &body, 0).await;
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.bytes().await.expect("body"), first);
+    assert!(String::from_utf8_lossy(&first).contains(CANARY));
+    assert_eq!(postgres_rows_holding(&h, CANARY).await, 0);
+    assert_eq!(redis_values_holding(&h, CANARY).await, 0);
+}
