@@ -2,9 +2,13 @@
 //! duplicate, the owner's heartbeat), taken by [`Store::begin_with`](crate::Store::begin_with) and
 //! [`Store::run_once_with`](crate::Store::run_once_with) alike.
 
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::key::{IdempotencyKey, Scope};
 use crate::policy::Policy;
 
 /// Keeps a live owner's lease from running out while its work takes longer than the lease.
@@ -24,6 +28,19 @@ pub struct RunOptions {
     pub(crate) wait: Option<Duration>,
     pub(crate) heartbeat: Heartbeat,
     pub(crate) policy: Option<Arc<Policy>>,
+    pub(crate) replay_check: Option<ReplayCheck>,
+}
+
+type CheckFn = dyn Fn(&Scope, &IdempotencyKey) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync;
+
+/// The application's check before a stored result is replayed ([`RunOptions::replay_check`]).
+#[derive(Clone)]
+pub(crate) struct ReplayCheck(Arc<CheckFn>);
+
+impl fmt::Debug for ReplayCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ReplayCheck")
+    }
 }
 
 impl RunOptions {
@@ -52,5 +69,29 @@ impl RunOptions {
     pub fn policy(mut self, policy: Policy) -> Self {
         self.policy = Some(Arc::new(policy));
         self
+    }
+
+    /// Asks `check` before a stored result is replayed; `false` answers
+    /// [`RunOutcome::ReplayRefused`](crate::RunOutcome::ReplayRefused) and reveals nothing of it.
+    ///
+    /// A replay skips the work, and with it any authorization the work does: a caller whose access was
+    /// revoked after the first call could read its result by retrying. The check repeats that
+    /// authorization (the record's tenant and operation are in the scope). It is not asked for new
+    /// work, which authorizes itself.
+    pub fn replay_check<F, Fut>(mut self, check: F) -> Self
+    where
+        F: Fn(&Scope, &IdempotencyKey) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = bool> + Send + 'static,
+    {
+        self.replay_check = Some(ReplayCheck(Arc::new(move |scope, key| Box::pin(check(scope, key)))));
+        self
+    }
+
+    /// Whether a stored result of (`scope`, `key`) may be replayed to this caller.
+    pub(crate) async fn allows_replay(&self, scope: &Scope, key: &IdempotencyKey) -> bool {
+        match &self.replay_check {
+            Some(ReplayCheck(check)) => check(scope, key).await,
+            None => true,
+        }
     }
 }

@@ -37,6 +37,9 @@ pub enum RunOutcome<T> {
     /// The work completed long ago and its stored result was purged after the retention; nothing was
     /// executed (see [`Begin::Expired`]).
     Expired,
+    /// The work completed, and [`RunOptions::replay_check`] refused to replay its result to this caller;
+    /// nothing was executed or revealed.
+    ReplayRefused,
 }
 
 /// Why [`Store::run_once`] could not give an outcome.
@@ -68,9 +71,16 @@ enum Claimed<T> {
     Answered(RunOutcome<T>),
 }
 
-fn claimed<T: DeserializeOwned, E>(answer: Begin) -> Result<Claimed<T>, RunError<E>> {
+/// The claim's answer, a replay asked of the options' check first.
+async fn claimed<T: DeserializeOwned, E>(
+    answer: Begin,
+    options: &RunOptions,
+    scope: &Scope,
+    key: &IdempotencyKey,
+) -> Result<Claimed<T>, RunError<E>> {
     Ok(match answer {
         Begin::Acquired(owner) => Claimed::Owner(owner),
+        Begin::Completed(_) if !options.allows_replay(scope, key).await => Claimed::Answered(RunOutcome::ReplayRefused),
         Begin::Completed(stored) => Claimed::Answered(RunOutcome::Replayed(
             serde_json::from_slice(stored.as_bytes()).map_err(RunError::Decode)?,
         )),
@@ -151,7 +161,8 @@ impl Store {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let owner = match claimed(self.begin_with(scope, key, fingerprint, options).await?)? {
+        let answer = self.begin_with(scope, key, fingerprint, options).await?;
+        let owner = match claimed(answer, options, scope, key).await? {
             Claimed::Owner(owner) => owner,
             Claimed::Answered(outcome) => return Ok(outcome),
         };
@@ -229,7 +240,8 @@ impl Store {
         F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
     {
         let mut tx = self.bounded(&BEGIN, self.pg_pool().begin()).await?;
-        let owner = match claimed(self.begin_in(scope, key, fingerprint, options, &mut tx).await?)? {
+        let answer = self.begin_in(scope, key, fingerprint, options, &mut tx).await?;
+        let owner = match claimed(answer, options, scope, key).await? {
             Claimed::Owner(owner) => owner,
             Claimed::Answered(outcome) => {
                 // The answer may have marked the record indeterminate, in this transaction: keep it.

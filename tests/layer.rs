@@ -24,6 +24,7 @@ suite!(
     trailers_reach_the_first_caller_and_every_replay,
     request_cancelled_while_the_body_is_read_never_runs_again,
     inner_errors_follow_the_records_rule,
+    a_revoked_caller_cannot_read_a_stored_answer_by_retrying,
 );
 
 fn tenant(_: &http::request::Parts) -> Option<String> {
@@ -138,4 +139,58 @@ async fn inner_errors_follow_the_records_rule(mode: Mode) {
         let retry = service.clone().oneshot(request(&key)).await.expect("an answer");
         assert_eq!(runs.load(Ordering::SeqCst), runs_after_retry, "{rule:?}: {}", retry.status());
     }
+}
+
+/// The replay check: a caller whose API key was revoked after the first request gets 403
+/// `replay-refused` and not a byte of the stored response (nor the original on a mismatch answered with
+/// it); the handler ran once; a caller still allowed gets the replay. `run_once` does the same with
+/// `RunOptions::replay_check`.
+async fn a_revoked_caller_cannot_read_a_stored_answer_by_retrying(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let revoked = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let checked = Arc::clone(&revoked);
+    let service = layer(&h, Policy::default())
+        .with_mismatch_status(idemstore::http::MismatchStatus::ConflictWithOriginal)
+        .with_replay_check(move |parts, scope| {
+            assert_eq!(scope.tenant(), "acme");
+            let api_key = parts.headers.get("x-api-key").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+            let allowed = !checked.lock().expect("lock").contains(&api_key);
+            async move { allowed }
+        });
+    let counted = Arc::clone(&runs);
+    let service = service.layer(tower::service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"card ending 4242")))) }
+    }));
+    let send = |api_key: &str, body: &'static [u8]| {
+        let mut request = request("revocable");
+        request.headers_mut().insert("x-api-key", HeaderValue::from_str(api_key).expect("header"));
+        *request.body_mut() = Full::new(Bytes::from_static(body));
+        service.clone().oneshot(request)
+    };
+    let first = send("key-1", b"{}").await.expect("infallible");
+    assert_eq!(first.status(), StatusCode::OK);
+    revoked.lock().expect("lock").push("key-1".into());
+    for (case, body) in [("replay", &b"{}"[..]), ("mismatch with the original", b"{\"other\":1}")] {
+        let refused = send("key-1", body).await.expect("infallible");
+        assert_eq!(refused.status(), StatusCode::FORBIDDEN, "{case}");
+        let bytes = refused.into_body().collect().await.expect("body").to_bytes();
+        let problem: serde_json::Value = serde_json::from_slice(&bytes).expect("problem+json");
+        assert_eq!(problem["type"], problem_types::REPLAY_REFUSED, "{case}");
+        assert!(!String::from_utf8_lossy(&bytes).contains("4242"), "{case}: nothing of the stored answer");
+    }
+    let allowed = send("key-2", b"{}").await.expect("infallible");
+    assert_eq!(allowed.headers()["idempotent-replayed"], "true");
+    assert_eq!(allowed.into_body().collect().await.expect("body").to_bytes().as_ref(), b"card ending 4242");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let (scope, key) = (h.scope("acme"), support::key("run-once-revocable"));
+    let payload = serde_json::json!({"n": 1});
+    let first = h.store.run_once(&scope, &key, &payload, || h.charge("acme", &key)).await.expect("run");
+    assert!(matches!(first, idemstore::RunOutcome::Executed(_)));
+    let refusing = idemstore::RunOptions::default().replay_check(|_, _| async { false });
+    let refused = h.store.run_once_with(&scope, &key, &payload, &refusing, || h.charge("acme", &key)).await;
+    assert_eq!(refused.expect("answer"), idemstore::RunOutcome::ReplayRefused);
+    assert_eq!(h.effects("acme", &key).await, 1);
 }

@@ -98,6 +98,11 @@ async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey) ->
     Problem::new(status, types::KEY_REUSED, "Idempotency-Key reused", detail).into_response()
 }
 
+pub(crate) fn replay_refused() -> Response<Boxed> {
+    let detail = "this request may not see the stored response of its Idempotency-Key";
+    Problem::new(StatusCode::FORBIDDEN, types::REPLAY_REFUSED, "Replay not authorized", detail).into_response()
+}
+
 pub(crate) fn missing_key() -> Response<Boxed> {
     let detail = "this route requires an Idempotency-Key header";
     Problem::new(StatusCode::BAD_REQUEST, types::MISSING_KEY, "Idempotency-Key missing", detail).into_response()

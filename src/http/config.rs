@@ -1,13 +1,21 @@
 //! What a layer is configured with: the options of [`IdempotencyLayer`](super::IdempotencyLayer), shared by
 //! every request of the services it makes.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
+use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, StatusCode};
 
 use super::request_fingerprint::QueryComparison;
+use crate::key::Scope;
 use crate::options::RunOptions;
 use crate::store::Store;
+
+/// The application's check before a stored response is replayed
+/// ([`IdempotencyLayer::with_replay_check`](super::IdempotencyLayer::with_replay_check)).
+pub(crate) type ReplayCheck = dyn Fn(&Parts, &Scope) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync;
 
 /// Whether requests without an `Idempotency-Key` are accepted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -87,6 +95,25 @@ pub(crate) struct Config<T> {
     pub(crate) max_response_body: usize,
     pub(crate) replayed_headers: Vec<HeaderName>,
     pub(crate) query: QueryComparison,
+    pub(crate) replay_check: Option<Arc<ReplayCheck>>,
+}
+
+impl<T> Config<T> {
+    /// Whether this answer would show the caller a stored response: a replay, or a mismatch answered
+    /// with the original.
+    pub(crate) fn reveals(&self, answer: &crate::record::Begin) -> bool {
+        use crate::record::Begin;
+        matches!(answer, Begin::Completed(_))
+            || (matches!(answer, Begin::Mismatch) && self.mismatch == MismatchStatus::ConflictWithOriginal)
+    }
+
+    /// Whether the application lets this request see the stored response of `scope`'s key.
+    pub(crate) async fn allows_replay(&self, parts: &Parts, scope: &Scope) -> bool {
+        match &self.replay_check {
+            Some(check) => check(parts, scope).await,
+            None => true,
+        }
+    }
 }
 
 impl<T> Clone for Config<T> {
@@ -104,6 +131,7 @@ impl<T> Clone for Config<T> {
             max_response_body: self.max_response_body,
             replayed_headers: self.replayed_headers.clone(),
             query: self.query,
+            replay_check: self.replay_check.clone(),
         }
     }
 }

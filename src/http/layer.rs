@@ -1,9 +1,11 @@
 //! [`IdempotencyLayer`]: the middleware's configuration, applied per router or per route.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::request::Parts;
 use http::{HeaderName, Method};
 use tower::Layer;
 
@@ -12,6 +14,7 @@ use super::capture::DEFAULT_REPLAYED_HEADERS;
 use super::config::{Config, KeyRequirement, MismatchStatus, StoredStatuses};
 use super::request_fingerprint::QueryComparison;
 use super::service::IdempotencyService;
+use crate::key::Scope;
 use crate::options::RunOptions;
 use crate::policy::Policy;
 use crate::store::Store;
@@ -44,6 +47,7 @@ impl<T> fmt::Debug for IdempotencyLayer<T> {
             .field("stored", &c.stored)
             .field("max_request_body", &c.max_request_body)
             .field("max_response_body", &c.max_response_body)
+            .field("replay_check", &c.replay_check.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -66,6 +70,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
                 max_response_body: 1 << 20,
                 replayed_headers: DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
                 query: QueryComparison::default(),
+                replay_check: None,
             },
         }
     }
@@ -139,6 +144,39 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// but only its size is stored: retries get 409 `not-replayable` and never run the handler again.
     pub fn with_max_response_body(mut self, bytes: usize) -> Self {
         self.config.max_response_body = bytes;
+        self
+    }
+
+    /// Asks `check` before a stored response is shown to a request (a replay, or the original with
+    /// [`MismatchStatus::ConflictWithOriginal`]); `false` answers 403 `replay-refused` (problem+json)
+    /// and reveals nothing of the stored response. Off by default.
+    ///
+    /// A replay does not reach the handler, so it skips any authorization the handler does: a caller
+    /// whose API key was revoked, or who lost access to the resource, could still read the stored
+    /// answer by retrying. The check repeats that authorization with the request's parts (headers,
+    /// extensions set by an authentication layer) and the record's tenant and operation (`scope`). It
+    /// returns a future that owns what it needs; take it from `parts` before the `async` block.
+    ///
+    /// ```no_run
+    /// # fn app(store: idemstore::Store) -> axum::Router {
+    /// use idemstore::http::IdempotencyLayer;
+    /// # #[derive(Clone)] struct Revoked(std::sync::Arc<std::collections::HashSet<String>>);
+    /// # let revoked = Revoked(Default::default());
+    /// let tenant = |parts: &http::request::Parts| parts.headers.get("x-api-key")?.to_str().ok().map(str::to_owned);
+    /// let layer = IdempotencyLayer::new(store, tenant).with_replay_check(move |parts, _scope| {
+    ///     let api_key = parts.headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    ///     let revoked = revoked.clone();
+    ///     async move { api_key.is_some_and(|key| !revoked.0.contains(&key)) }
+    /// });
+    /// # axum::Router::new().route_layer(layer)
+    /// # }
+    /// ```
+    pub fn with_replay_check<F, Fut>(mut self, check: F) -> Self
+    where
+        F: Fn(&Parts, &Scope) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = bool> + Send + 'static,
+    {
+        self.config.replay_check = Some(Arc::new(move |parts, scope| Box::pin(check(parts, scope))));
         self
     }
 

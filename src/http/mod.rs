@@ -32,6 +32,7 @@
 //! | request body over the limit | 413 |
 //! | store unavailable | 503, `Retry-After`; the handler does not run |
 //! | record awaiting an operator (indeterminate) | 409 |
+//! | a replay the application's check refuses ([`IdempotencyLayer::with_replay_check`]) | 403 `replay-refused` |
 //!
 //! Errors are `application/problem+json` with a stable `type` per case (see [`problem_types`]).
 //! The response body streams to the client as the handler produces it, with a copy kept up to the

@@ -32,6 +32,9 @@ pub mod problem_types {
     /// 410: the request completed, but its stored response was purged after the retention; it is not
     /// executed again.
     pub const EXPIRED: &str = "urn:idemstore:problem:expired";
+    /// 403: the application's replay check refused to show this request the stored response of its key
+    /// (see `IdempotencyLayer::with_replay_check`); nothing was executed or revealed.
+    pub const REPLAY_REFUSED: &str = "urn:idemstore:problem:replay-refused";
     /// 503: the idempotency store is unavailable; nothing was executed.
     pub const UNAVAILABLE: &str = "urn:idemstore:problem:store-unavailable";
     /// 500: the handler ran, and its response body failed before it could be sent; the record says the

@@ -181,6 +181,9 @@ where
     let store = &config.store;
     let owner = match store.begin_with(&scope, &key, &fingerprint, &config.options).await {
         Ok(Begin::Acquired(owner)) => owner,
+        Ok(answer) if config.reveals(&answer) && !config.allows_replay(&parts, &scope).await => {
+            return Ok(answer::replay_refused());
+        }
         Ok(answer) => return Ok(answer::refusal(answer, config, &scope, &key).await),
         Err(_) => return Ok(answer::unavailable()),
     };

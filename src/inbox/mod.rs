@@ -249,6 +249,8 @@ impl Inbox {
             RunOutcome::Mismatch => Received::Conflict,
             RunOutcome::Indeterminate => Received::Indeterminate,
             RunOutcome::Expired => Received::Expired,
+            // An inbox asks no replay check: this is never answered.
+            RunOutcome::ReplayRefused => Received::Conflict,
         })
     }
 
