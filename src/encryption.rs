@@ -7,8 +7,10 @@
 //!
 //! - **A key per tenant**: HKDF-SHA256 of the master key with the tenant as info, so a tenant's records
 //!   never share a key with another tenant's.
-//! - **Bound to its record**: the operation and the idempotency key are the associated data, so a
-//!   ciphertext copied onto another record (by someone who can write the database) does not open there.
+//! - **Bound to its record and its request**: the operation, the idempotency key and the request's
+//!   fingerprint are the associated data, so a ciphertext copied onto another record, or a record whose
+//!   fingerprint was changed beside it (by someone who can write a tier), does not open: a sealed response
+//!   opens only beside the fingerprint it was sealed with.
 //! - **XChaCha20-Poly1305 with a random 192-bit nonce**: no nonce bookkeeping, safe for any number of
 //!   records per key.
 //! - **Rotation**: each sealed response starts with the id of the master key that sealed it (derived from
@@ -20,6 +22,8 @@
 //! Fingerprints and keys stay as they are: they are digests, and Postgres needs them to arbitrate.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
 
 use base64::Engine as _;
 use chacha20poly1305::aead::AeadInOut as _;
@@ -62,9 +66,48 @@ pub const SEALING_OVERHEAD: usize = HEADER + TAG;
 /// [`StoreBuilder::encryption`]: crate::StoreBuilder::encryption
 #[derive(Clone)]
 pub struct Encryption {
-    /// (key id, master key), newest first.
-    keys: Vec<(u32, Zeroizing<[u8; 32]>)>,
+    /// Newest first.
+    keys: Vec<Arc<MasterKey>>,
     accept_unsealed: bool,
+}
+
+/// One master key: its id, its HKDF pseudorandom key, and the ciphers of the tenants it served (a
+/// replay then costs one cipher pass, not a key derivation).
+struct MasterKey {
+    id: u32,
+    prk: Zeroizing<[u8; 32]>,
+    tenants: RwLock<HashMap<String, XChaCha20Poly1305>>,
+}
+
+/// Tenants whose ciphers a master key keeps; past this, the cache starts over.
+const CACHED_TENANTS: usize = 10_000;
+
+impl MasterKey {
+    fn new(master: &[u8; 32]) -> Self {
+        let (prk, _) = Hkdf::<Sha256>::extract(Some(b"idemstore response v1"), master);
+        let mut kept = Zeroizing::new([0; 32]);
+        kept.copy_from_slice(&prk);
+        Self { id: key_id(master), prk: kept, tenants: RwLock::default() }
+    }
+
+    /// The tenant's cipher: its key is HKDF-SHA256(master, tenant).
+    fn cipher(&self, tenant: &str) -> XChaCha20Poly1305 {
+        if let Some(cipher) = self.tenants.read().unwrap_or_else(|poisoned| poisoned.into_inner()).get(tenant) {
+            return cipher.clone();
+        }
+        let mut key = Zeroizing::new([0; 32]);
+        Hkdf::<Sha256>::from_prk(self.prk.as_ref())
+            .expect("a 32-byte pseudorandom key")
+            .expand(tenant.as_bytes(), key.as_mut())
+            .expect("32 bytes is a valid length");
+        let cipher = XChaCha20Poly1305::new(&(*key).into());
+        let mut tenants = self.tenants.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if tenants.len() >= CACHED_TENANTS {
+            tenants.clear();
+        }
+        tenants.insert(tenant.to_owned(), cipher.clone());
+        cipher
+    }
 }
 
 impl std::fmt::Debug for Encryption {
@@ -82,11 +125,11 @@ impl Encryption {
     /// # Errors
     /// [`ConfigError::EncryptionKey`] without a key, or with two keys that are the same.
     pub fn new(master_keys: impl IntoIterator<Item = [u8; 32]>) -> Result<Self, ConfigError> {
-        let keys: Vec<_> = master_keys.into_iter().map(|key| (key_id(&key), Zeroizing::new(key))).collect();
+        let keys: Vec<_> = master_keys.into_iter().map(|key| Arc::new(MasterKey::new(&Zeroizing::new(key)))).collect();
         if keys.is_empty() {
             return Err(ConfigError::EncryptionKey { reason: "no key given" });
         }
-        if keys.iter().enumerate().any(|(i, (id, _))| keys[..i].iter().any(|(other, _)| other == id)) {
+        if keys.iter().enumerate().any(|(i, key)| keys[..i].iter().any(|other| other.id == key.id)) {
             return Err(ConfigError::EncryptionKey { reason: "a key is given twice" });
         }
         Ok(Self { keys, accept_unsealed: false })
@@ -106,14 +149,21 @@ impl Encryption {
                     .map_err(|_| ConfigError::EncryptionKey { reason: "a key is not base64" })?,
             );
             <[u8; 32]>::try_from(bytes.as_slice())
+                .map(Zeroizing::new)
                 .map_err(|_| ConfigError::EncryptionKey { reason: "a key is not 32 bytes" })
         };
-        Self::new(keys.split(',').map(decode).collect::<Result<Vec<_>, _>>()?)
+        let keys = keys.split(',').map(decode).collect::<Result<Vec<_>, _>>()?;
+        Self::new(keys.iter().map(|key| **key))
     }
 
     /// Also replays responses stored before encryption was turned on (in clear), for the retention of
     /// the records of that time. Off by default: then a response in clear is refused, so nobody who can
     /// write to Redis or Postgres can plant a response to be replayed.
+    ///
+    /// A response is taken as sealed when it starts with the format byte (`0xE5`) and is long enough to
+    /// be one: a response in clear of that shape (some binary encodings) is refused as
+    /// [`EncryptionError::Tampered`], and with this option a sealed response cut shorter than its header
+    /// and tag would be taken as clear. Use it for the transition only.
     pub fn accept_unsealed(mut self) -> Self {
         self.accept_unsealed = true;
         self
@@ -121,45 +171,48 @@ impl Encryption {
 
     /// The ids of the keys, newest first, as sealed responses name them (and `idemctl inspect` shows).
     pub fn key_ids(&self) -> Vec<u32> {
-        self.keys.iter().map(|(id, _)| *id).collect()
+        self.keys.iter().map(|key| key.id).collect()
     }
 
-    /// The response as both tiers store it.
-    pub(crate) fn seal(&self, scope: &Scope, key: &IdempotencyKey, response: &[u8]) -> Vec<u8> {
-        let (id, master) = &self.keys[0];
+    /// The response as both tiers store it, for the request whose stored fingerprint is `fingerprint`.
+    pub(crate) fn seal(&self, scope: &Scope, key: &IdempotencyKey, fingerprint: &[u8], response: &[u8]) -> Vec<u8> {
+        let master = &self.keys[0];
         let nonce: [u8; NONCE] = rand::random();
         let mut sealed = Vec::with_capacity(SEALING_OVERHEAD + response.len());
         sealed.push(SEALED);
-        sealed.extend_from_slice(&id.to_be_bytes());
+        sealed.extend_from_slice(&master.id.to_be_bytes());
         sealed.extend_from_slice(&nonce);
         sealed.extend_from_slice(response);
-        let tag = cipher(master, scope)
-            .encrypt_inout_detached(&XNonce::from(nonce), &associated(scope, key), (&mut sealed[HEADER..]).into())
+        let associated = associated(scope, key, fingerprint);
+        let tag = master
+            .cipher(scope.tenant())
+            .encrypt_inout_detached(&XNonce::from(nonce), &associated, (&mut sealed[HEADER..]).into())
             .expect("a response fits XChaCha20-Poly1305's length limit");
         sealed.extend_from_slice(&tag);
         sealed
     }
 
-    /// The response a record stores, opened.
+    /// The response a record stores, opened, for the request whose stored fingerprint is `fingerprint`.
     pub(crate) fn open<'a>(
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
+        fingerprint: &[u8],
         stored: &'a [u8],
     ) -> Result<Cow<'a, [u8]>, EncryptionError> {
         if stored.len() < SEALING_OVERHEAD || stored[0] != SEALED {
             return if self.accept_unsealed { Ok(Cow::Borrowed(stored)) } else { Err(EncryptionError::Unsealed) };
         }
         let id = u32::from_be_bytes(stored[1..1 + KEY_ID].try_into().expect("4 bytes"));
-        let (_, master) =
-            self.keys.iter().find(|(candidate, _)| *candidate == id).ok_or(EncryptionError::UnknownKey { id })?;
+        let master = self.keys.iter().find(|master| master.id == id).ok_or(EncryptionError::UnknownKey { id })?;
         let nonce = XNonce::try_from(&stored[1 + KEY_ID..HEADER]).expect("24 bytes");
         let (ciphertext, tag) = stored[HEADER..].split_at(stored.len() - HEADER - TAG);
         let mut plain = ciphertext.to_vec();
-        cipher(master, scope)
+        master
+            .cipher(scope.tenant())
             .decrypt_inout_detached(
                 &nonce,
-                &associated(scope, key),
+                &associated(scope, key, fingerprint),
                 plain.as_mut_slice().into(),
                 tag.try_into().expect("16 bytes"),
             )
@@ -176,21 +229,15 @@ fn key_id(master: &[u8; 32]) -> u32 {
     u32::from_be_bytes(id)
 }
 
-/// The tenant's cipher: its key is HKDF-SHA256(master, tenant).
-fn cipher(master: &[u8; 32], scope: &Scope) -> XChaCha20Poly1305 {
-    let mut key = Zeroizing::new([0; 32]);
-    Hkdf::<Sha256>::new(Some(b"idemstore response v1"), master)
-        .expand(scope.tenant().as_bytes(), key.as_mut())
-        .expect("32 bytes is a valid length");
-    XChaCha20Poly1305::new(&(*key).into())
-}
-
-/// The record a ciphertext belongs to, length-prefixed: operation and key (the tenant is in the key).
-fn associated(scope: &Scope, key: &IdempotencyKey) -> Vec<u8> {
+/// The record and request a ciphertext belongs to, length-prefixed: operation, fingerprint, key (the
+/// tenant chose the cipher's key).
+fn associated(scope: &Scope, key: &IdempotencyKey, fingerprint: &[u8]) -> Vec<u8> {
     let (operation, key) = (scope.operation().as_bytes(), key.as_str().as_bytes());
-    let mut associated = Vec::with_capacity(4 + operation.len() + key.len());
-    associated.extend_from_slice(&(operation.len() as u32).to_be_bytes());
-    associated.extend_from_slice(operation);
+    let mut associated = Vec::with_capacity(8 + operation.len() + fingerprint.len() + key.len());
+    for part in [operation, fingerprint] {
+        associated.extend_from_slice(&(part.len() as u32).to_be_bytes());
+        associated.extend_from_slice(part);
+    }
     associated.extend_from_slice(key);
     associated
 }
@@ -198,6 +245,8 @@ fn associated(scope: &Scope, key: &IdempotencyKey) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const FP: &[u8] = &[7; 32];
 
     fn record(tenant: &str, operation: &str, key: &str) -> (Scope, IdempotencyKey) {
         (Scope::new(tenant, operation).unwrap(), IdempotencyKey::new(key).unwrap())
@@ -207,15 +256,15 @@ mod tests {
     fn a_sealed_response_opens_only_on_its_own_record() {
         let encryption = Encryption::new([[1; 32]]).unwrap();
         let (scope, key) = record("acme", "charge", "k1");
-        let sealed = encryption.seal(&scope, &key, b"{\"card\":\"4242\"}");
+        let sealed = encryption.seal(&scope, &key, FP, b"{\"card\":\"4242\"}");
         assert_eq!(sealed.len(), 15 + SEALING_OVERHEAD);
         assert!(!sealed.windows(4).any(|w| w == b"4242"));
-        assert_eq!(encryption.open(&scope, &key, &sealed).unwrap().as_ref(), b"{\"card\":\"4242\"}");
+        assert_eq!(encryption.open(&scope, &key, FP, &sealed).unwrap().as_ref(), b"{\"card\":\"4242\"}");
         for (tenant, operation, other) in
             [("umbrella", "charge", "k1"), ("acme", "refund", "k1"), ("acme", "charge", "k2")]
         {
             let (scope, key) = record(tenant, operation, other);
-            assert!(matches!(encryption.open(&scope, &key, &sealed), Err(EncryptionError::Tampered)));
+            assert!(matches!(encryption.open(&scope, &key, FP, &sealed), Err(EncryptionError::Tampered)));
         }
     }
 
@@ -223,11 +272,11 @@ mod tests {
     fn every_changed_byte_is_refused() {
         let encryption = Encryption::new([[1; 32]]).unwrap();
         let (scope, key) = record("acme", "charge", "k1");
-        let sealed = encryption.seal(&scope, &key, b"response");
+        let sealed = encryption.seal(&scope, &key, FP, b"response");
         for i in 0..sealed.len() {
             let mut changed = sealed.clone();
             changed[i] ^= 0x01;
-            assert!(encryption.open(&scope, &key, &changed).is_err(), "byte {i}");
+            assert!(encryption.open(&scope, &key, FP, &changed).is_err(), "byte {i}");
         }
     }
 
@@ -235,17 +284,17 @@ mod tests {
     fn old_keys_open_until_removed_and_clear_text_only_when_accepted() {
         let (scope, key) = record("acme", "charge", "k1");
         let old = Encryption::new([[1; 32]]).unwrap();
-        let sealed_before = old.seal(&scope, &key, b"before");
+        let sealed_before = old.seal(&scope, &key, FP, b"before");
         let rotated = Encryption::new([[2; 32], [1; 32]]).unwrap();
-        assert_eq!(rotated.open(&scope, &key, &sealed_before).unwrap().as_ref(), b"before");
-        assert_eq!(rotated.seal(&scope, &key, b"after")[1..5], key_id(&[2; 32]).to_be_bytes());
+        assert_eq!(rotated.open(&scope, &key, FP, &sealed_before).unwrap().as_ref(), b"before");
+        assert_eq!(rotated.seal(&scope, &key, FP, b"after")[1..5], key_id(&[2; 32]).to_be_bytes());
         let retired = Encryption::new([[2; 32]]).unwrap();
         let id = key_id(&[1; 32]);
         assert!(
-            matches!(retired.open(&scope, &key, &sealed_before), Err(EncryptionError::UnknownKey { id: i }) if i == id)
+            matches!(retired.open(&scope, &key, FP, &sealed_before), Err(EncryptionError::UnknownKey { id: i }) if i == id)
         );
-        assert!(matches!(retired.open(&scope, &key, b"clear"), Err(EncryptionError::Unsealed)));
-        assert_eq!(retired.accept_unsealed().open(&scope, &key, b"clear").unwrap().as_ref(), b"clear");
+        assert!(matches!(retired.open(&scope, &key, FP, b"clear"), Err(EncryptionError::Unsealed)));
+        assert_eq!(retired.accept_unsealed().open(&scope, &key, FP, b"clear").unwrap().as_ref(), b"clear");
     }
 
     #[test]

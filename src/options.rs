@@ -77,7 +77,11 @@ impl RunOptions {
     /// A replay skips the work, and with it any authorization the work does: a caller whose access was
     /// revoked after the first call could read its result by retrying. The check repeats that
     /// authorization (the record's tenant and operation are in the scope). It is not asked for new
-    /// work, which authorizes itself.
+    /// work, which authorizes itself. [`Store::run_once_with`](crate::Store::run_once_with) asks it;
+    /// [`Store::begin_with`](crate::Store::begin_with) hands [`Begin::Completed`](crate::Begin::Completed)
+    /// to its caller, whose check it is (as the HTTP layer's
+    /// [`with_replay_check`](crate::http::IdempotencyLayer::with_replay_check)). Refusals count in
+    /// `idemstore_replays_refused_total`.
     pub fn replay_check<F, Fut>(mut self, check: F) -> Self
     where
         F: Fn(&Scope, &IdempotencyKey) -> Fut + Send + Sync + 'static,
@@ -89,9 +93,13 @@ impl RunOptions {
 
     /// Whether a stored result of (`scope`, `key`) may be replayed to this caller.
     pub(crate) async fn allows_replay(&self, scope: &Scope, key: &IdempotencyKey) -> bool {
-        match &self.replay_check {
+        let allowed = match &self.replay_check {
             Some(ReplayCheck(check)) => check(scope, key).await,
             None => true,
+        };
+        if !allowed {
+            crate::telemetry::replay_refused(scope.operation());
         }
+        allowed
     }
 }

@@ -31,9 +31,13 @@ pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";
 /// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open, cluster
 /// (a Redis Cluster still redirecting: MOVED, ASK, TRYAGAIN, CLUSTERDOWN).
 pub const REDIS_FALLBACKS: &str = "idemstore_redis_fallbacks_total";
-/// Stored responses refused instead of replayed because they do not open ([`crate::Encryption`]), by
-/// operation and reason (`unknown_key`, `tampered`, `unsealed`). Any increase needs an operator.
+/// Stored responses that did not open ([`crate::Encryption`]), by operation, tier (`redis`: the copy was
+/// dropped and Postgres answered; `postgres`: the request was refused) and reason (`unknown_key`,
+/// `tampered`, `unsealed`). Registered at 0 by stores with encryption. Any increase needs an operator.
 pub const UNREADABLE_RESPONSES: &str = "idemstore_unreadable_responses_total";
+/// Replays the application's replay check refused (`with_replay_check`, `RunOptions::replay_check`), by
+/// operation; the store's answer was counted as `replayed` in [`OUTCOMES`] before the check.
+pub const REPLAYS_REFUSED: &str = "idemstore_replays_refused_total";
 /// Records found in Postgres that Redis had lost (eviction, flush, restart, expired TTL) and repaired.
 pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
@@ -83,6 +87,7 @@ pub fn describe() {
     describe_counter!(REDIS_FALLBACKS, "Redis calls that degraded to the Postgres path, by reason.");
     describe_counter!(RECONCILIATIONS, "Records Redis had lost, served from Postgres and repaired.");
     describe_counter!(UNREADABLE_RESPONSES, "Stored responses that did not open (key gone, changed), by reason.");
+    describe_counter!(REPLAYS_REFUSED, "Replays the application's replay check refused.");
     describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
     describe_counter!(SETTLE_FAILURES, "Owner writes (complete, release, extend) that did not land, by reason.");
     describe_counter!(WAIT_WAKEUPS, "Wake-ups of claims waiting for an in-flight duplicate, by cause.");
@@ -108,6 +113,7 @@ pub fn describe() {
 /// its first increment has no earlier sample, so Prometheus's `rate()` and `increase()` never count it.
 const OUTCOME_NAMES: [&str; 7] = ["executed", "replayed", "in_flight", "mismatch", "indeterminate", "expired", "error"];
 const LOOKUP_RESULTS: [&str; 3] = ["hit", "miss", "error"];
+const UNREADABLE_REASONS: [&str; 3] = ["unknown_key", "tampered", "unsealed"];
 const FALLBACK_REASONS: [&str; 4] = ["error", "timeout", "circuit_open", "cluster"];
 /// Beyond this many operations a store stops registering new ones ahead (their series still appear at
 /// their first increment): a bound on what a caller that names operations freely can cost.
@@ -119,8 +125,8 @@ pub(crate) struct Registered(RwLock<HashSet<String>>);
 
 impl Registered {
     /// Registers every series of `operation` at 0 the first time it is seen (the Redis ones when
-    /// `redis`); a read lock on every later call.
-    pub(crate) fn operation(&self, operation: &str, redis: bool) {
+    /// `redis`, the unreadable responses when `encrypted`); a read lock on every later call.
+    pub(crate) fn operation(&self, operation: &str, redis: bool, encrypted: bool) {
         // Past the cap, nothing is registered: a read lock, never the write lock, on every later call.
         if self.0.read().map_or(true, |seen| seen.contains(operation) || seen.len() >= MAX_REGISTERED_OPERATIONS) {
             return;
@@ -140,6 +146,17 @@ impl Registered {
             for step in ["complete", "release", "extend"] {
                 for reason in ["lease_lost", "error"] {
                     settle_failure_counter(operation, step, reason).increment(0);
+                }
+            }
+            let tiers: &[&str] = match (encrypted, redis) {
+                (false, _) => &[],
+                (true, false) => &["postgres"],
+                (true, true) => &["postgres", "redis"],
+            };
+            for tier in tiers {
+                for reason in UNREADABLE_REASONS {
+                    metrics::counter!(UNREADABLE_RESPONSES, "operation" => operation.to_owned(), "tier" => *tier, "reason" => reason)
+                        .increment(0);
                 }
             }
             if redis {
@@ -222,8 +239,14 @@ pub(crate) fn redis_fallback(operation: &str, reason: &'static str) {
     metrics::counter!(REDIS_FALLBACKS, "operation" => operation.to_owned(), "reason" => reason).increment(1);
 }
 
-pub(crate) fn unreadable_response(operation: &str, reason: &'static str) {
-    metrics::counter!(UNREADABLE_RESPONSES, "operation" => operation.to_owned(), "reason" => reason).increment(1);
+pub(crate) fn unreadable_response(operation: &str, tier: &'static str, reason: &'static str) {
+    metrics::counter!(UNREADABLE_RESPONSES, "operation" => operation.to_owned(), "tier" => tier, "reason" => reason)
+        .increment(1);
+}
+
+/// A replay the application's check refused.
+pub(crate) fn replay_refused(operation: &str) {
+    metrics::counter!(REPLAYS_REFUSED, "operation" => operation.to_owned()).increment(1);
 }
 
 pub(crate) fn reconciliation(operation: &str) {

@@ -235,6 +235,11 @@ async fn every_metric_ops_uses_is_emitted(mode: Mode) {
         if mode == Mode::PostgresOnly && redis_only {
             continue;
         }
+        // Emitted by stores with encryption (CI's second pass runs the harness's stores encrypted).
+        let encrypted = std::env::var_os("IDEMSTORE_TEST_ENCRYPTION_KEY").is_some();
+        if name == "idemstore_unreadable_responses_total" && !encrypted {
+            continue;
+        }
         assert!(
             page.lines().any(|line| line.starts_with(&format!("{name}{{")) || line.starts_with(&format!("{name} "))),
             "{name} is not emitted:\n{page}"

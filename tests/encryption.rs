@@ -9,6 +9,7 @@ mod payments;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
+use idemstore::http::problem_types;
 use idemstore::{Begin, Encryption, EncryptionError, Mode, Resolution, RunError, RunOutcome, Scope, Store, StoreError};
 use serde_json::{Value, json};
 use support::{Harness, key};
@@ -144,7 +145,7 @@ async fn no_tier_holds_a_response_in_clear(mode: Mode) {
     let inspect = |keys: &[[u8; 32]]| {
         let encoded: Vec<String> = keys.iter().map(|key| BASE64.encode(key)).collect();
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idemctl"));
-        command.args(["--json", "--key-prefix", &h.prefix, "inspect", "acme", &h.operation, "run-once"]);
+        command.args(["--json", "--key-prefix", &h.prefix, "inspect", "acme", &h.operation, "run-once", "--response"]);
         command.env("DATABASE_URL", &h.database_url).env("IDEMSTORE_ENCRYPTION_KEY", encoded.join(","));
         let output = command.output().expect("run idemctl");
         serde_json::from_slice::<Value>(&output.stdout).expect("JSON")["postgres"].clone()
@@ -154,6 +155,8 @@ async fn no_tier_holds_a_response_in_clear(mode: Mode) {
     let unopened = inspect(&[KEY_B]);
     assert_eq!(unopened["response"], Value::Null);
     assert!(unopened["response_error"].as_str().expect("why").contains("not configured"), "{unopened}");
+    let without_key = inspect(&[]);
+    assert!(without_key["response_error"].as_str().expect("why").contains("set IDEMSTORE_ENCRYPTION_KEY"));
 }
 
 /// The control: the same writes without encryption leave the canary in both tiers, so the scans above
@@ -202,11 +205,16 @@ async fn rotated_keys_open_old_responses_until_retired(mode: Mode) {
     let replay = retired.run_once(&scope, &newer, &json!({"n": 2}), || h.charge("acme", &newer)).await;
     assert!(matches!(replay, Ok(RunOutcome::Replayed(_))), "sealed with the newest key: {replay:?}");
     assert_eq!(h.effects("acme", &k).await, 1, "the refused retry did not run the work again");
-    assert_eq!(h.counter("idemstore_unreadable_responses_total", &[("reason", "unknown_key")]), 1.0);
+    let unreadable =
+        |tier| h.counter("idemstore_unreadable_responses_total", &[("tier", tier), ("reason", "unknown_key")]);
+    assert_eq!(unreadable("postgres"), 1.0);
+    // Redis's copy did not open either: dropped, and Postgres asked (which refused).
+    assert_eq!(unreadable("redis"), if mode == Mode::TwoTier { 1.0 } else { 0.0 });
 }
 
-/// A changed byte of the stored ciphertext, or a ciphertext copied from another record of the same
-/// tenant, is refused from either tier, and nothing runs again.
+/// A changed byte of the stored ciphertext, a ciphertext copied from another record of the same tenant,
+/// or a fingerprint changed beside it (another payload would get this answer) is refused, and nothing
+/// runs again. A Redis copy that does not open is dropped and Postgres answers with its own.
 async fn tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again(mode: Mode) {
     let h = Harness::start(mode).await;
     let store = sealing(&h, keys(&[KEY_A]));
@@ -216,19 +224,33 @@ async fn tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again(mode: Mo
         store.run_once(&scope, &k, &json!({"n": 1}), || h.charge("acme", &k)).await.expect("run");
     }
     if mode == Mode::TwoTier {
-        // Redis's copy of the victim, changed in place: the replay from Redis is refused.
+        // Redis's copy of the victim changed in place (a byte of the ciphertext), then its fingerprint
+        // replaced by another payload's: neither opens, and Postgres answers each time.
         let mut conn = h.redis_connection().await;
-        let name = h.redis_key(&scope, &key("victim"));
-        let mut stored: Vec<u8> = redis::cmd("GET").arg(&name).query_async(&mut conn).await.expect("GET");
-        let last = stored.len() - 1;
-        stored[last] ^= 1;
-        let () = redis::cmd("SET").arg(&name).arg(&stored).arg("KEEPTTL").query_async(&mut conn).await.expect("SET");
-        let refused = store.run_once(&scope, &victim, &json!({"n": 1}), || h.charge("acme", &victim)).await;
-        assert!(
-            matches!(refused, Err(RunError::Store(StoreError::Encryption(EncryptionError::Tampered)))),
-            "{refused:?}"
-        );
-        h.store.evict(&scope, &key("victim")).await.expect("evict");
+        let name = h.redis_key(&scope, &victim);
+        let other = idemstore::Fingerprint::of_serialize(&json!({"n": 2}), &Default::default()).expect("fingerprint");
+        let original = json!({"charge": 1, "tenant": "acme"});
+        for change in ["ciphertext", "fingerprint"] {
+            let mut stored: Vec<u8> = redis::cmd("GET").arg(&name).query_async(&mut conn).await.expect("GET");
+            match change {
+                "ciphertext" => *stored.last_mut().expect("bytes") ^= 1,
+                _ => stored[..32].copy_from_slice(other.as_bytes()),
+            }
+            let () =
+                redis::cmd("SET").arg(&name).arg(&stored).arg("KEEPTTL").query_async(&mut conn).await.expect("SET");
+            let payload = if change == "fingerprint" { json!({"n": 2}) } else { json!({"n": 1}) };
+            let answer = store.run_once(&scope, &victim, &payload, || h.charge("acme", &victim)).await;
+            let expected =
+                if change == "fingerprint" { RunOutcome::Mismatch } else { RunOutcome::Replayed(original.clone()) };
+            assert_eq!(answer.expect(change), expected, "{change}: Postgres answered");
+            // The copy was dropped; the next request repairs it from Postgres.
+            let again = store.run_once(&scope, &victim, &json!({"n": 1}), || h.charge("acme", &victim)).await;
+            assert_eq!(again.expect("replay"), RunOutcome::Replayed(original.clone()));
+            let repaired: Vec<u8> = redis::cmd("GET").arg(&name).query_async(&mut conn).await.expect("GET");
+            assert!(!repaired.is_empty() && repaired != stored, "{change}: repaired from Postgres");
+        }
+        let counted = h.counter("idemstore_unreadable_responses_total", &[("tier", "redis"), ("reason", "tampered")]);
+        assert_eq!(counted, 2.0);
     }
     let moves = [
         "UPDATE idempotency_records SET response = set_byte(response, 40, get_byte(response, 40) # 1) WHERE idempotency_key = 'victim'",
@@ -237,6 +259,9 @@ async fn tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again(mode: Mo
     ];
     for change in moves {
         sqlx::query(change).execute(&h.pool).await.expect("change the stored response");
+        if mode == Mode::TwoTier {
+            h.store.evict(&scope, &victim).await.expect("evict"); // Redis still holds the good copy
+        }
         let refused = store.run_once(&scope, &victim, &json!({"n": 1}), || h.charge("acme", &victim)).await;
         assert!(
             matches!(refused, Err(RunError::Store(StoreError::Encryption(EncryptionError::Tampered)))),
@@ -246,6 +271,16 @@ async fn tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again(mode: Mo
         assert_eq!(inspected.unreadable, Some(EncryptionError::Tampered));
     }
     assert_eq!(h.effects("acme", &key("victim")).await, 1, "refusals never run the work again");
+
+    // An operator settles it: the completed record's unreadable response is replaced, and replayed.
+    let repaired = Resolution::Completed(json!({ "charge": "restored" }).to_string().into_bytes());
+    assert!(store.resolve(&scope, &victim, repaired).await.expect("resolve"));
+    let replay = store.run_once(&scope, &victim, &json!({"n": 1}), || h.charge("acme", &victim)).await;
+    assert_eq!(replay.expect("replay"), RunOutcome::Replayed(json!({ "charge": "restored" })));
+    // A readable completed record is not the operator's to change.
+    let again = Resolution::Completed(b"\"other\"".to_vec());
+    assert!(!store.resolve(&scope, &victim, again).await.expect("resolve"));
+    assert_eq!(h.effects("acme", &victim).await, 1);
 }
 
 /// Records stored before encryption was turned on hold responses in clear: refused by default (nobody
@@ -271,16 +306,19 @@ async fn responses_in_clear_are_refused_unless_accepted(mode: Mode) {
 /// (in the stored response) is in neither tier, and the retry replays it.
 async fn the_demo_with_an_encryption_key_stores_no_charge_in_clear(mode: Mode) {
     let h = Harness::start(mode).await;
-    let store = sealing(&h, keys(&[KEY_A]));
-    payments::app::migrate(&store).await.expect("migrations");
-    let router = payments::app::router(payments::app::App {
-        store,
-        metrics: support::recorder().clone(),
-        webhook_secret: payments::app::DEMO_WEBHOOK_SECRET.to_owned(),
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("address"));
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let serve = |store: Store| async move {
+        payments::app::migrate(&store).await.expect("migrations");
+        let router = payments::app::router(payments::app::App {
+            store,
+            metrics: support::recorder().clone(),
+            webhook_secret: payments::app::DEMO_WEBHOOK_SECRET.to_owned(),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("address"));
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        base
+    };
+    let base = serve(sealing(&h, keys(&[KEY_A]))).await;
     let client = reqwest::Client::new();
     let body = json!({"amount": 1200, "currency": "EUR", "customer": CANARY});
     let first = payments::post_payment(&client, &base, "encrypted-1", "acme", &body, 0).await;
@@ -292,4 +330,11 @@ async fn the_demo_with_an_encryption_key_stores_no_charge_in_clear(mode: Mode) {
     assert!(String::from_utf8_lossy(&first).contains(CANARY));
     assert_eq!(postgres_rows_holding(&h, CANARY).await, 0);
     assert_eq!(redis_values_holding(&h, CANARY).await, 0);
+
+    // Its key retired too early: the retry is a 500 that says why, not a 503 to retry, and no new charge.
+    let retired = serve(sealing(&h, keys(&[KEY_B]))).await;
+    let refused = payments::post_payment(&client, &retired, "encrypted-1", "acme", &body, 0).await;
+    assert_eq!(refused.status(), reqwest::StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(payments::problem_type(&refused.bytes().await.expect("body")), problem_types::UNREADABLE);
+    assert_eq!(payments::charges(&h, "acme").await, 1);
 }

@@ -59,7 +59,8 @@ async fn a_record_stored_by_version_1_still_replays(mode: Mode) {
         let answer = h.store.run_once(&scope, &k, &payload, || h.charge("acme", &k)).await.expect(attempt);
         assert_eq!(answer, RunOutcome::Replayed(json!({"charge": "ch_1"})), "{attempt}");
     }
-    if mode == Mode::TwoTier {
+    // With encryption (CI's second pass), a Redis copy in clear is never replayed: Postgres answers.
+    if mode == Mode::TwoTier && std::env::var_os("IDEMSTORE_TEST_ENCRYPTION_KEY").is_none() {
         assert!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]) >= 1.0, "Redis answered the retry");
     }
     let other =

@@ -193,4 +193,5 @@ async fn a_revoked_caller_cannot_read_a_stored_answer_by_retrying(mode: Mode) {
     let refused = h.store.run_once_with(&scope, &key, &payload, &refusing, || h.charge("acme", &key)).await;
     assert_eq!(refused.expect("answer"), idemstore::RunOutcome::ReplayRefused);
     assert_eq!(h.effects("acme", &key).await, 1);
+    assert_eq!(h.counter("idemstore_replays_refused_total", &[]), 3.0);
 }

@@ -3,6 +3,8 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use idemstore::{ConfigError, SignatureError, SignatureScheme, VerifiedDelivery, WebhookVerifier};
 use proptest::prelude::*;
 
@@ -122,6 +124,44 @@ fn missing_or_garbled_headers_are_malformed_not_unauthorized() {
     }
 }
 
+/// A sender cannot make a delivery cost thousands of HMACs: more than 16 signatures is malformed. A
+/// signed timestamp past what the clock can hold is stale, not a panic.
+#[test]
+fn many_signatures_or_a_timestamp_beyond_the_clock_are_refused() {
+    let stripe = verifier(SignatureScheme::Stripe, &["whsec_x"]);
+    let many = format!("t={NOW},{}", vec![format!("v1={}", "ab".repeat(32)); 17].join(","));
+    let refused = verify(&stripe, &[("stripe-signature", many)], b"{}", NOW);
+    assert!(matches!(refused, Err(SignatureError::MalformedHeader { .. })), "{refused:?}");
+    let standard = verifier(SignatureScheme::StandardWebhooks, &["whsec_eA"]);
+    let mut headers = standard.sign("m", at(NOW), b"{}");
+    headers[2].1 = vec!["v1,AAAA"; 17].join(" ");
+    assert!(matches!(verify(&standard, &headers, b"{}", NOW), Err(SignatureError::MalformedHeader { .. })));
+
+    // Signed (with the secret) at the largest timestamp the headers can carry, past SystemTime's range.
+    let huge = "9999999999999999999";
+    let signed = hmac_sha256(b"whsec_x", &[huge.as_bytes(), b".", &body("evt_1")]);
+    let hex: String = signed.iter().map(|b| format!("{b:02x}")).collect();
+    let stripe_headers = [("stripe-signature", format!("t={huge},v1={hex}"))];
+    let signed = hmac_sha256(b"x", &[b"evt_1.", huge.as_bytes(), b".", &body("evt_1")]);
+    let standard_headers = [
+        ("webhook-id", "evt_1".to_owned()),
+        ("webhook-timestamp", huge.to_owned()),
+        ("webhook-signature", format!("v1,{}", BASE64.encode(signed))),
+    ];
+    for (verifier, headers) in [(&stripe, &stripe_headers[..]), (&standard, &standard_headers[..])] {
+        let answer = verify(verifier, headers, &body("evt_1"), NOW);
+        assert!(matches!(answer, Err(SignatureError::Stale { .. })), "{:?}: {answer:?}", verifier.scheme());
+    }
+}
+
+/// HMAC-SHA256 of the concatenated `parts`, computed here independently of the library.
+fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> Vec<u8> {
+    use hmac::{KeyInit as _, Mac as _};
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(key).expect("key");
+    parts.iter().for_each(|part| mac.update(part));
+    mac.finalize().into_bytes().to_vec()
+}
+
 /// Stripe's event id is the signed body's `id`; a body without one is refused, never handled under a
 /// made-up id.
 #[test]
@@ -159,42 +199,44 @@ enum Part {
 }
 
 proptest! {
-    /// Any one byte of the body, the event id (Standard Webhooks: the `webhook-id` header; Stripe: the
-    /// body's `id`) or the timestamp changed after signing: refused.
+    /// Any one byte of the body or the event id (Standard Webhooks: the `webhook-id` header; Stripe: the
+    /// body's `id`) changed after signing, or the timestamp moved by a few seconds (still within the
+    /// tolerance, so only the signature can catch it): refused as a signature mismatch.
     #[test]
     fn any_changed_byte_of_body_id_or_timestamp_is_refused(
         standard in any::<bool>(),
         part in prop_oneof![Just(Part::Body), Just(Part::EventId), Just(Part::Timestamp)],
         position in any::<prop::sample::Index>(),
         flip in 1u8..=255,
+        shift in 1u64..=99,
     ) {
         let scheme = if standard { SignatureScheme::StandardWebhooks } else { SignatureScheme::Stripe };
         let verifier = verifier(scheme, &["whsec_cHJvcGVydHktc2VjcmV0"]);
         let body = body("evt_1NqRproperty");
         let mut headers = verifier.sign("evt_1NqRproperty", at(NOW), &body);
         prop_assert!(verify(&verifier, &headers, &body, NOW).is_ok());
-        let change = |text: &str| {
-            let mut bytes = text.as_bytes().to_vec();
-            let i = position.index(bytes.len());
-            bytes[i] ^= flip;
-            String::from_utf8_lossy(&bytes).into_owned()
-        };
         let mut changed_body = body.clone();
+        let moved = (NOW + shift).to_string();
         match (part, scheme) {
             (Part::Body, _) => changed_body[position.index(body.len())] ^= flip,
             (Part::EventId, SignatureScheme::Stripe) => {
                 let start = body.windows(4).position(|w| w == b"evt_").expect("id");
                 changed_body[start + position.index("evt_1NqRproperty".len())] ^= flip;
             }
-            (Part::EventId, _) => headers[0].1 = change(&headers[0].1),
-            (Part::Timestamp, SignatureScheme::Stripe) => {
-                let t = headers[0].1.split_once(',').expect("t,v1").0.trim_start_matches("t=").to_owned();
-                let rest = headers[0].1[2 + t.len()..].to_owned();
-                headers[0].1 = format!("t={}{rest}", change(&t));
+            (Part::EventId, _) => {
+                let mut id = headers[0].1.clone().into_bytes();
+                let i = position.index(id.len());
+                // Another visible ASCII byte, so the header stays a valid value.
+                id[i] = b'!' + (id[i] - b'!' + (flip % 93).max(1)) % 94;
+                headers[0].1 = String::from_utf8(id).expect("ASCII");
             }
-            (Part::Timestamp, _) => headers[1].1 = change(&headers[1].1),
+            (Part::Timestamp, SignatureScheme::Stripe) => {
+                let signature = headers[0].1.split_once(',').expect("t,v1").1.to_owned();
+                headers[0].1 = format!("t={moved},{signature}");
+            }
+            (Part::Timestamp, _) => headers[1].1 = moved,
         }
         let answer = verify(&verifier, &headers, &changed_body, NOW);
-        prop_assert!(answer.is_err(), "{part:?} of {scheme:?} changed, yet verified: {answer:?}");
+        prop_assert!(matches!(answer, Err(SignatureError::Mismatch)), "{part:?} of {scheme:?} changed: {answer:?}");
     }
 }

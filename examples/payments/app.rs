@@ -210,6 +210,10 @@ async fn receive_webhook(
         Ok(Received::InProgress { .. }) => error(StatusCode::CONFLICT, "this event is being handled; retry later"),
         Ok(_) => error(StatusCode::CONFLICT, "this event awaits an operator"),
         Err(RunError::Store(idemstore::StoreError::Input(e))) => error(StatusCode::BAD_REQUEST, &e.to_string()),
+        // Handled before, its outcome unreadable (encryption key retired): a retry would get the same.
+        Err(RunError::Store(e @ idemstore::StoreError::Encryption(_))) => {
+            error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())
+        }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! idemctl migrate [--partitions N]
-//! idemctl inspect <tenant> <operation> <key>
+//! idemctl inspect <tenant> <operation> <key> [--response]
 //! idemctl purge [--dry-run] [--batch N]
 //! idemctl recover [--dry-run] [--batch N]
 //! idemctl resolve <tenant> <operation> <key> (--complete-with FILE | --release)
@@ -15,7 +15,8 @@
 //! ```
 //! Reads `DATABASE_URL` and `REDIS_URL` (or `--database-url`, `--redis-url`; for a Redis Cluster,
 //! `--redis-cluster` / `IDEMSTORE_REDIS_CLUSTER` with comma-separated seed URLs); `--json` prints one JSON
-//! document for scripts. Exit status 0 on success, 1 when the store failed, 2 on bad usage.
+//! document for scripts; `IDEMSTORE_ENCRYPTION_KEY` (environment only) opens and seals encrypted responses.
+//! Exit status 0 on success, 1 when the store failed, 2 on bad usage.
 
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
@@ -38,10 +39,6 @@ struct Cli {
     /// are given).
     #[arg(long, env = "IDEMSTORE_REDIS_CLUSTER", global = true, hide_env_values = true, value_delimiter = ',')]
     redis_cluster: Vec<String>,
-    /// The store's encryption keys (base64 of 32 bytes, newest first, comma-separated), to open stored
-    /// responses in `inspect` and seal the response of `resolve --completed`.
-    #[arg(long, env = "IDEMSTORE_ENCRYPTION_KEY", global = true, hide_env_values = true)]
-    encryption_key: Option<String>,
     /// Prefix of the store's Redis keys.
     #[arg(long, default_value = "idem", global = true)]
     key_prefix: String,
@@ -69,7 +66,13 @@ enum Command {
         partitions: Option<u16>,
     },
     /// Show a key as Postgres and Redis hold it.
-    Inspect(RecordId),
+    Inspect {
+        #[command(flatten)]
+        id: RecordId,
+        /// Also print the stored response (opened with `IDEMSTORE_ENCRYPTION_KEY` when it is encrypted).
+        #[arg(long)]
+        response: bool,
+    },
     /// Delete expired records in batches.
     Purge {
         /// Only count what would be deleted.
@@ -247,7 +250,10 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
     } else if let Some(url) = &cli.redis_url {
         builder = builder.redis_url(url.clone());
     }
-    if let Some(keys) = cli.encryption_key.as_deref().filter(|keys| !keys.is_empty()) {
+    // From the environment only: a key on the command line would show in `ps` and shell history.
+    let keys = std::env::var("IDEMSTORE_ENCRYPTION_KEY").ok();
+    let encrypted = keys.as_deref().is_some_and(|keys| !keys.is_empty());
+    if let Some(keys) = keys.as_deref().filter(|keys| !keys.is_empty()) {
         builder = builder.encryption(Encryption::from_base64(keys).map_err(StoreError::from)?);
     }
     let store = builder.build().map_err(idemstore::StoreError::from)?;
@@ -270,9 +276,9 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
                 None => Output { json: json!({ "migrated": true }), text: "migrations applied".into() },
             }
         }
-        Command::Inspect(id) => {
+        Command::Inspect { id, response } => {
             let (scope, key) = record(id)?;
-            inspection(&store.inspect(&scope, &key).await?)
+            inspection(&store.inspect(&scope, &key).await?, *response, encrypted)
         }
         Command::Purge { dry_run: true, .. } => {
             let expired = store.count_expired().await?;
@@ -457,7 +463,8 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
-fn inspection(inspection: &Inspection) -> Output {
+/// A record side by side in both tiers; its response only when asked (it may hold personal data).
+fn inspection(inspection: &Inspection, show_response: bool, encrypted: bool) -> Output {
     let millis = |d: Option<Duration>| d.map(|d| d.as_millis() as u64);
     let postgres = inspection.postgres.as_ref().map(|r| {
         json!({
@@ -468,8 +475,13 @@ fn inspection(inspection: &Inspection) -> Output {
             "lease_remaining_ms": millis(r.lease_remaining),
             "expires_in_ms": millis(r.expires_in),
             "response_bytes": r.response.as_ref().map(|r| r.as_bytes().len()),
-            "response": r.response.as_ref().map(|r| String::from_utf8_lossy(r.as_bytes()).into_owned()),
-            "response_error": inspection.unreadable.as_ref().map(ToString::to_string),
+            "response": r.response.as_ref().filter(|_| show_response).map(|r| String::from_utf8_lossy(r.as_bytes()).into_owned()),
+            "response_error": inspection.unreadable.as_ref().map(ToString::to_string).or_else(|| {
+                // Without the key, sealed bytes would read as noise: say what they are.
+                let stored = r.response.as_ref()?.as_bytes();
+                let sealed = !encrypted && stored.len() >= idemstore::SEALING_OVERHEAD && stored[0] == 0xE5;
+                sealed.then(|| "the response looks encrypted: set IDEMSTORE_ENCRYPTION_KEY".to_owned())
+            }),
         })
     });
     let redis = inspection.redis.as_ref().map(|r| {

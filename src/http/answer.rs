@@ -138,6 +138,15 @@ pub(crate) fn unavailable() -> Response<Boxed> {
         .into_response()
 }
 
+/// A request that completed before, whose stored response does not open (its encryption key is gone, or
+/// it was changed): not replayed, not run again, and a retry would get the same.
+pub(crate) fn unreadable() -> Response<Boxed> {
+    let detail = "a request with this key completed, but its stored response cannot be read; it is not \
+                  executed again";
+    Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::UNREADABLE, "Stored response unreadable", detail)
+        .into_response()
+}
+
 /// The handler's body failed before the record could be settled with it.
 pub(crate) fn response_failed() -> Response<Boxed> {
     let detail = "the handler ran, and its response body failed; a retry is told it cannot be replayed";

@@ -109,10 +109,14 @@ impl<T> Config<T> {
 
     /// Whether the application lets this request see the stored response of `scope`'s key.
     pub(crate) async fn allows_replay(&self, parts: &Parts, scope: &Scope) -> bool {
-        match &self.replay_check {
+        let allowed = match &self.replay_check {
             Some(check) => check(parts, scope).await,
             None => true,
+        };
+        if !allowed {
+            crate::telemetry::replay_refused(scope.operation());
         }
+        allowed
     }
 }
 

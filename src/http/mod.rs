@@ -31,6 +31,7 @@
 //! | missing key on a required route; invalid or repeated key | 400 |
 //! | request body over the limit | 413 |
 //! | store unavailable | 503, `Retry-After`; the handler does not run |
+//! | stored response unreadable (encryption key gone, bytes changed) | 500 `unreadable-response`; the handler does not run |
 //! | record awaiting an operator (indeterminate) | 409 |
 //! | a replay the application's check refuses ([`IdempotencyLayer::with_replay_check`]) | 403 `replay-refused` |
 //!

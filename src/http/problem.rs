@@ -35,6 +35,9 @@ pub mod problem_types {
     /// 403: the application's replay check refused to show this request the stored response of its key
     /// (see `IdempotencyLayer::with_replay_check`); nothing was executed or revealed.
     pub const REPLAY_REFUSED: &str = "urn:idemstore:problem:replay-refused";
+    /// 500: the request completed, but its stored response does not open (`StoreBuilder::encryption`: its
+    /// key is no longer configured, or the bytes were changed); it is not executed again.
+    pub const UNREADABLE: &str = "urn:idemstore:problem:unreadable-response";
     /// 503: the idempotency store is unavailable; nothing was executed.
     pub const UNAVAILABLE: &str = "urn:idemstore:problem:store-unavailable";
     /// 500: the handler ran, and its response body failed before it could be sent; the record says the

@@ -20,7 +20,7 @@ use super::body::{Settlement, SettlingBody, fits, settle_whole};
 use super::config::{Config, KeyRequirement};
 use super::key_header::read_key;
 use super::request_fingerprint::{Unreadable, fingerprint};
-use crate::error::InputError;
+use crate::error::{InputError, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::LeaseExpiry;
@@ -185,6 +185,7 @@ where
             return Ok(answer::replay_refused());
         }
         Ok(answer) => return Ok(answer::refusal(answer, config, &scope, &key).await),
+        Err(StoreError::Encryption(_)) => return Ok(answer::unreadable()),
         Err(_) => return Ok(answer::unavailable()),
     };
     // Cancelled or panicking, the handler drops the owner, which gives the key up under its rule.

@@ -17,6 +17,10 @@ use zeroize::Zeroizing;
 
 use crate::error::{ConfigError, SignatureError};
 
+/// Signatures read from one delivery at most (providers send one per active secret); a header with more
+/// is malformed, so that a sender cannot make every request cost thousands of HMACs.
+const MAX_SIGNATURES: usize = 16;
+
 /// How far a delivery's signed timestamp may be from now, by default (both providers' libraries use 5
 /// minutes).
 pub const DEFAULT_TOLERANCE: Duration = Duration::from_secs(300);
@@ -167,7 +171,9 @@ impl WebhookVerifier {
         if !matches {
             return Err(SignatureError::Mismatch);
         }
-        let signed_at = UNIX_EPOCH + Duration::from_secs(signed.timestamp);
+        let Some(signed_at) = UNIX_EPOCH.checked_add(Duration::from_secs(signed.timestamp)) else {
+            return Err(SignatureError::Stale { skew: Duration::MAX, tolerance: self.tolerance });
+        };
         let skew = now.duration_since(signed_at).unwrap_or_else(|early| early.duration());
         if skew > self.tolerance {
             return Err(SignatureError::Stale { skew, tolerance: self.tolerance });
@@ -262,6 +268,9 @@ impl<'h> Signed<'h> {
                     }
                 }
                 let timestamp = timestamp.ok_or(malformed(NAME))?;
+                if signatures.len() > MAX_SIGNATURES {
+                    return Err(malformed(NAME));
+                }
                 Ok(Self { event_id: None, timestamp, signatures })
             }
             SignatureScheme::StandardWebhooks => {
@@ -270,8 +279,11 @@ impl<'h> Signed<'h> {
                     return Err(malformed("webhook-id"));
                 }
                 let timestamp = seconds(required("webhook-timestamp")?).ok_or(malformed("webhook-timestamp"))?;
-                let signatures = required("webhook-signature")?
-                    .split_ascii_whitespace()
+                let entries = required("webhook-signature")?.split_ascii_whitespace();
+                if entries.clone().count() > MAX_SIGNATURES {
+                    return Err(malformed("webhook-signature"));
+                }
+                let signatures = entries
                     .filter_map(|entry| entry.strip_prefix("v1,"))
                     .filter_map(|encoded| BASE64.decode(encoded).ok())
                     .collect();

@@ -89,16 +89,20 @@ const RELEASE_STALE: Statement = Statement::new(
 );
 
 /// Kept for the retention the record was claimed under (NULL: forever); records claimed before tiers were
-/// recorded (no `tier`) get the resolver's configured retention.
+/// recorded (no `tier`) get the resolver's configured retention. Also replaces the response of a completed
+/// record whose bytes were changed (`$7`, as read; its retention unchanged); the fingerprint (`$6`), which
+/// the sealed response is bound to, and the fence (`$8`) read must still be the record's.
 const RESOLVE_COMPLETED: Statement = Statement::new(
     "resolve",
     "
     UPDATE idempotency_records
-    SET state = 'c', response = $4, owner = NULL, lease_expires_at = NULL,
-        expires_at = now() + (CASE WHEN tier IS NOT NULL THEN retention_ms::float8 ELSE $5::float8 END)
-                             * interval '1 millisecond',
-        updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'i'",
+    SET response = $4, owner = NULL, lease_expires_at = NULL,
+        expires_at = CASE WHEN state = 'c' THEN expires_at
+                          ELSE now() + (CASE WHEN tier IS NOT NULL THEN retention_ms::float8 ELSE $5::float8 END)
+                                       * interval '1 millisecond' END,
+        state = 'c', updated_at = now()
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fingerprint = $6 AND fence = $8
+      AND (state = 'i' OR (state = 'c' AND response = $7))",
 );
 
 const RESOLVE_RELEASED: Statement = Statement::new(
@@ -304,6 +308,11 @@ impl Store {
     /// Settles an indeterminate record. Returns `false` if the record is not indeterminate (absent,
     /// or settled meanwhile); nothing is changed then.
     ///
+    /// With [`Encryption`](crate::Encryption), [`Resolution::Completed`] also replaces the response of a
+    /// completed record whose stored bytes were changed ([`EncryptionError::Tampered`]: nothing can read
+    /// them again), so that retries are answered again. A response sealed with a key this store lacks is
+    /// left alone: configure that key again instead.
+    ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn resolve(
@@ -313,19 +322,33 @@ impl Store {
         resolution: Resolution,
     ) -> Result<bool, StoreError> {
         let retention = self.policy(scope.operation()).retention.map(|r| millis(r) as f64);
-        let statement = match &resolution {
-            Resolution::Completed(_) => &RESOLVE_COMPLETED,
-            Resolution::Released => &RESOLVE_RELEASED,
-        };
-        let query = match &resolution {
-            Resolution::Completed(response) => sqlx::query(RESOLVE_COMPLETED.sql)
-                .bind(scope.tenant())
-                .bind(scope.operation())
-                .bind(key.as_str())
-                .bind(self.sealed_for(scope, key, response).into_owned())
-                .bind(retention),
+        let (statement, query) = match &resolution {
+            Resolution::Completed(response) => {
+                // The sealed response is bound to the fingerprint the record holds.
+                let Some(record) = self.lookup_stored(scope, key).await? else { return Ok(false) };
+                let tampered = match (&record.response, record.state) {
+                    (Some(stored), State::Completed) => {
+                        let opened = self.opened(scope, key, &[&record.fingerprint], stored.clone(), true);
+                        matches!(opened, Err(EncryptionError::Tampered)).then(|| stored.as_bytes().to_vec())
+                    }
+                    _ => None,
+                };
+                let sealed = self.sealed_for(scope, key, &record.fingerprint, response).into_owned();
+                let query = sqlx::query(RESOLVE_COMPLETED.sql)
+                    .bind(scope.tenant())
+                    .bind(scope.operation())
+                    .bind(key.as_str())
+                    .bind(sealed)
+                    .bind(retention)
+                    .bind(record.fingerprint)
+                    .bind(tampered)
+                    .bind(record.fence);
+                (&RESOLVE_COMPLETED, query)
+            }
             Resolution::Released => {
-                sqlx::query(RESOLVE_RELEASED.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str())
+                let query =
+                    sqlx::query(RESOLVE_RELEASED.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str());
+                (&RESOLVE_RELEASED, query)
             }
         };
         let resolved = self.bounded(statement, query.execute(self.pg_pool())).await?.rows_affected() == 1;
@@ -380,8 +403,7 @@ impl Store {
         let (postgres, unreadable) = match self.lookup_stored(scope, key).await? {
             Some(record) => match self.opened_record(scope, key, record.clone()) {
                 Ok(opened) => (Some(opened), None),
-                Err(StoreError::Encryption(error)) => (Some(Record { response: None, ..record }), Some(error)),
-                Err(other) => return Err(other),
+                Err(error) => (Some(Record { response: None, ..record }), Some(error)),
             },
             None => (None, None),
         };
@@ -408,7 +430,7 @@ impl Store {
         redis.evict(&redis.record_key(scope, key)).await.map_err(|e| StoreError::RedisUnavailable(Box::new(e)))
     }
 
-    async fn evict_redis(&self, scope: &Scope, key: &IdempotencyKey) {
+    pub(crate) async fn evict_redis(&self, scope: &Scope, key: &IdempotencyKey) {
         if let Some(redis) = &self.inner.redis
             && let Err(error) = redis.evict(&redis.record_key(scope, key)).await
         {

@@ -245,7 +245,11 @@ impl Store {
     /// response cannot be opened.
     pub async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         let record = self.lookup_stored(scope, key).await?;
-        record.map(|record| self.opened_record(scope, key, record)).transpose()
+        let opened = record.map(|record| self.opened_record(scope, key, record)).transpose();
+        if let Err(error) = &opened {
+            telemetry::unreadable_response(scope.operation(), "postgres", error.reason());
+        }
+        Ok(opened?)
     }
 
     /// The record as Postgres stores it (its response sealed, with encryption).
@@ -269,16 +273,11 @@ impl Store {
         waiting: Option<&'a Waiting>,
     ) -> Boxed<'a, Result<Begin, StoreError>> {
         Box::pin(async move {
-            // Both tiers answer a completed record with its stored (sealed) response.
-            let record = self.inner.encryption.is_some().then(|| (candidate.scope.clone(), candidate.key.clone()));
-            let answer = match self.claim_in_redis(&candidate, waiting).await {
-                Ok(answer) => answer,
-                Err(marked) => self.claim_in_postgres(candidate, heartbeat, tx, waiting, marked).await,
+            let marked = match self.claim_in_redis(&candidate, waiting).await {
+                Ok(answer) => return answer,
+                Err(marked) => marked,
             };
-            match record {
-                Some((scope, key)) => answer.and_then(|answer| self.opened_answer(&scope, &key, answer)),
-                None => answer,
-            }
+            self.claim_in_postgres(candidate, heartbeat, tx, waiting, marked).await
         })
     }
 
@@ -302,7 +301,20 @@ impl Store {
                 let answer_is_claimed = answer == RedisBegin::Claimed;
                 let answered = match answer {
                     RedisBegin::Claimed | RedisBegin::Unconfirmed => None,
-                    RedisBegin::Completed(response) => Some(Begin::Completed(StoredResponse::new(response))),
+                    RedisBegin::Completed(response) => {
+                        let (scope, key) = (&candidate.scope, &candidate.key);
+                        match self.opened_for(&candidate.fingerprint, scope, key, StoredResponse::new(response)) {
+                            Ok(opened) => Some(Begin::Completed(opened)),
+                            // A copy that does not open is not trusted: it is dropped and Postgres, which
+                            // holds the record, answers (the next request's miss repairs the copy).
+                            Err(error) => {
+                                telemetry::redis_lookup(operation, "miss");
+                                telemetry::unreadable_response(operation, "redis", error.reason());
+                                self.evict_redis(scope, key).await;
+                                return Err(None);
+                            }
+                        }
+                    }
                     RedisBegin::InFlight { retry_after } => Some(Begin::InFlight { retry_after }),
                     RedisBegin::Mismatch => Some(Begin::Mismatch),
                     RedisBegin::Indeterminate => Some(Begin::Indeterminate),
@@ -412,7 +424,15 @@ impl Store {
         Ok(match record.state {
             State::Completed if record.expires_in == Some(Duration::ZERO) => Begin::Expired,
             State::Completed => {
-                Begin::Completed(record.response.clone().unwrap_or_else(|| StoredResponse::new(Vec::new())))
+                let stored = record.response.clone().unwrap_or_else(|| StoredResponse::new(Vec::new()));
+                let (scope, key) = (&candidate.scope, &candidate.key);
+                match self.opened(scope, key, &[&record.fingerprint], stored, true) {
+                    Ok(opened) => Begin::Completed(opened),
+                    Err(error) => {
+                        telemetry::unreadable_response(scope.operation(), "postgres", error.reason());
+                        return Err(error.into());
+                    }
+                }
             }
             State::Expired => Begin::Expired,
             State::Indeterminate => Begin::Indeterminate,
@@ -489,7 +509,7 @@ impl Store {
 
     /// Registers the operation's metric series at 0 the first time it is seen.
     fn register(&self, operation: &str) {
-        self.inner.registered.operation(operation, self.inner.redis.is_some());
+        self.inner.registered.operation(operation, self.inner.redis.is_some(), self.inner.encryption.is_some());
     }
 
     fn record_key(&self, redis: &RedisTier, lease: &Lease) -> String {

@@ -5,33 +5,28 @@
 use std::borrow::Cow;
 
 use super::Store;
-use crate::error::StoreError;
+use crate::error::EncryptionError;
+use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
-use crate::record::{Begin, Lease, Record, StoredResponse};
+use crate::record::{Lease, Record, StoredResponse};
 
 impl Store {
-    /// `response` as both tiers store it for this lease's record.
+    /// `response` as both tiers store it for this lease's record (which stores its fingerprint).
     pub(crate) fn sealed<'r>(&self, lease: &Lease, response: &'r [u8]) -> Cow<'r, [u8]> {
-        self.sealed_for(&lease.scope, &lease.key, response)
+        self.sealed_for(&lease.scope, &lease.key, lease.fingerprint.as_bytes(), response)
     }
 
-    pub(crate) fn sealed_for<'r>(&self, scope: &Scope, key: &IdempotencyKey, response: &'r [u8]) -> Cow<'r, [u8]> {
-        match &self.inner.encryption {
-            Some(encryption) => Cow::Owned(encryption.seal(scope, key, response)),
-            None => Cow::Borrowed(response),
-        }
-    }
-
-    /// A claim's answer with a completed record's response opened.
-    pub(crate) fn opened_answer(
+    /// `response` as both tiers store it for the record of `scope` and `key` that stores `fingerprint`.
+    pub(crate) fn sealed_for<'r>(
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
-        answer: Begin,
-    ) -> Result<Begin, StoreError> {
-        match answer {
-            Begin::Completed(stored) => Ok(Begin::Completed(self.opened(scope, key, stored)?)),
-            other => Ok(other),
+        fingerprint: &[u8],
+        response: &'r [u8],
+    ) -> Cow<'r, [u8]> {
+        match &self.inner.encryption {
+            Some(encryption) => Cow::Owned(encryption.seal(scope, key, fingerprint, response)),
+            None => Cow::Borrowed(response),
         }
     }
 
@@ -41,29 +36,52 @@ impl Store {
         scope: &Scope,
         key: &IdempotencyKey,
         mut record: Record,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Record, EncryptionError> {
         if let Some(stored) = record.response.take() {
-            record.response = Some(self.opened(scope, key, stored)?);
+            record.response = Some(self.opened(scope, key, &[&record.fingerprint], stored, true)?);
         }
         Ok(record)
     }
 
-    fn opened(
+    /// A response Redis answered for `request`: it matched the request's fingerprint, of either version.
+    /// Never one in clear, whatever [`crate::Encryption::accept_unsealed`] says: a copy in Redis may have
+    /// been written by anyone who can write there, and Postgres answers instead.
+    pub(crate) fn opened_for(
         &self,
+        request: &Fingerprint,
         scope: &Scope,
         key: &IdempotencyKey,
         stored: StoredResponse,
-    ) -> Result<StoredResponse, StoreError> {
+    ) -> Result<StoredResponse, EncryptionError> {
+        let legacy = request.legacy_bytes().map(|legacy| &legacy[..]);
+        self.opened(scope, key, &[&request.as_bytes()[..], legacy.unwrap_or_default()], stored, false)
+    }
+
+    /// The stored response of the record of `scope` and `key`, sealed beside one of `fingerprints`
+    /// (empty ones skipped), opened; one in clear only if `clear_accepted` and the store accepts those.
+    pub(crate) fn opened(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprints: &[&[u8]],
+        stored: StoredResponse,
+        clear_accepted: bool,
+    ) -> Result<StoredResponse, EncryptionError> {
         let Some(encryption) = &self.inner.encryption else {
             return Ok(stored);
         };
-        match encryption.open(scope, key, stored.as_bytes()) {
-            Ok(Cow::Borrowed(_)) => Ok(stored),
-            Ok(Cow::Owned(plain)) => Ok(StoredResponse::new(plain)),
-            Err(error) => {
-                crate::telemetry::unreadable_response(scope.operation(), error.reason());
-                Err(error.into())
+        let mut answer = Err(EncryptionError::Tampered);
+        for fingerprint in fingerprints.iter().filter(|fingerprint| !fingerprint.is_empty()) {
+            answer = match encryption.open(scope, key, fingerprint, stored.as_bytes()) {
+                Ok(Cow::Owned(plain)) => Ok(Some(plain)),
+                Ok(Cow::Borrowed(_)) if clear_accepted => Ok(None),
+                Ok(Cow::Borrowed(_)) => Err(EncryptionError::Unsealed),
+                Err(error) => Err(error),
+            };
+            if !matches!(answer, Err(EncryptionError::Tampered)) {
+                break;
             }
         }
+        Ok(answer?.map_or(stored, StoredResponse::new))
     }
 }
