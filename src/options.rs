@@ -77,7 +77,8 @@ impl RunOptions {
     /// A replay skips the work, and with it any authorization the work does: a caller whose access was
     /// revoked after the first call could read its result by retrying. The check repeats that
     /// authorization (the record's tenant and operation are in the scope). It is not asked for new
-    /// work, which authorizes itself. [`Store::run_once_with`](crate::Store::run_once_with) asks it;
+    /// work, which authorizes itself. [`Store::run_once_with`](crate::Store::run_once_with) and
+    /// [`Store::run_once_in_tx_with`](crate::Store::run_once_in_tx_with) ask it;
     /// [`Store::begin_with`](crate::Store::begin_with) hands [`Begin::Completed`](crate::Begin::Completed)
     /// to its caller, whose check it is (as the HTTP layer's
     /// [`with_replay_check`](crate::http::IdempotencyLayer::with_replay_check)). Refusals count in

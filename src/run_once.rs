@@ -221,9 +221,31 @@ impl Store {
         T: Serialize + DeserializeOwned,
         F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
     {
-        let policy = self.policy(scope.operation());
+        self.run_once_in_tx_with(scope, key, payload, &RunOptions::default(), work).await
+    }
+
+    /// [`Store::run_once_in_tx`] with options: the policy and the
+    /// [replay check](RunOptions::replay_check). The claim never waits for an in-flight duplicate (its row
+    /// lock does) and the work has no heartbeat (its transaction holds the claim), whatever `options` say.
+    ///
+    /// # Errors
+    /// As [`Store::run_once_in_tx`].
+    pub async fn run_once_in_tx_with<P, T, E, F>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        payload: &P,
+        options: &RunOptions,
+        work: F,
+    ) -> Result<RunOutcome<T>, RunError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
+    {
+        let policy = options.policy.as_deref().unwrap_or_else(|| self.policy(scope.operation()));
         let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
-        self.run_fingerprinted_in_tx(scope, key, &fingerprint, &RunOptions::default(), work).await
+        self.run_fingerprinted_in_tx(scope, key, &fingerprint, options, work).await
     }
 
     /// [`Store::run_once_in_tx`] for a payload already fingerprinted, under the policy of `options`.

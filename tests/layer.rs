@@ -143,8 +143,8 @@ async fn inner_errors_follow_the_records_rule(mode: Mode) {
 
 /// The replay check: a caller whose API key was revoked after the first request gets 403
 /// `replay-refused` and not a byte of the stored response (nor the original on a mismatch answered with
-/// it); the handler ran once; a caller still allowed gets the replay. `run_once` does the same with
-/// `RunOptions::replay_check`.
+/// it); the handler ran once; a caller still allowed gets the replay. `run_once_with` and
+/// `run_once_in_tx_with` do the same with `RunOptions::replay_check`.
 async fn a_revoked_caller_cannot_read_a_stored_answer_by_retrying(mode: Mode) {
     let h = Harness::start(mode).await;
     let revoked = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
@@ -192,6 +192,13 @@ async fn a_revoked_caller_cannot_read_a_stored_answer_by_retrying(mode: Mode) {
     let refusing = idemstore::RunOptions::default().replay_check(|_, _| async { false });
     let refused = h.store.run_once_with(&scope, &key, &payload, &refusing, || h.charge("acme", &key)).await;
     assert_eq!(refused.expect("answer"), idemstore::RunOutcome::ReplayRefused);
+    let in_tx = h
+        .store
+        .run_once_in_tx_with(&scope, &key, &payload, &refusing, |_tx| {
+            Box::pin(async { Ok::<_, std::io::Error>(serde_json::json!("ran again")) })
+        })
+        .await;
+    assert_eq!(in_tx.expect("answer"), idemstore::RunOutcome::ReplayRefused);
     assert_eq!(h.effects("acme", &key).await, 1);
-    assert_eq!(h.counter("idemstore_replays_refused_total", &[]), 3.0);
+    assert_eq!(h.counter("idemstore_replays_refused_total", &[]), 4.0);
 }
