@@ -148,6 +148,9 @@ async fn prometheus_sees_the_first_burst_and_the_first_outage(mode: Mode) {
     }
     let replayed = r#"idemstore_outcomes_total{operation="POST /payments",outcome="replayed"}"#;
     prometheus.until("the 120 replays", async |p| p.value(replayed).await == Some(120.0)).await;
+    // The mismatches came last: a scrape that saw every replay may not have seen them all yet.
+    let mismatched = r#"idemstore_outcomes_total{operation="POST /payments",outcome="mismatch"}"#;
+    prometheus.until("the 10 mismatches", async |p| p.value(mismatched).await == Some(10.0)).await;
 
     let duplicate_rate = prometheus.value(DUPLICATE_RATE).await.expect("the duplicate rate");
     let conflict_rate = prometheus.value(CONFLICT_RATE).await.expect("the conflict rate");
