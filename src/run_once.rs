@@ -142,9 +142,19 @@ impl Store {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let policy = options.policy.as_deref().unwrap_or_else(|| self.policy(scope.operation()));
-        let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
+        let fingerprint = self.fingerprint_under(scope, payload, options)?;
         self.run_fingerprinted(scope, key, &fingerprint, options, work).await
+    }
+
+    /// The payload's fingerprint under the options' policy, else the operation's.
+    fn fingerprint_under<P: Serialize + ?Sized>(
+        &self,
+        scope: &Scope,
+        payload: &P,
+        options: &RunOptions,
+    ) -> Result<Fingerprint, StoreError> {
+        let policy = options.policy.as_deref().unwrap_or_else(|| self.policy(scope.operation()));
+        Ok(Fingerprint::of_serialize(payload, policy.fingerprint())?)
     }
 
     /// [`Store::run_once_with`] for a payload already fingerprinted.
@@ -243,8 +253,7 @@ impl Store {
         T: Serialize + DeserializeOwned,
         F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
     {
-        let policy = options.policy.as_deref().unwrap_or_else(|| self.policy(scope.operation()));
-        let fingerprint = Fingerprint::of_serialize(payload, policy.fingerprint()).map_err(StoreError::from)?;
+        let fingerprint = self.fingerprint_under(scope, payload, options)?;
         self.run_fingerprinted_in_tx(scope, key, &fingerprint, options, work).await
     }
 
