@@ -12,6 +12,8 @@
 //! redis_ttl = "2h"
 //! retention = "30d"               # or "never"
 //! tombstone = "90d"               # how long a purged key answers "expired"; or "never"
+//! new_keys = "1000/1m"            # quota: new keys one tenant may start per window
+//! live_keys = 50                  # quota: keys one tenant may have in progress at once
 //!
 //! [operations]
 //! "POST /payments" = "ledger"
@@ -28,6 +30,7 @@ use serde::Deserialize;
 
 use crate::error::ConfigError;
 use crate::policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
+use crate::quota::Quota;
 
 /// Policies by operation, as read from a configuration file. Apply with [`crate::StoreBuilder::policies`].
 #[derive(Clone, Debug)]
@@ -54,6 +57,8 @@ struct TierFields {
     retention: Option<String>,
     tombstone: Option<String>,
     lease_expiry: Option<LeaseExpiry>,
+    new_keys: Option<String>,
+    live_keys: Option<u32>,
 }
 
 impl PolicyConfig {
@@ -69,7 +74,8 @@ impl PolicyConfig {
             .collect();
         for (name, fields) in file.tiers {
             let base = tiers.get(&name).cloned().unwrap_or_default();
-            let policy = fields.apply(PolicyBuilder::from(base).name(name.clone()));
+            let quota = *base.quota();
+            let policy = fields.apply(PolicyBuilder::from(base).name(name.clone()), quota);
             let policy = policy.and_then(PolicyBuilder::build);
             let policy = policy.map_err(|reason| ConfigError::Tier { tier: name.clone(), reason: Box::new(reason) })?;
             tiers.insert(name, policy);
@@ -89,7 +95,8 @@ impl PolicyConfig {
 }
 
 impl TierFields {
-    fn apply(self, mut builder: PolicyBuilder) -> Result<PolicyBuilder, ConfigError> {
+    /// The fields set on `builder`; `quota` is the base tier's, which the quota fields amend.
+    fn apply(self, mut builder: PolicyBuilder, mut quota: Quota) -> Result<PolicyBuilder, ConfigError> {
         if let Some(lease) = self.lease {
             builder = builder.lease(parse_duration(&lease)?);
         }
@@ -105,7 +112,13 @@ impl TierFields {
         if let Some(rule) = self.lease_expiry {
             builder = builder.lease_expiry(rule);
         }
-        Ok(builder)
+        if let Some(new_keys) = self.new_keys {
+            quota = quota.parse_new_keys(&new_keys)?;
+        }
+        if let Some(limit) = self.live_keys {
+            quota = quota.live_keys(limit);
+        }
+        Ok(builder.quota(quota))
     }
 }
 
@@ -144,6 +157,8 @@ mod tests {
             [tiers.partner]
             redis_ttl = "2h"
             retention = "30d"
+            new_keys = "1000/1m"
+            live_keys = 50
             [operations]
             "POST /payments" = "ledger"
             "POST /partners" = "partner"
@@ -158,6 +173,8 @@ mod tests {
         assert_eq!(ledger.lease_expiry(), LeaseExpiry::MarkIndeterminate);
         let partner = find("POST /partners");
         assert_eq!((partner.name(), partner.retention()), ("partner", Some(Duration::from_secs(30 * 86_400))));
+        assert_eq!(*partner.quota(), Quota::default().new_keys(1000, Duration::from_secs(60)).live_keys(50));
+        assert_eq!(*ledger.quota(), Quota::default());
         assert_eq!(find("POST /webhooks/*").name(), "webhook");
     }
 
@@ -171,6 +188,8 @@ mod tests {
             ("[tiers.x]\nlease = \"soon\"", "not a duration"),
             ("[tiers.x]\nlease_expiry = \"retry\"", "take_over"),
             ("[tiers.x]\nttl = \"1h\"", "unknown field"),
+            ("[tiers.x]\nlive_keys = 0", "at least 1"),
+            ("[tiers.x]\nnew_keys = \"100\"", "like \"1000/1m\""),
         ] {
             let error = PolicyConfig::from_toml(text).expect_err(text).to_string();
             assert!(error.contains(fault), "{text}: {error}");

@@ -112,6 +112,13 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// A [`crate::Quota`] with a limit of zero or a window under a millisecond, or a policy file's
+    /// `new_keys` that is not a count and a window.
+    #[error("quota: {reason}")]
+    Quota {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// The call needs Redis, and this store is Postgres-only.
     #[error("this store is Postgres-only; the call needs Redis")]
     NoRedis,

@@ -97,6 +97,7 @@ mod options;
 mod outbox;
 mod owner;
 mod policy;
+mod quota;
 mod record;
 mod run_once;
 mod store;
@@ -116,6 +117,7 @@ pub use options::{Heartbeat, RunOptions};
 pub use outbox::{Drained, Message, Outbox, TopicBacklog};
 pub use owner::{KeepAlive, Owner};
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
+pub use quota::{Quota, QuotaLimit};
 pub use record::{Begin, Record, State, StoredResponse};
 pub use run_once::{RunError, RunOutcome, TxFuture};
 pub use store::{

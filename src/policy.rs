@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::error::ConfigError;
 use crate::fingerprint::FingerprintOptions;
+use crate::quota::Quota;
 
 /// What a new request finds when the previous owner's lease ran out before it completed or released.
 /// Serialized (policy files, JSON) and stored by its [`LeaseExpiry::as_str`] name.
@@ -79,6 +80,7 @@ pub struct Policy {
     pub(crate) tombstone: Option<Duration>,
     pub(crate) lease_expiry: LeaseExpiry,
     pub(crate) fingerprint: FingerprintOptions,
+    pub(crate) quota: Quota,
 }
 
 impl Default for Policy {
@@ -125,6 +127,7 @@ impl Policy {
             tombstone,
             lease_expiry: LeaseExpiry::TakeOver,
             fingerprint: FingerprintOptions::default(),
+            quota: Quota::default(),
         }
     }
 
@@ -163,6 +166,11 @@ impl Policy {
     pub fn fingerprint(&self) -> &FingerprintOptions {
         &self.fingerprint
     }
+
+    /// The limits on keys one tenant may start under this policy (none by default).
+    pub fn quota(&self) -> &Quota {
+        &self.quota
+    }
 }
 
 /// Builds a [`Policy`]; [`PolicyBuilder::build`] checks that the durations make sense together.
@@ -172,8 +180,8 @@ pub struct PolicyBuilder(Policy);
 impl PolicyBuilder {
     /// Starts from a preset instead of [`Tier::Standard`].
     pub fn tier(mut self, tier: Tier) -> Self {
-        let Policy { lease, lease_expiry, fingerprint, .. } = self.0;
-        self.0 = Policy { lease, lease_expiry, fingerprint, ..Policy::tier(tier) };
+        let Policy { lease, lease_expiry, fingerprint, quota, .. } = self.0;
+        self.0 = Policy { lease, lease_expiry, fingerprint, quota, ..Policy::tier(tier) };
         self
     }
 
@@ -220,8 +228,15 @@ impl PolicyBuilder {
         self
     }
 
+    /// Limits on the keys one tenant may start under this policy (see [`Quota`]); beyond them a claim
+    /// that would execute answers [`crate::Begin::QuotaExceeded`] and nothing runs.
+    pub fn quota(mut self, quota: Quota) -> Self {
+        self.0.quota = quota;
+        self
+    }
+
     /// Checks the policy: durations of at least a millisecond, a lease shorter than either tier keeps a
-    /// result, and Redis never promising a result longer than Postgres keeps it.
+    /// result, Redis never promising a result longer than Postgres keeps it, and quota limits of at least 1.
     ///
     /// # Errors
     /// [`ConfigError`] saying which rule was broken.
@@ -239,6 +254,7 @@ impl PolicyBuilder {
         {
             return Err(ConfigError::RedisTtlOutlivesRetention { redis_ttl: p.redis_ttl, retention });
         }
+        p.quota.check()?;
         Ok(p)
     }
 }

@@ -122,6 +122,16 @@ pub enum Begin {
     /// remembers that it ran. Nothing is executed; the caller should treat it as done (or look the
     /// result up elsewhere).
     Expired,
+    /// The key's tenant reached a limit of its policy's [`crate::Quota`]; nothing is executed, and
+    /// nothing is recorded for the key.
+    QuotaExceeded {
+        /// The limit that was reached.
+        limit: crate::QuotaLimit,
+        /// When a place should free up if the tenant starts nothing else: the new-key estimate falls
+        /// below the limit, or the soonest live lease ends (a completion frees one sooner, an extension
+        /// later).
+        retry_after: Duration,
+    },
 }
 
 /// What an [`Owner`] holds: proof of ownership of one key, valid until the lease runs out or another

@@ -40,6 +40,14 @@ pub enum RunOutcome<T> {
     /// The work completed, and [`RunOptions::replay_check`] refused to replay its result to this caller;
     /// nothing was executed or revealed.
     ReplayRefused,
+    /// The tenant reached a limit of the policy's [`crate::Quota`]; nothing was executed (see
+    /// [`Begin::QuotaExceeded`]).
+    QuotaExceeded {
+        /// The limit that was reached.
+        limit: crate::QuotaLimit,
+        /// When a place should free up (see [`Begin::QuotaExceeded`]).
+        retry_after: Duration,
+    },
 }
 
 /// Why [`Store::run_once`] could not give an outcome.
@@ -88,6 +96,9 @@ async fn claimed<T: DeserializeOwned, E>(
         Begin::Mismatch => Claimed::Answered(RunOutcome::Mismatch),
         Begin::Indeterminate => Claimed::Answered(RunOutcome::Indeterminate),
         Begin::Expired => Claimed::Answered(RunOutcome::Expired),
+        Begin::QuotaExceeded { limit, retry_after } => {
+            Claimed::Answered(RunOutcome::QuotaExceeded { limit, retry_after })
+        }
     })
 }
 

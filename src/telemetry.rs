@@ -13,9 +13,11 @@ use std::fmt;
 use std::sync::RwLock;
 use std::time::Duration;
 
+use crate::quota::QuotaLimit;
+
 /// Answers per operation, exactly one per claim (a `begin`, a `run_once`, an HTTP request, an inbox
-/// delivery); label `outcome`: executed, replayed, in_flight, mismatch, indeterminate, expired, error
-/// (the store could not answer). The duplicate and conflict ratios divide by its sum.
+/// delivery); label `outcome`: executed, replayed, in_flight, mismatch, indeterminate, expired,
+/// quota_exceeded, error (the store could not answer). The duplicate and conflict ratios divide by its sum.
 pub const OUTCOMES: &str = "idemstore_outcomes_total";
 /// An owner's write that did not land, after its claim was counted; labels `operation`, `step`
 /// (complete, release, extend) and `reason` (lease_lost: another owner took the key over; error:
@@ -38,13 +40,16 @@ pub const UNREADABLE_RESPONSES: &str = "idemstore_unreadable_responses_total";
 /// Replays the application's replay check refused (`with_replay_check`, `RunOptions::replay_check`), by
 /// operation; the store's answer was counted as `replayed` in [`OUTCOMES`] before the check.
 pub const REPLAYS_REFUSED: &str = "idemstore_replays_refused_total";
+/// Claims refused by a tenant's quota ([`crate::Quota`]), by operation and `limit` (`new_keys`,
+/// `live_keys`); each is also one `quota_exceeded` outcome in [`OUTCOMES`].
+pub const QUOTA_REFUSALS: &str = "idemstore_quota_refusals_total";
 /// Records found in Postgres that Redis had lost (eviction, flush, restart, expired TTL) and repaired.
 pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
 pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
 /// Statements sent to Postgres; label `statement`: claim, complete, release, extend, mark_indeterminate,
 /// lookup, wait and notify (a claim waiting for an in-flight duplicate, its owner's announcement), the
-/// jobs' purge, purge_tombstones, count_expired, stale, release_stale, resolve, stats,
+/// jobs' purge, purge_tombstones, purge_quota_usage, count_expired, stale, release_stale, resolve, stats,
 /// count_indeterminate, and outbox_enqueue, outbox_horizon, outbox_next, outbox_lease, outbox_read,
 /// outbox_release, outbox_extend, outbox_settle, outbox_backlog, outbox_gauges, outbox_retry,
 /// outbox_discard. The same name is the `step` of a `StoreError::StoreUnavailable` it caused.
@@ -88,6 +93,7 @@ pub fn describe() {
     describe_counter!(RECONCILIATIONS, "Records Redis had lost, served from Postgres and repaired.");
     describe_counter!(UNREADABLE_RESPONSES, "Stored responses that did not open (key gone, changed), by reason.");
     describe_counter!(REPLAYS_REFUSED, "Replays the application's replay check refused.");
+    describe_counter!(QUOTA_REFUSALS, "Claims refused by a tenant's quota, by limit.");
     describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
     describe_counter!(SETTLE_FAILURES, "Owner writes (complete, release, extend) that did not land, by reason.");
     describe_counter!(WAIT_WAKEUPS, "Wake-ups of claims waiting for an in-flight duplicate, by cause.");
@@ -111,7 +117,8 @@ pub fn describe() {
 
 /// The values of each label, registered at 0 ahead of their first increment: a series that appears with
 /// its first increment has no earlier sample, so Prometheus's `rate()` and `increase()` never count it.
-const OUTCOME_NAMES: [&str; 7] = ["executed", "replayed", "in_flight", "mismatch", "indeterminate", "expired", "error"];
+const OUTCOME_NAMES: [&str; 8] =
+    ["executed", "replayed", "in_flight", "mismatch", "indeterminate", "expired", "quota_exceeded", "error"];
 const LOOKUP_RESULTS: [&str; 3] = ["hit", "miss", "error"];
 const UNREADABLE_REASONS: [&str; 3] = ["unknown_key", "tampered", "unsealed"];
 const FALLBACK_REASONS: [&str; 4] = ["error", "timeout", "circuit_open", "cluster"];
@@ -140,6 +147,9 @@ impl Registered {
                 metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
             }
             metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);
+            for limit in [QuotaLimit::NewKeys, QuotaLimit::LiveKeys] {
+                quota_refusal_counter(operation, limit).increment(0);
+            }
             for by in ["notification", "timer"] {
                 metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(0);
             }
@@ -242,6 +252,15 @@ pub(crate) fn redis_fallback(operation: &str, reason: &'static str) {
 pub(crate) fn unreadable_response(operation: &str, tier: &'static str, reason: &'static str) {
     metrics::counter!(UNREADABLE_RESPONSES, "operation" => operation.to_owned(), "tier" => tier, "reason" => reason)
         .increment(1);
+}
+
+/// A claim a tenant's quota refused.
+pub(crate) fn quota_refusal(operation: &str, limit: QuotaLimit) {
+    quota_refusal_counter(operation, limit).increment(1);
+}
+
+fn quota_refusal_counter(operation: &str, limit: QuotaLimit) -> metrics::Counter {
+    metrics::counter!(QUOTA_REFUSALS, "operation" => operation.to_owned(), "limit" => limit.as_str())
 }
 
 /// A replay the application's check refused.

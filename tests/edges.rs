@@ -340,7 +340,7 @@ async fn a_claim_that_lost_a_race_asks_again(mode: Mode) {
         tokio::spawn(async move { store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await })
     };
     let waiting = "SELECT count(*) FROM pg_stat_activity
-                   WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%claimed AS%'";
+                   WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'WITH prior AS%'";
     let mut blocked: i64 = 0;
     // Well within the loser's lock timeout (half the harness's 2 s Postgres timeout).
     for _ in 0..100 {

@@ -25,6 +25,7 @@ suite!(
     request_cancelled_while_the_body_is_read_never_runs_again,
     inner_errors_follow_the_records_rule,
     a_revoked_caller_cannot_read_a_stored_answer_by_retrying,
+    a_tenant_over_its_quota_gets_429_and_nothing_runs,
 );
 
 fn tenant(_: &http::request::Parts) -> Option<String> {
@@ -201,4 +202,29 @@ async fn a_revoked_caller_cannot_read_a_stored_answer_by_retrying(mode: Mode) {
     assert_eq!(in_tx.expect("answer"), idemstore::RunOutcome::ReplayRefused);
     assert_eq!(h.effects("acme", &key).await, 1);
     assert_eq!(h.counter("idemstore_replays_refused_total", &[]), 4.0);
+}
+
+/// A tenant past its policy's quota gets 429 `quota-exceeded` with Retry-After, and the handler does not
+/// run; its stored answers still replay.
+async fn a_tenant_over_its_quota_gets_429_and_nothing_runs(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let quota = idemstore::Quota::default().new_keys(1, std::time::Duration::from_secs(600));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let policy = Policy::builder().quota(quota).build().expect("policy");
+    let service = layer(&h, policy).layer(tower::service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"charged")))) }
+    }));
+    assert_eq!(service.clone().oneshot(request("first")).await.expect("infallible").status(), StatusCode::OK);
+    let refused = service.clone().oneshot(request("second")).await.expect("infallible");
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = refused.headers()["retry-after"].to_str().expect("ascii").parse().expect("seconds");
+    assert!((1..=1200).contains(&retry_after), "Retry-After: {retry_after} (within two windows)");
+    let bytes = refused.into_body().collect().await.expect("body").to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&bytes).expect("problem+json");
+    assert_eq!(problem["type"], problem_types::QUOTA_EXCEEDED);
+    let replay = service.clone().oneshot(request("first")).await.expect("infallible");
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }

@@ -539,9 +539,12 @@ async fn series_exist_at_zero_before_their_first_increment(mode: Mode) {
             line.starts_with(name) && line.contains(&wanted) && line.contains(&format!("{label}=\"{value}\""))
         })
     };
-    for outcome in ["mismatch", "in_flight", "replayed", "indeterminate", "expired", "error"] {
+    for outcome in ["mismatch", "in_flight", "replayed", "indeterminate", "expired", "quota_exceeded", "error"] {
         assert!(series("idemstore_outcomes_total", "outcome", outcome), "no {outcome} series:\n{page}");
         assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", outcome)]), 0.0);
+    }
+    for limit in ["new_keys", "live_keys"] {
+        assert!(series("idemstore_quota_refusals_total", "limit", limit), "no {limit} series:\n{page}");
     }
     let redis = mode == Mode::TwoTier;
     assert_eq!(series("idemstore_redis_fallbacks_total", "reason", "timeout"), redis);

@@ -144,6 +144,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .key_prefix("bench")
         .encryption(encryption)
         .build()?;
+    // Limits the load never reaches: every new key pays for the counting, none is refused.
+    let quota = idemstore::Quota::default().new_keys(1_000_000_000, Duration::from_secs(60)).live_keys(100_000);
+    let quoted = Store::builder()
+        .postgres(pg.clone())
+        .redis(redis.clone())
+        .key_prefix("bench")
+        .default_policy(idemstore::Policy::builder().quota(quota).build()?)
+        .build()?;
     two_tier.migrate().await?;
     sqlx::raw_sql(workload::SCHEMA).execute(&pg).await?;
 
@@ -156,6 +164,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         (Subject::TwoTier, &two_tier),
         (Subject::TwoTierCluster, &cluster),
         (Subject::TwoTierEncrypted, &encrypted),
+        (Subject::TwoTierQuota, &quoted),
         (Subject::PostgresOnly, &postgres_only),
     ];
     for (subject, store) in subjects {
@@ -170,14 +179,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                // A (K S) B (C D E) in even rounds, (E D C) B (S K) A in odd ones; replays and new keys also
-                // run on the Redis Cluster (K) and with responses encrypted (S), new keys also transactionally
-                // in both modes (C, D), and with an outbox row (E).
+                // A (Q K S) B (C D E) in even rounds, (E D C) B (S K Q) A in odd ones; replays and new keys
+                // also run on the Redis Cluster (K) and with responses encrypted (S), new keys also under a
+                // quota (Q), transactionally in both modes (C, D), and with an outbox row (E).
                 let mut order = vec![(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
                 if matches!(workload, Workload::New | Workload::Replay) {
                     order.splice(1..1, [(Subject::TwoTierCluster, &cluster), (Subject::TwoTierEncrypted, &encrypted)]);
                 }
                 if workload == Workload::New {
+                    order.insert(1, (Subject::TwoTierQuota, &quoted));
                     order.extend([
                         (Subject::TwoTierInTx, &two_tier),
                         (Subject::PostgresOnlyInTx, &postgres_only),

@@ -29,7 +29,7 @@ struct Row {
     vs_postgres_only: Option<Spread>,
     /// Throughput ÷ the floor's in the same round: EVALSHA for answers from Redis, SQL for new keys.
     vs_floor: Option<Spread>,
-    /// A two-tier variant (Redis Cluster, encrypted responses) ÷ plain two-tier throughput, per round.
+    /// A two-tier variant (Redis Cluster, encrypted responses, a quota) ÷ plain two-tier throughput, per round.
     vs_two_tier: Option<Spread>,
 }
 
@@ -38,7 +38,9 @@ type Group = (Option<Workload>, Subject, usize);
 fn floor_for(workload: Option<Workload>, subject: Subject) -> Option<Subject> {
     match (workload?, subject) {
         (Workload::New | Workload::Mixed, _) => Some(Subject::SqlFloor),
-        (_, Subject::TwoTier | Subject::TwoTierCluster | Subject::TwoTierEncrypted) => Some(Subject::EvalshaFloor),
+        (_, Subject::TwoTier | Subject::TwoTierCluster | Subject::TwoTierEncrypted | Subject::TwoTierQuota) => {
+            Some(Subject::EvalshaFloor)
+        }
         (_, _) => Some(Subject::SqlFloor),
     }
 }
@@ -147,7 +149,8 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
         md.push_str(
             "
 Two-tier variants ÷ plain two-tier (one Redis, responses in clear), throughput per round: Redis Cluster
-(three masters, three replicas), and every response encrypted (`StoreBuilder::encryption`):
+(three masters, three replicas), every response encrypted (`StoreBuilder::encryption`), and a per-tenant
+quota the load never reaches (`Policy::quota`: 10^9 new keys a minute, 10^5 live keys; new keys only):
 
 ",
         );

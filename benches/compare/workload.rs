@@ -33,6 +33,9 @@ pub enum Subject {
     TwoTierCluster,
     /// Two-tier with every response encrypted (`StoreBuilder::encryption`): its cost (replay and new keys).
     TwoTierEncrypted,
+    /// Two-tier under a per-tenant quota that the load never reaches (`Policy::quota`): the cost of
+    /// counting new keys and live leases (new keys only; nothing else reaches the quota).
+    TwoTierQuota,
     PostgresOnly,
     /// Two-tier with `run_once_in_tx`: claim, work and completion in one commit (new keys only).
     TwoTierInTx,
@@ -52,6 +55,7 @@ impl Subject {
             Subject::TwoTier => "two-tier",
             Subject::TwoTierCluster => "two-tier cluster",
             Subject::TwoTierEncrypted => "two-tier encrypted",
+            Subject::TwoTierQuota => "two-tier quota",
             Subject::PostgresOnly => "postgres-only",
             Subject::TwoTierInTx => "two-tier in-tx",
             Subject::PostgresOnlyInTx => "postgres-only in-tx",
@@ -77,7 +81,9 @@ impl Subject {
     /// The Postgres-only subject a two-tier one is compared with, like for like.
     pub fn postgres_only_baseline(self) -> Option<Subject> {
         match self {
-            Subject::TwoTier | Subject::TwoTierCluster | Subject::TwoTierEncrypted => Some(Subject::PostgresOnly),
+            Subject::TwoTier | Subject::TwoTierCluster | Subject::TwoTierEncrypted | Subject::TwoTierQuota => {
+                Some(Subject::PostgresOnly)
+            }
             Subject::TwoTierInTx | Subject::TwoTierInTxOutbox => Some(Subject::PostgresOnlyInTx),
             _ => None,
         }
@@ -85,7 +91,7 @@ impl Subject {
 
     /// Whether this is a variant of two-tier, compared with plain two-tier (one Redis, responses in clear).
     pub fn is_two_tier_variant(self) -> bool {
-        matches!(self, Subject::TwoTierCluster | Subject::TwoTierEncrypted)
+        matches!(self, Subject::TwoTierCluster | Subject::TwoTierEncrypted | Subject::TwoTierQuota)
     }
 
     pub fn new_key_path(self) -> NewKeyPath {

@@ -208,6 +208,12 @@ async fn receive_webhook(
         Ok(Received::Handled(_)) => Json(json!({ "status": "processed" })).into_response(),
         Ok(Received::Duplicate { .. }) => Json(json!({ "status": "duplicate" })).into_response(),
         Ok(Received::InProgress { .. }) => error(StatusCode::CONFLICT, "this event is being handled; retry later"),
+        Ok(Received::QuotaExceeded { retry_after, .. }) => {
+            let mut refused = error(StatusCode::TOO_MANY_REQUESTS, "this sender reached its quota; retry later");
+            let seconds = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+            refused.headers_mut().insert(header::RETRY_AFTER, seconds.max(1).into());
+            refused
+        }
         Ok(_) => error(StatusCode::CONFLICT, "this event awaits an operator"),
         Err(RunError::Store(idemstore::StoreError::Input(e))) => error(StatusCode::BAD_REQUEST, &e.to_string()),
         // Handled before, its outcome unreadable (encryption key retired): a retry would get the same.

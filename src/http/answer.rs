@@ -14,6 +14,7 @@ use super::capture::Stored;
 use super::config::{Config, MismatchStatus};
 use super::problem::{Problem, problem_types as types};
 use crate::key::{IdempotencyKey, Scope};
+use crate::quota::QuotaLimit;
 use crate::record::{Begin, StoredResponse};
 
 /// The body of the layer's answers (and of settled owner responses).
@@ -60,6 +61,15 @@ pub(crate) async fn refusal<T>(
             let detail =
                 "a request with this key completed, and its response is no longer kept; it is not executed again";
             Problem::new(StatusCode::GONE, types::EXPIRED, "Response expired", detail).into_response()
+        }
+        Begin::QuotaExceeded { limit, retry_after } => {
+            let detail = match limit {
+                QuotaLimit::NewKeys => "this tenant started as many new requests as its quota allows for now",
+                QuotaLimit::LiveKeys => "this tenant has as many requests in progress as its quota allows",
+            };
+            Problem::new(StatusCode::TOO_MANY_REQUESTS, types::QUOTA_EXCEEDED, "Quota exceeded", detail)
+                .retry_after(retry_after)
+                .into_response()
         }
         Begin::Acquired(_) => unreachable!("an acquired key is executed, not refused"),
     }

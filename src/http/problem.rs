@@ -38,6 +38,9 @@ pub mod problem_types {
     /// 500: the request completed, but its stored response does not open (`StoreBuilder::encryption`: its
     /// key is no longer configured, or the bytes were changed); it is not executed again.
     pub const UNREADABLE: &str = "urn:idemstore:problem:unreadable-response";
+    /// 429 with Retry-After: the request's tenant reached a limit of its policy's quota (`Quota`);
+    /// nothing was executed or recorded.
+    pub const QUOTA_EXCEEDED: &str = "urn:idemstore:problem:quota-exceeded";
     /// 503: the idempotency store is unavailable; nothing was executed.
     pub const UNAVAILABLE: &str = "urn:idemstore:problem:store-unavailable";
     /// 500: the handler ran, and its response body failed before it could be sent; the record says the

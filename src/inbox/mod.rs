@@ -67,6 +67,14 @@ pub enum Received<T> {
     Indeterminate,
     /// The event was handled so long ago that its record was purged; a tombstone says it ran. Acknowledge it.
     Expired,
+    /// The sender (the inbox's tenant) reached a limit of the policy's [`crate::Quota`]: not handled,
+    /// nothing recorded; ask the provider to retry after `retry_after`.
+    QuotaExceeded {
+        /// The limit that was reached.
+        limit: crate::QuotaLimit,
+        /// When a place should free up (see [`crate::Begin::QuotaExceeded`]).
+        retry_after: Duration,
+    },
 }
 
 /// The handler of [`Inbox::receive_in_tx`], its outcome wrapped in an [`Entry`].
@@ -249,6 +257,7 @@ impl Inbox {
             RunOutcome::Mismatch => Received::Conflict,
             RunOutcome::Indeterminate => Received::Indeterminate,
             RunOutcome::Expired => Received::Expired,
+            RunOutcome::QuotaExceeded { limit, retry_after } => Received::QuotaExceeded { limit, retry_after },
             // An inbox asks no replay check: this is never answered.
             RunOutcome::ReplayRefused => Received::Conflict,
         })

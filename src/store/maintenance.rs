@@ -45,6 +45,19 @@ const PURGE_BATCH: Statement = Statement::new(
     )
     SELECT count(*) FROM gone");
 
+/// One bounded batch of quota counters ([`crate::Quota`]) whose windows have both passed.
+const PURGE_QUOTA_USAGE: Statement = Statement::new(
+    "purge_quota_usage",
+    "
+    DELETE FROM idempotency_quota_usage u USING (
+        SELECT tenant, operation, window_ms, window_index, backend FROM idempotency_quota_usage
+        WHERE expires_at <= now()
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED) AS spent
+    WHERE (u.tenant, u.operation, u.window_ms, u.window_index, u.backend)
+        = (spent.tenant, spent.operation, spent.window_ms, spent.window_index, spent.backend)",
+);
+
 /// One bounded batch of tombstones whose horizon ended: their keys are new again.
 const PURGE_TOMBSTONES: Statement = Statement::new(
     "purge_tombstones",
@@ -124,13 +137,15 @@ const COUNTS: Statement = Statement::new(
 const INDETERMINATE: Statement =
     Statement::new("count_indeterminate", "SELECT count(*) FROM idempotency_records WHERE state = 'i'");
 
-/// The two purge statements, each run in batches.
-#[derive(Clone, Copy)]
+/// The purge statements, each run in batches.
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Purge {
     /// Expired records (completed ones leave a tombstone).
     Records,
     /// Tombstones past their horizon.
     Tombstones,
+    /// Quota counters of windows that no longer take part in any estimate (not counted as purged).
+    QuotaUsage,
 }
 
 /// What [`Store::recover_stale`] did.
@@ -187,7 +202,7 @@ pub struct Inspection {
 
 impl Store {
     /// Purges expired records, `batch` at a time, until none is left; returns how many records and
-    /// tombstones went. A completed record leaves a tombstone until its horizon
+    /// tombstones went (spent quota counters go too, uncounted). A completed record leaves a tombstone until its horizon
     /// ([`Policy::tombstone`](crate::Policy::tombstone)) ends; in-progress and indeterminate records are
     /// never purged. Safe to run from several processes at once; each batch is one short statement.
     ///
@@ -195,10 +210,12 @@ impl Store {
     /// [`StoreError::StoreUnavailable`] if Postgres failed (batches already purged stay purged).
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         let mut purged = 0;
-        for statement in [Purge::Records, Purge::Tombstones] {
+        for statement in [Purge::Records, Purge::Tombstones, Purge::QuotaUsage] {
             loop {
                 let deleted = self.purge(statement, batch).await?;
-                purged += deleted;
+                if statement != Purge::QuotaUsage {
+                    purged += deleted;
+                }
                 if deleted < u64::from(batch.max(1)) {
                     break;
                 }
@@ -227,6 +244,10 @@ impl Store {
             Purge::Tombstones => {
                 let query = sqlx::query(PURGE_TOMBSTONES.sql).bind(limit).execute(self.pg_pool());
                 self.bounded(&PURGE_TOMBSTONES, query).await?.rows_affected()
+            }
+            Purge::QuotaUsage => {
+                let query = sqlx::query(PURGE_QUOTA_USAGE.sql).bind(limit).execute(self.pg_pool());
+                return self.bounded(&PURGE_QUOTA_USAGE, query).await.map(|done| done.rows_affected());
             }
         };
         telemetry::purged(purged);

@@ -10,6 +10,7 @@ use super::statement::{self, ACQUIRE, Statement};
 use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::{LeaseExpiry, millis};
+use crate::quota::QuotaLimit;
 use crate::record::{Lease, Record, State, StoredResponse};
 
 /// The record columns every read returns, with the lease and retention as milliseconds of server time,
@@ -59,6 +60,53 @@ macro_rules! in_progress_expiry {
     };
 }
 
+/// The tenant's quota (`$12` new keys per window of `$13` milliseconds, `$14` live keys; NULL for no
+/// limit), as CTEs of the claim: `over_new_keys` and `over_live_keys` hold a row (the limit, and when a
+/// place frees at the latest) when the limit is reached.
+///
+/// New keys are counted in `idempotency_quota_usage`, per window of the epoch and per Postgres backend
+/// (no claim waits for another connection's counter, even inside a long transaction), and estimated over
+/// a sliding window: the previous window's count, weighted by how much of it the sliding window still
+/// covers, plus the current one's. Reading it costs a row per connection that counted in those two
+/// windows, whatever the limit. Live keys are counted from the in-progress records (a partial index),
+/// at most `$14` entries.
+macro_rules! quota_ctes {
+    () => {
+        "used AS (
+        SELECT at,
+               coalesce(sum(claims) FILTER (WHERE window_index = floor(at)), 0)::float8 AS current,
+               coalesce(sum(claims) FILTER (WHERE window_index = floor(at) - 1), 0)::float8 AS previous
+        FROM (SELECT extract(epoch FROM now()) * 1000 / $13::float8 AS at) AS clock
+        LEFT JOIN idempotency_quota_usage
+               ON tenant = $1 AND operation = $2 AND window_ms = $13::float8::bigint
+              AND window_index IN (floor(at)::bigint - 1, floor(at)::bigint)
+        WHERE $12::int4 IS NOT NULL
+        GROUP BY at
+    ), over_new_keys AS (
+        SELECT 'n'::\"char\" AS quota_limit,
+               to_timestamp($13::float8 / 1000 * CASE
+                   WHEN current + 1 <= $12::int4 THEN floor(at) + 1 - ($12::int4 - 1 - current) / previous
+                   ELSE floor(at) + 2 - ($12::int4 - 1) / current END) AS frees_at
+        FROM used
+        WHERE previous * (1 - (at - floor(at))) + current + 1 > $12::int4
+    ), over_live_keys AS (
+        SELECT 'l'::\"char\" AS quota_limit, min(lease_expires_at) AS frees_at FROM (
+            SELECT lease_expires_at FROM idempotency_records
+            WHERE $14::int4 IS NOT NULL AND tenant = $1 AND operation = $2
+              AND state = 'p' AND lease_expires_at > now()
+            ORDER BY lease_expires_at LIMIT $14::int4) AS live
+        HAVING count(*) >= $14::int4
+    ), "
+    };
+}
+
+/// Milliseconds from now until `$at`, rounded up, never negative.
+macro_rules! millis_until {
+    ($at:expr) => {
+        concat!("CEIL(GREATEST(0, EXTRACT(EPOCH FROM ", $at, " - now()) * 1000))::bigint")
+    };
+}
+
 /// The claim, in one round trip. Inserts a fresh record, or re-acquires (under a new fence: the next of
 /// the sequence, and above the record's own even if a binary older than the sequence wrote it) one that was
 /// released, or whose owner's lease ran out under the record's own `take_over` rule (`$8`, the caller's,
@@ -67,6 +115,12 @@ macro_rules! in_progress_expiry {
 /// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
 /// row lock. `prior` also says what was re-acquired (for the takeover metric). A record stored by an
 /// earlier release may hold the payload's version-1 fingerprint (`$11`, NULL when it has none).
+///
+/// The tenant's quota ([`quota_ctes`]) holds back a new record while either limit is reached, and a
+/// re-acquisition while the live-key limit is; a new record is counted (`counted`). The quota is read
+/// only where the claim would write: a key answered from its record costs nothing more. The refusal
+/// comes back as `quota_limit` and `quota_retry_ms`, with `prior`'s record, or with NULL record columns
+/// for a new key.
 const CLAIM: Statement = Statement::new(
     "claim",
     concat!(
@@ -77,7 +131,9 @@ const CLAIM: Statement = Statement::new(
     ), buried AS (",
         tombstone!(),
         " AND NOT EXISTS (SELECT 1 FROM prior)
-    ), claimed AS (
+    ), ",
+        quota_ctes!(),
+        "claimed AS (
         INSERT INTO idempotency_records AS r
             (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
              tier, on_lease_expiry, retention_ms, tombstone_ms)
@@ -92,6 +148,8 @@ const CLAIM: Statement = Statement::new(
           AND NOT EXISTS (SELECT 1 FROM prior WHERE state IN ('c', 'i')
                                                  OR (state = 'p' AND (lease_expires_at > now()
                                                      OR on_lease_expiry = 'm')))
+          AND NOT EXISTS (SELECT 1 FROM over_live_keys)
+          AND (EXISTS (SELECT 1 FROM prior) OR NOT EXISTS (SELECT 1 FROM over_new_keys))
         ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
         SET fingerprint = EXCLUDED.fingerprint, state = 'p',
             fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
@@ -109,18 +167,43 @@ const CLAIM: Statement = Statement::new(
                AND COALESCE(r.on_lease_expiry = 't', $8)
                AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
         RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
+    ), counted AS (
+        INSERT INTO idempotency_quota_usage AS u (tenant, operation, window_ms, window_index, backend, claims, expires_at)
+        SELECT $1, $2, $13::float8::bigint, floor(at)::bigint, pg_backend_pid(), 1,
+               to_timestamp($13::float8 / 1000 * (floor(at) + 2))
+        FROM used WHERE EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
+        ON CONFLICT (tenant, operation, window_ms, window_index, backend) DO UPDATE SET claims = u.claims + 1
     )
-    SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, ",
+    SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, NULL::\"char\" AS quota_limit,
+           NULL::bigint AS quota_retry_ms, ",
         record_columns!(),
         " FROM claimed
     UNION ALL
-    SELECT false, NULL, ",
+    SELECT false, NULL,
+           CASE WHEN state = 'r' OR (state = 'p' AND lease_expires_at <= now())
+                THEN (SELECT quota_limit FROM over_live_keys) END,
+           CASE WHEN state = 'r' OR (state = 'p' AND lease_expires_at <= now())
+                THEN (SELECT ",
+        millis_until!("frees_at"),
+        " FROM over_live_keys) END, ",
         record_columns!(),
         " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
     UNION ALL
-    SELECT false, NULL, ",
+    SELECT false, NULL, NULL, NULL, ",
         record_columns!(),
-        " FROM buried"
+        " FROM buried
+    UNION ALL
+    SELECT false, NULL, reached.quota_limit, ",
+        millis_until!("reached.frees_at"),
+        ", ",
+        record_columns!(),
+        " FROM (SELECT NULL::\"char\" AS state, NULL::bytea AS fingerprint, NULL::bigint AS fence,
+                  NULL::bytea AS response, NULL::text AS tier, NULL::\"char\" AS on_lease_expiry,
+                  NULL::timestamptz AS lease_expires_at, NULL::timestamptz AS expires_at) AS nothing,
+           (SELECT * FROM over_new_keys UNION ALL SELECT * FROM over_live_keys ORDER BY frees_at DESC LIMIT 1)
+               AS reached
+    WHERE NOT EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
+      AND NOT EXISTS (SELECT 1 FROM buried)"
     ),
 );
 
@@ -225,6 +308,14 @@ pub(crate) struct Retained {
     pub(crate) waited: bool,
 }
 
+/// What the claim statement answered: the record it found or wrote, or the tenant's quota that held a
+/// write back.
+#[derive(Debug)]
+pub(crate) enum Claimed {
+    Record(Claim),
+    OverQuota { limit: QuotaLimit, retry_after: Duration },
+}
+
 /// What the claim statement found or wrote.
 #[derive(Debug)]
 pub(crate) struct Claim {
@@ -271,7 +362,7 @@ impl PostgresTier {
     }
 
     /// The claim on a pooled connection, or on `conn` (inside the caller's transaction) when given.
-    pub(crate) async fn claim(&self, lease: &Lease, conn: Option<&mut PgConnection>) -> Result<Claim, StoreError> {
+    pub(crate) async fn claim(&self, lease: &Lease, conn: Option<&mut PgConnection>) -> Result<Claimed, StoreError> {
         let mut pooled;
         let conn = match conn {
             Some(conn) => conn,
@@ -281,6 +372,7 @@ impl PostgresTier {
             }
         };
         let policy = &lease.policy;
+        let new_keys = policy.quota.new_key_limit();
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
         // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
         // record this claim would have re-acquired). The next attempt sees the winner.
@@ -299,20 +391,21 @@ impl PostgresTier {
                 .bind(policy.name())
                 .bind(policy.tombstone.map(|t| millis(t) as f64))
                 .bind(lease.fingerprint.legacy_bytes().map(|legacy| &legacy[..]))
+                .bind(new_keys.map(|(limit, _)| i32::try_from(limit).unwrap_or(i32::MAX)))
+                .bind(new_keys.map(|(_, window)| millis(window) as f64))
+                .bind(policy.quota.live_key_limit().map(|limit| i32::try_from(limit).unwrap_or(i32::MAX)))
                 .fetch_optional(&mut *conn);
             let row = self.bounded(&CLAIM, claim).await?;
             if let Some(row) = row {
-                let decoded = (|| Ok::<_, sqlx::Error>((row.try_get("acquired")?, row.try_get("prior_state")?)))();
-                let (acquired, prior): (bool, Option<i8>) = decoded.map_err(|e| CLAIM.failed(e))?;
-                let record = decode_record(&row).map_err(|e| CLAIM.failed(e))?;
-                if !acquired && attempt < MAX_CLAIM_ATTEMPTS && lost_a_race(&record, lease) {
+                let claimed = decode_claim(&row, lease).map_err(|e| CLAIM.failed(e))?;
+                if let Claimed::Record(claim) = &claimed
+                    && !claim.acquired
+                    && attempt < MAX_CLAIM_ATTEMPTS
+                    && would_reacquire(&claim.record, lease)
+                {
                     continue;
                 }
-                return Ok(Claim {
-                    acquired,
-                    took_over: acquired && prior == Some(State::InProgress.code() as i8),
-                    record,
-                });
+                return Ok(claimed);
             }
         }
     }
@@ -399,9 +492,9 @@ fn fenced<'q>(
         .bind(lease.fence)
 }
 
-/// Whether a record the claim did not acquire is one it would have re-acquired as read: another claim
-/// got it first, after this statement's snapshot.
-fn lost_a_race(record: &Record, lease: &Lease) -> bool {
+/// Whether the claim would have re-acquired this record as read, and did not: another claim got it
+/// first, after this statement's snapshot, or the tenant's quota held the write back.
+fn would_reacquire(record: &Record, lease: &Lease) -> bool {
     let expired = record.expires_in == Some(Duration::ZERO);
     let reusable = expired || record.matches(&lease.fingerprint);
     let lease_ran_out = record.lease_remaining == Some(Duration::ZERO);
@@ -412,6 +505,31 @@ fn lost_a_race(record: &Record, lease: &Lease) -> bool {
             State::InProgress => lease_ran_out && rule == LeaseExpiry::TakeOver,
             _ => false,
         }
+}
+
+/// The claim statement's row: the record, or the quota that held back a write the claim would have made
+/// (for no record, or for one it would have re-acquired as read).
+fn decode_claim(row: &PgRow, lease: &Lease) -> Result<Claimed, sqlx::Error> {
+    let acquired: bool = row.try_get("acquired")?;
+    let over_quota = match row.try_get::<Option<i8>, _>("quota_limit")? {
+        Some(code) => {
+            let limit = QuotaLimit::from_code(code as u8)
+                .ok_or_else(|| sqlx::Error::Decode(format!("unknown quota limit {code}").into()))?;
+            Some(Claimed::OverQuota { limit, retry_after: millis_column(row, "quota_retry_ms")?.unwrap_or_default() })
+        }
+        None => None,
+    };
+    let state: Option<i8> = row.try_get("state")?;
+    if state.is_none() {
+        return over_quota.ok_or_else(|| sqlx::Error::Decode("a claim answered neither a record nor a quota".into()));
+    }
+    let record = decode_record(row)?;
+    if let Some(over_quota) = over_quota.filter(|_| would_reacquire(&record, lease)) {
+        return Ok(over_quota);
+    }
+    let prior: Option<i8> = row.try_get("prior_state")?;
+    let took_over = acquired && prior == Some(State::InProgress.code() as i8);
+    Ok(Claimed::Record(Claim { acquired, took_over, record }))
 }
 
 /// How often a claim is retried after losing a race, before the last answer stands ("in flight").

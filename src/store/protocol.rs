@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::Store;
 use sqlx::postgres::PgConnection;
 
-use super::postgres_tier::Retained;
+use super::postgres_tier::{Claimed, Retained};
 use super::redis_tier::{RedisTier, Takeback};
 use super::scripts::RedisBegin;
 use super::wakeup::{self, Watch};
@@ -355,14 +355,24 @@ impl Store {
             let operation = candidate.scope.operation();
             let started = Instant::now();
             let mut tx = tx;
+            let take_back_marker = async || {
+                if let Some((redis, record_key)) = &marked {
+                    self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
+                }
+            };
             let claim = match self.inner.postgres.claim(&candidate, tx.as_deref_mut()).await {
-                Ok(claim) => claim,
+                Ok(Claimed::Record(claim)) => claim,
+                // Nothing runs and nothing is recorded: the marker goes too, so that a retry is not told
+                // "in flight".
+                Ok(Claimed::OverQuota { limit, retry_after }) => {
+                    take_back_marker().await;
+                    telemetry::quota_refusal(operation, limit);
+                    return Ok(Begin::QuotaExceeded { limit, retry_after });
+                }
                 Err(error) => {
                     // Fail closed, and take the marker back so retries are not told "in flight" for work
                     // that never started.
-                    if let Some((redis, record_key)) = &marked {
-                        self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
-                    }
+                    take_back_marker().await;
                     // The row is locked past the lock timeout: an owner is working on it inside its own
                     // transaction (`run_once_in_tx`), which is what "in flight" means.
                     if is_lock_timeout(&error) {
@@ -552,6 +562,7 @@ fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>, span: &tr
         Ok(Begin::Mismatch) => "mismatch",
         Ok(Begin::Indeterminate) => "indeterminate",
         Ok(Begin::Expired) => "expired",
+        Ok(Begin::QuotaExceeded { .. }) => "quota_exceeded",
         Err(_) => "error",
     };
     span.record("outcome", outcome);

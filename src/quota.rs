@@ -1,0 +1,154 @@
+//! Per-tenant quotas: how many keys one tenant may start under a policy, so that one tenant cannot fill
+//! the store (or hold every worker) for everyone else.
+//!
+//! Both limits are enforced in Postgres, inside the claim statement that would start a key: no extra
+//! round trip in either mode, nothing in Redis (so the same limit holds in Postgres-only mode, with
+//! Redis down, and on a Redis Cluster without a counter slot). Only a claim that would execute is
+//! counted or refused; replays, duplicates in flight and mismatches are answered as before, from Redis
+//! or Postgres. A refused claim writes nothing.
+//!
+//! - **New keys** are counted in `idempotency_quota_usage`, one row per tenant, operation, window of the
+//!   epoch and Postgres connection, and estimated over a sliding window (the previous window's count,
+//!   weighted by how much of it the sliding window still covers, plus the current one's). Reading it
+//!   costs a row per connection that counted in the last two windows, whatever the limit; no claim
+//!   waits for another connection's counter. Changing a policy's window starts its counts afresh.
+//! - **Live keys** are counted from the tenant's in-progress records, at most `limit` index entries.
+//!
+//! Counts are read in the claim's snapshot, so claims of one tenant that run at the same instant do not
+//! see each other: a burst of `k` concurrent claims can pass a limit by at most `k - 1`, and claims made
+//! inside applications' open transactions (`run_once_in_tx`, `Inbox::receive_in_tx`) are not seen
+//! until those commit (a new key counts from then on; a live key never shows, as it commits completed).
+//! A duplicate of a key whose claim has not committed yet may be told [`crate::Begin::QuotaExceeded`]
+//! rather than "in flight". Under `SERIALIZABLE`, concurrent claims of one tenant under a quota read
+//! what the other writes, and one may fail with a serialization error (retry it). Sequential claims
+//! outside transactions are held to the limits; a quota is abuse control, not billing.
+
+use std::time::Duration;
+
+use crate::error::ConfigError;
+
+/// The longest window of a new-key limit: a year, with room for a leap day. Longer windows are a
+/// retention question, not a rate.
+pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(366 * 86_400);
+
+/// Limits on the keys one tenant may start under a policy (per operation). Off by default; set with
+/// [`crate::PolicyBuilder::quota`] or in the policy file (`new_keys = "1000/1m"`, `live_keys = 50`).
+///
+/// ```
+/// use std::time::Duration;
+/// use idemstore::{Policy, Quota};
+///
+/// let quota = Quota::default().new_keys(1000, Duration::from_secs(60)).live_keys(50);
+/// let policy = Policy::builder().quota(quota).build()?;
+/// assert_eq!(policy.quota().live_key_limit(), Some(50));
+/// # Ok::<(), idemstore::ConfigError>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Quota {
+    new_keys: Option<(u32, Duration)>,
+    live_keys: Option<u32>,
+}
+
+impl Quota {
+    /// About `limit` new keys started by one tenant per `window`, estimated over a sliding window from
+    /// two fixed ones (see the module docs: a burst straddling two windows can start somewhat more, an
+    /// uneven previous window somewhat less). A key started again after a release or a takeover is not
+    /// new.
+    pub fn new_keys(mut self, limit: u32, window: Duration) -> Self {
+        self.new_keys = Some((limit, window));
+        self
+    }
+
+    /// At most `limit` keys of one tenant in progress at once (live leases; a lease that ran out does
+    /// not count). Claims made inside an application's transaction (`run_once_in_tx`) are not seen
+    /// until it commits, by when they are complete: this limit does not hold them back.
+    pub fn live_keys(mut self, limit: u32) -> Self {
+        self.live_keys = Some(limit);
+        self
+    }
+
+    /// The new-key limit and its window, if one is set.
+    pub fn new_key_limit(&self) -> Option<(u32, Duration)> {
+        self.new_keys
+    }
+
+    /// The live-key limit, if one is set.
+    pub fn live_key_limit(&self) -> Option<u32> {
+        self.live_keys
+    }
+
+    /// Refuses limits of zero (a limit that refuses everything is a disabled route, not a quota) and
+    /// windows shorter than a millisecond or longer than [`MAX_WINDOW`].
+    pub(crate) fn check(&self) -> Result<(), ConfigError> {
+        let invalid = |reason| Err(ConfigError::Quota { reason });
+        match (self.new_keys, self.live_keys) {
+            (Some((0, _)), _) | (_, Some(0)) => invalid("a limit must be at least 1"),
+            (Some((_, window)), _) if window < Duration::from_millis(1) => invalid("the window must be at least 1 ms"),
+            (Some((_, window)), _) if window > MAX_WINDOW => invalid("the window must be at most 366 days"),
+            _ => Ok(()),
+        }
+    }
+
+    /// Parses the policy file's `new_keys` value: a count, a slash, a duration (`1000/1m`).
+    pub(crate) fn parse_new_keys(self, text: &str) -> Result<Self, ConfigError> {
+        let invalid = || ConfigError::Quota { reason: "new_keys is a count and a window, like \"1000/1m\"" };
+        let (limit, window) = text.split_once('/').ok_or_else(invalid)?;
+        let limit = limit.trim().parse().map_err(|_| invalid())?;
+        Ok(self.new_keys(limit, crate::config::parse_duration(window.trim())?))
+    }
+}
+
+/// Which limit of a [`Quota`] refused a claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QuotaLimit {
+    /// [`Quota::new_keys`]: the tenant started its limit of keys within the window.
+    NewKeys,
+    /// [`Quota::live_keys`]: the tenant has its limit of keys in progress.
+    LiveKeys,
+}
+
+impl QuotaLimit {
+    /// The limit's name in metrics and problem details (`new_keys`, `live_keys`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QuotaLimit::NewKeys => "new_keys",
+            QuotaLimit::LiveKeys => "live_keys",
+        }
+    }
+
+    /// The one-byte code the claim statement answers with.
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        match code {
+            b'n' => Some(QuotaLimit::NewKeys),
+            b'l' => Some(QuotaLimit::LiveKeys),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_limits_and_empty_windows_are_refused() {
+        let minute = Duration::from_secs(60);
+        assert!(Quota::default().check().is_ok());
+        assert!(Quota::default().new_keys(1, minute).live_keys(1).check().is_ok());
+        assert!(Quota::default().new_keys(0, minute).check().is_err());
+        assert!(Quota::default().live_keys(0).check().is_err());
+        assert!(Quota::default().new_keys(5, Duration::from_micros(10)).check().is_err());
+        assert!(Quota::default().new_keys(5, MAX_WINDOW).check().is_ok());
+        assert!(Quota::default().new_keys(5, Duration::MAX).check().is_err());
+    }
+
+    #[test]
+    fn parses_a_count_per_window() {
+        let parsed = Quota::default().parse_new_keys("1000 / 1m").expect("valid");
+        assert_eq!(parsed.new_key_limit(), Some((1000, Duration::from_secs(60))));
+        for text in ["1000", "1000/", "/1m", "many/1m", "-1/1m", "10/soon"] {
+            assert!(Quota::default().parse_new_keys(text).is_err(), "{text}");
+        }
+    }
+}

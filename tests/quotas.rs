@@ -1,0 +1,190 @@
+//! Per-tenant quotas (`Policy::quota`), against real Redis and Postgres in both modes: beyond a limit
+//! nothing runs and nothing is recorded, answers that need no execution are untouched, other tenants and
+//! operations are not held back, and a place frees when a key leaves the window or a lease ends.
+
+#[macro_use]
+mod support;
+
+use std::time::Duration;
+
+use idemstore::{
+    Begin, Fingerprint, FingerprintOptions, Mode, Policy, Quota, QuotaLimit, RunOptions, RunOutcome, Scope, Store,
+};
+use serde_json::{Value, json};
+use support::{Harness, Servers, key};
+
+suite!(
+    new_keys_beyond_the_window_are_refused_and_nothing_runs,
+    live_keys_count_leases_in_progress_only,
+    a_burst_past_the_limit_leaves_no_trace_of_refused_keys,
+    keys_started_again_are_not_new_and_transactional_claims_count_once_committed,
+);
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+async fn harness(mode: Mode, quota: Quota) -> Harness {
+    Harness::with(mode, Policy::builder().quota(quota).build().expect("policy"), Servers::Any).await
+}
+
+fn fingerprint(n: u64) -> Fingerprint {
+    Fingerprint::of_serialize(&json!({ "n": n }), &FingerprintOptions::default()).expect("fingerprint")
+}
+
+/// `run_once` of a charge for `tenant` under the harness's operation, or `operation` (under the same
+/// policy).
+async fn run(h: &Harness, tenant: &str, operation: Option<&str>, name: &str, payload: Value) -> RunOutcome<Value> {
+    let scope = Scope::new(tenant, operation.unwrap_or(&h.operation)).expect("scope");
+    let options = RunOptions::default().policy(h.store.policy(&h.operation).clone());
+    let key = key(name);
+    let charged = h.store.run_once_with(&scope, &key, &payload, &options, || h.charge(tenant, &key)).await;
+    charged.expect("answer")
+}
+
+/// Whether the store holds anything for the key: a record in Postgres, a copy or marker in Redis.
+async fn holds(h: &Harness, store: &Store, tenant: &str, name: &str) -> bool {
+    let (scope, key) = (h.scope(tenant), key(name));
+    let in_postgres = store.lookup(&scope, &key).await.expect("lookup").is_some();
+    let in_redis = h.mode == Mode::TwoTier && h.redis_keys().await.contains(&h.redis_key(&scope, &key));
+    in_postgres || in_redis
+}
+
+async fn new_keys_beyond_the_window_are_refused_and_nothing_runs(mode: Mode) {
+    let h = harness(mode, Quota::default().new_keys(3, HOUR)).await;
+    let charge = |tenant: &'static str, name: &'static str| run(&h, tenant, None, name, json!({ "k": name }));
+    for name in ["a", "b", "c"] {
+        assert!(matches!(charge("acme", name).await, RunOutcome::Executed(_)), "{name}");
+    }
+    let refused = charge("acme", "d").await;
+    let RunOutcome::QuotaExceeded { limit, retry_after } = refused else { panic!("not refused: {refused:?}") };
+    assert_eq!(limit, QuotaLimit::NewKeys);
+    // The sliding estimate frees a place once the previous window's weight has fallen enough: after the
+    // current window ends, and within two windows.
+    assert!(retry_after > Duration::ZERO && retry_after <= 2 * HOUR, "{retry_after:?}");
+    assert_eq!(h.effects("acme", &key("d")).await, 0, "nothing ran");
+    assert!(!holds(&h, &h.store, "acme", "d").await, "nothing recorded for the refused key");
+    assert_eq!(h.counter("idemstore_quota_refusals_total", &[("limit", "new_keys")]), 1.0);
+    assert_eq!(h.counter("idemstore_outcomes_total", &[("outcome", "quota_exceeded")]), 1.0);
+
+    // What needs no execution is answered as before: a replay, a mismatch.
+    assert!(matches!(charge("acme", "a").await, RunOutcome::Replayed(_)));
+    assert_eq!(run(&h, "acme", None, "a", json!({ "other": 1 })).await, RunOutcome::Mismatch);
+    // Another tenant, and the same tenant under another operation, have quotas of their own.
+    assert!(matches!(charge("globex", "d").await, RunOutcome::Executed(_)));
+    let elsewhere = run(&h, "acme", Some("refund"), "d", json!({ "k": "d" })).await;
+    assert!(matches!(elsewhere, RunOutcome::Executed(_)));
+
+    // Two windows later the earlier keys no longer count: three more may start, then no more.
+    sqlx::query("UPDATE idempotency_quota_usage SET window_index = window_index - 2 WHERE tenant = 'acme'")
+        .execute(&h.pool)
+        .await
+        .expect("let two windows pass");
+    for name in ["d", "e", "f"] {
+        assert!(matches!(charge("acme", name).await, RunOutcome::Executed(_)), "{name}");
+    }
+    assert!(matches!(charge("acme", "g").await, RunOutcome::QuotaExceeded { .. }));
+    // Counters of windows that passed are purged with expired records.
+    sqlx::query("UPDATE idempotency_quota_usage SET expires_at = now() - interval '1 second' WHERE window_index < (SELECT max(window_index) FROM idempotency_quota_usage WHERE tenant = 'acme')")
+        .execute(&h.pool)
+        .await
+        .expect("spend the old counters");
+    h.store.purge_expired(100).await.expect("purge");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_quota_usage WHERE expires_at <= now()")
+        .fetch_one(&h.pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 0);
+}
+
+async fn live_keys_count_leases_in_progress_only(mode: Mode) {
+    let h = harness(mode, Quota::default().live_keys(2)).await;
+    let scope = h.scope("acme");
+    let begin = |name: &'static str, n: u64| {
+        let scope = scope.clone();
+        let h = &h;
+        async move { h.store.begin(&scope, &key(name), &fingerprint(n)).await.expect("begin") }
+    };
+    let Begin::Acquired(first) = begin("a", 1).await else { panic!("a not acquired") };
+    let Begin::Acquired(released) = begin("r", 1).await else { panic!("r not acquired") };
+    released.release().await.expect("release");
+    let Begin::Acquired(second) = begin("b", 1).await else { panic!("b not acquired") };
+
+    // Two live leases: a new key is refused, and so is the released key, which would start again.
+    for name in ["c", "r"] {
+        let Begin::QuotaExceeded { limit, retry_after } = begin(name, 1).await else { panic!("{name} not refused") };
+        assert_eq!(limit, QuotaLimit::LiveKeys);
+        assert!(retry_after > Duration::ZERO && retry_after <= Duration::from_secs(30), "{retry_after:?}");
+    }
+    assert!(!holds(&h, &h.store, "acme", "c").await, "nothing recorded for the refused key");
+    // A duplicate of a live key is told "in flight", as without a quota; another payload, "mismatch" once
+    // the key completed.
+    assert!(matches!(begin("a", 1).await, Begin::InFlight { .. }));
+    assert_eq!(h.counter("idemstore_quota_refusals_total", &[("limit", "live_keys")]), 2.0);
+
+    // A completion frees a place.
+    first.complete(b"done").await.expect("complete");
+    assert!(matches!(begin("a", 2).await, Begin::Mismatch));
+    let Begin::Acquired(third) = begin("c", 1).await else { panic!("c not acquired after a completion") };
+    // A lease that ran out is not live: its place is free (and the key can be taken over).
+    h.pass_lease(&scope, &key("b")).await;
+    let Begin::Acquired(fourth) = begin("r", 1).await else { panic!("r not acquired after a lease ran out") };
+    assert!(matches!(begin("d", 1).await, Begin::QuotaExceeded { limit: QuotaLimit::LiveKeys, .. }));
+    drop(second);
+    third.complete(b"done").await.expect("complete");
+    fourth.complete(b"done").await.expect("complete");
+    assert!(matches!(begin("d", 1).await, Begin::Acquired(_)));
+}
+
+async fn a_burst_past_the_limit_leaves_no_trace_of_refused_keys(mode: Mode) {
+    const LIMIT: u32 = 5;
+    let h = harness(mode, Quota::default().new_keys(LIMIT, HOUR)).await;
+    let names: Vec<String> = (0..24).map(|i| format!("burst-{i}")).collect();
+    let runs = names.iter().map(|name| async { (key(name), run(&h, "acme", None, name, json!({})).await) });
+    let outcomes = futures::future::join_all(runs).await;
+    let mut executed = 0;
+    for (key, outcome) in &outcomes {
+        match outcome {
+            RunOutcome::Executed(_) => executed += 1,
+            RunOutcome::QuotaExceeded { limit: QuotaLimit::NewKeys, .. } => {
+                assert_eq!(h.effects("acme", key).await, 0);
+                assert!(!holds(&h, &h.store, "acme", key.as_str()).await, "{key:?} left a trace");
+            }
+            other => panic!("{key:?}: {other:?}"),
+        }
+    }
+    // Concurrent claims do not see each other's rows: the limit may be passed by the burst's overlap,
+    // never undercut, and sequential claims after it are held to it.
+    assert!(executed >= LIMIT as usize, "{executed} executed");
+    assert!(matches!(run(&h, "acme", None, "after", json!({})).await, RunOutcome::QuotaExceeded { .. }));
+}
+
+async fn keys_started_again_are_not_new_and_transactional_claims_count_once_committed(mode: Mode) {
+    let h = harness(mode, Quota::default().new_keys(2, HOUR)).await;
+    let scope = h.scope("acme");
+    // A key released and claimed again (its work failed, the retry runs it) is one new key, not two.
+    let Begin::Acquired(owner) = h.store.begin(&scope, &key("retried"), &fingerprint(1)).await.expect("begin") else {
+        panic!("not acquired")
+    };
+    owner.release().await.expect("release");
+    for attempt in 0..3 {
+        let Begin::Acquired(owner) = h.store.begin(&scope, &key("retried"), &fingerprint(1)).await.expect("begin")
+        else {
+            panic!("attempt {attempt} not acquired")
+        };
+        owner.release().await.expect("release");
+    }
+    // The transactional path counts its new key when it commits: one more fits, then none.
+    let in_tx = |name: &'static str| {
+        let (scope, key) = (scope.clone(), key(name));
+        let h = &h;
+        async move {
+            let payload = json!({});
+            let outcome = h.store.run_once_in_tx(&scope, &key, &payload, |tx| {
+                Box::pin(async move { sqlx::query_scalar::<_, i64>("SELECT 1::int8").fetch_one(tx).await })
+            });
+            outcome.await.expect("answer")
+        }
+    };
+    assert_eq!(in_tx("in-tx").await, RunOutcome::Executed(1));
+    assert!(matches!(in_tx("in-tx-2").await, RunOutcome::QuotaExceeded { limit: QuotaLimit::NewKeys, .. }));
+    assert!(matches!(run(&h, "acme", None, "plain", json!({})).await, RunOutcome::QuotaExceeded { .. }));
+}
