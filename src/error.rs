@@ -112,8 +112,8 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// A [`crate::Quota`] with a limit of zero or a window under a millisecond, or a policy file's
-    /// `new_keys` that is not a count and a window.
+    /// A [`crate::Quota`] with a limit of zero or of 2^31 and more, a window under a millisecond or over
+    /// 366 days, or a policy file's `new_keys` that is not a count and a window.
     #[error("quota: {reason}")]
     Quota {
         /// What is wrong with it.

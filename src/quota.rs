@@ -60,8 +60,9 @@ impl Quota {
     }
 
     /// At most `limit` keys of one tenant in progress at once (live leases; a lease that ran out does
-    /// not count). Claims made inside an application's transaction (`run_once_in_tx`) are not seen
-    /// until it commits, by when they are complete: this limit does not hold them back.
+    /// not count). Claims made inside an application's transaction (`run_once_in_tx`) are refused like
+    /// any other when the limit is reached, but are not seen by others until their transaction commits,
+    /// by when they are complete: they never count towards it.
     pub fn live_keys(mut self, limit: u32) -> Self {
         self.live_keys = Some(limit);
         self
@@ -77,14 +78,23 @@ impl Quota {
         self.live_keys
     }
 
-    /// Refuses limits of zero (a limit that refuses everything is a disabled route, not a quota) and
-    /// windows shorter than a millisecond or longer than [`MAX_WINDOW`].
+    /// No limit is set: claims send the statement without the quota's parts.
+    pub(crate) fn is_off(&self) -> bool {
+        self.new_keys.is_none() && self.live_keys.is_none()
+    }
+
+    /// Refuses limits of zero (a limit that refuses everything is a disabled route, not a quota) or of
+    /// 2^31 and more (Postgres counts in `integer`), and windows shorter than a millisecond or longer than
+    /// [`MAX_WINDOW`].
     pub(crate) fn check(&self) -> Result<(), ConfigError> {
         let invalid = |reason| Err(ConfigError::Quota { reason });
         match (self.new_keys, self.live_keys) {
             (Some((0, _)), _) | (_, Some(0)) => invalid("a limit must be at least 1"),
             (Some((_, window)), _) if window < Duration::from_millis(1) => invalid("the window must be at least 1 ms"),
             (Some((_, window)), _) if window > MAX_WINDOW => invalid("the window must be at most 366 days"),
+            (Some((limit, _)), _) | (_, Some(limit)) if i32::try_from(limit).is_err() => {
+                invalid("a limit must be below 2^31")
+            }
             _ => Ok(()),
         }
     }
@@ -141,6 +151,9 @@ mod tests {
         assert!(Quota::default().new_keys(5, Duration::from_micros(10)).check().is_err());
         assert!(Quota::default().new_keys(5, MAX_WINDOW).check().is_ok());
         assert!(Quota::default().new_keys(5, Duration::MAX).check().is_err());
+        assert!(Quota::default().live_keys(u32::MAX).check().is_err());
+        assert!(Quota::default().new_keys(5, Duration::from_secs(60)).live_keys(u32::MAX).check().is_err());
+        assert!(Quota::default().new_keys(i32::MAX as u32, MAX_WINDOW).check().is_ok());
     }
 
     #[test]

@@ -18,6 +18,7 @@ suite!(
     live_keys_count_leases_in_progress_only,
     a_burst_past_the_limit_leaves_no_trace_of_refused_keys,
     keys_started_again_are_not_new_and_transactional_claims_count_once_committed,
+    the_previous_window_weighs_as_much_as_the_sliding_window_still_covers,
 );
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -40,6 +41,20 @@ async fn run(h: &Harness, tenant: &str, operation: Option<&str>, name: &str, pay
     charged.expect("answer")
 }
 
+/// The time from now until `at` windows (of an hour) after the start of the current one, by the
+/// database's clock.
+async fn windows_until(h: &Harness, at: f64) -> Duration {
+    let elapsed: f64 = sqlx::query_scalar("SELECT (mod(extract(epoch FROM now()), 3600) / 3600)::float8")
+        .fetch_one(&h.pool)
+        .await
+        .expect("clock");
+    HOUR.mul_f64(at - elapsed)
+}
+
+fn assert_close(actual: Duration, expected: Duration) {
+    assert!(actual.abs_diff(expected) < Duration::from_secs(5), "{actual:?}, expected {expected:?}");
+}
+
 /// Whether the store holds anything for the key: a record in Postgres, a copy or marker in Redis.
 async fn holds(h: &Harness, store: &Store, tenant: &str, name: &str) -> bool {
     let (scope, key) = (h.scope(tenant), key(name));
@@ -57,9 +72,9 @@ async fn new_keys_beyond_the_window_are_refused_and_nothing_runs(mode: Mode) {
     let refused = charge("acme", "d").await;
     let RunOutcome::QuotaExceeded { limit, retry_after } = refused else { panic!("not refused: {refused:?}") };
     assert_eq!(limit, QuotaLimit::NewKeys);
-    // The sliding estimate frees a place once the previous window's weight has fallen enough: after the
-    // current window ends, and within two windows.
-    assert!(retry_after > Duration::ZERO && retry_after <= 2 * HOUR, "{retry_after:?}");
+    // Three keys in this window: the estimate falls below the limit once the next window is a third
+    // gone (this window's three then weigh two), if nothing else starts.
+    assert_close(retry_after, windows_until(&h, 4.0 / 3.0).await);
     assert_eq!(h.effects("acme", &key("d")).await, 0, "nothing ran");
     assert!(!holds(&h, &h.store, "acme", "d").await, "nothing recorded for the refused key");
     assert_eq!(h.counter("idemstore_quota_refusals_total", &[("limit", "new_keys")]), 1.0);
@@ -82,17 +97,24 @@ async fn new_keys_beyond_the_window_are_refused_and_nothing_runs(mode: Mode) {
         assert!(matches!(charge("acme", name).await, RunOutcome::Executed(_)), "{name}");
     }
     assert!(matches!(charge("acme", "g").await, RunOutcome::QuotaExceeded { .. }));
-    // Counters of windows that passed are purged with expired records.
-    sqlx::query("UPDATE idempotency_quota_usage SET expires_at = now() - interval '1 second' WHERE window_index < (SELECT max(window_index) FROM idempotency_quota_usage WHERE tenant = 'acme')")
-        .execute(&h.pool)
-        .await
-        .expect("spend the old counters");
-    h.store.purge_expired(100).await.expect("purge");
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_quota_usage WHERE expires_at <= now()")
-        .fetch_one(&h.pool)
-        .await
-        .expect("count");
-    assert_eq!(left, 0);
+    // A counter is kept until its window and the next have passed, then purged (not counted as a record).
+    let (kept_for, current): (f64, i64) = sqlx::query_as(
+        "SELECT max(abs(extract(epoch FROM expires_at - to_timestamp((window_index + 2) * window_ms / 1000.0))))
+                    FILTER (WHERE window_index = (SELECT max(window_index) FROM idempotency_quota_usage))::float8,
+                count(*) FILTER (WHERE window_index = (SELECT max(window_index) FROM idempotency_quota_usage))
+         FROM idempotency_quota_usage",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .expect("counters");
+    assert!(kept_for < 0.001 && current > 0, "expiry off by {kept_for} s, {current} in this window");
+    let spent = "UPDATE idempotency_quota_usage SET expires_at = now() - interval '1 second'
+                 WHERE window_index < (SELECT max(window_index) FROM idempotency_quota_usage)";
+    sqlx::query(spent).execute(&h.pool).await.expect("spend the old counters");
+    assert_eq!(h.store.purge_expired(100).await.expect("purge"), 0, "no record expired");
+    let counters = "SELECT count(*) FILTER (WHERE expires_at <= now()), count(*) FROM idempotency_quota_usage";
+    let (spent, left): (i64, i64) = sqlx::query_as(counters).fetch_one(&h.pool).await.expect("count");
+    assert_eq!((spent, left), (0, current), "the spent counters went, this window's stayed");
 }
 
 async fn live_keys_count_leases_in_progress_only(mode: Mode) {
@@ -187,4 +209,28 @@ async fn keys_started_again_are_not_new_and_transactional_claims_count_once_comm
     assert_eq!(in_tx("in-tx").await, RunOutcome::Executed(1));
     assert!(matches!(in_tx("in-tx-2").await, RunOutcome::QuotaExceeded { limit: QuotaLimit::NewKeys, .. }));
     assert!(matches!(run(&h, "acme", None, "plain", json!({})).await, RunOutcome::QuotaExceeded { .. }));
+}
+
+async fn the_previous_window_weighs_as_much_as_the_sliding_window_still_covers(mode: Mode) {
+    let h = harness(mode, Quota::default().new_keys(3, HOUR)).await;
+    // A million keys in the previous window: their weight keeps the tenant over its limit until all
+    // but the last two millionths of this window are gone.
+    sqlx::query(
+        "INSERT INTO idempotency_quota_usage (tenant, operation, window_ms, window_index, backend, claims, expires_at)
+         SELECT 'acme', $1, 3600000, floor(extract(epoch FROM now()) / 3600)::bigint - 1, 0, 1000000,
+                now() + interval '2 hours'",
+    )
+    .bind(&h.operation)
+    .execute(&h.pool)
+    .await
+    .expect("a busy previous window");
+    let refused = run(&h, "acme", None, "a", json!({})).await;
+    let RunOutcome::QuotaExceeded { limit: QuotaLimit::NewKeys, retry_after } = refused else { panic!("{refused:?}") };
+    assert_close(retry_after, windows_until(&h, 1.0 - 2.0 / 1_000_000.0).await);
+    // Once its window is two back, it weighs nothing.
+    sqlx::query("UPDATE idempotency_quota_usage SET window_index = window_index - 1")
+        .execute(&h.pool)
+        .await
+        .expect("age");
+    assert!(matches!(run(&h, "acme", None, "a", json!({})).await, RunOutcome::Executed(_)));
 }

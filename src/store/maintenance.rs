@@ -144,8 +144,16 @@ enum Purge {
     Records,
     /// Tombstones past their horizon.
     Tombstones,
-    /// Quota counters of windows that no longer take part in any estimate (not counted as purged).
+    /// Quota counters of windows that no longer take part in any estimate.
     QuotaUsage,
+}
+
+impl Purge {
+    /// Whether what it deletes counts as purged (returned, and in `idemstore_purged_records_total`):
+    /// records and tombstones, not quota counters.
+    fn counted(self) -> bool {
+        self != Purge::QuotaUsage
+    }
 }
 
 /// What [`Store::recover_stale`] did.
@@ -201,10 +209,10 @@ pub struct Inspection {
 }
 
 impl Store {
-    /// Purges expired records, `batch` at a time, until none is left; returns how many records and
-    /// tombstones went (spent quota counters go too, uncounted). A completed record leaves a tombstone until its horizon
-    /// ([`Policy::tombstone`](crate::Policy::tombstone)) ends; in-progress and indeterminate records are
-    /// never purged. Safe to run from several processes at once; each batch is one short statement.
+    /// Purges expired records, `batch` at a time, until none is left; returns how many records and tombstones
+    /// went (spent quota counters go too, uncounted). A completed record leaves a tombstone until its horizon
+    /// ([`Policy::tombstone`](crate::Policy::tombstone)) ends; in-progress and indeterminate records are never
+    /// purged. Safe to run from several processes at once; each batch is one short statement.
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed (batches already purged stay purged).
@@ -213,7 +221,7 @@ impl Store {
         for statement in [Purge::Records, Purge::Tombstones, Purge::QuotaUsage] {
             loop {
                 let deleted = self.purge(statement, batch).await?;
-                if statement != Purge::QuotaUsage {
+                if statement.counted() {
                     purged += deleted;
                 }
                 if deleted < u64::from(batch.max(1)) {
@@ -225,12 +233,15 @@ impl Store {
     }
 
     /// Purges one batch of at most `batch` expired records and one of at most `batch` tombstones whose
-    /// horizon ended; returns how many went (fewer than `batch`: nothing is left).
+    /// horizon ended (and one of spent quota counters, uncounted); returns how many went (fewer than
+    /// `batch`: nothing is left).
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn purge_expired_batch(&self, batch: u32) -> Result<u64, StoreError> {
-        Ok(self.purge(Purge::Records, batch).await? + self.purge(Purge::Tombstones, batch).await?)
+        let purged = self.purge(Purge::Records, batch).await? + self.purge(Purge::Tombstones, batch).await?;
+        self.purge(Purge::QuotaUsage, batch).await?;
+        Ok(purged)
     }
 
     async fn purge(&self, statement: Purge, batch: u32) -> Result<u64, StoreError> {
@@ -247,10 +258,12 @@ impl Store {
             }
             Purge::QuotaUsage => {
                 let query = sqlx::query(PURGE_QUOTA_USAGE.sql).bind(limit).execute(self.pg_pool());
-                return self.bounded(&PURGE_QUOTA_USAGE, query).await.map(|done| done.rows_affected());
+                self.bounded(&PURGE_QUOTA_USAGE, query).await?.rows_affected()
             }
         };
-        telemetry::purged(purged);
+        if statement.counted() {
+            telemetry::purged(purged);
+        }
         Ok(purged)
     }
 

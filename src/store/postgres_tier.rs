@@ -13,15 +13,26 @@ use crate::policy::{LeaseExpiry, millis};
 use crate::quota::QuotaLimit;
 use crate::record::{Lease, Record, State, StoredResponse};
 
+/// Milliseconds from now until `$moment`, rounded up, never negative.
+macro_rules! millis_until {
+    ($moment:expr) => {
+        concat!("CEIL(GREATEST(0, EXTRACT(EPOCH FROM ", $moment, " - now()) * 1000))::bigint")
+    };
+}
+
 /// The record columns every read returns, with the lease and retention as milliseconds of server time,
 /// so that application clocks never take part in a lease decision.
 macro_rules! record_columns {
     () => {
-        "state, fingerprint, fence, response, tier, on_lease_expiry,
-         CASE WHEN lease_expires_at IS NOT NULL
-              THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM lease_expires_at - now()) * 1000))::bigint END AS lease_ms,
-         CASE WHEN expires_at IS NOT NULL
-              THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms"
+        concat!(
+            "state, fingerprint, fence, response, tier, on_lease_expiry,
+             CASE WHEN lease_expires_at IS NOT NULL THEN ",
+            millis_until!("lease_expires_at"),
+            " END AS lease_ms,
+             CASE WHEN expires_at IS NOT NULL THEN ",
+            millis_until!("expires_at"),
+            " END AS expires_ms"
+        )
     };
 }
 
@@ -62,7 +73,8 @@ macro_rules! in_progress_expiry {
 
 /// The tenant's quota (`$12` new keys per window of `$13` milliseconds, `$14` live keys; NULL for no
 /// limit), as CTEs of the claim: `over_new_keys` and `over_live_keys` hold a row (the limit, and when a
-/// place frees at the latest) when the limit is reached.
+/// place should free if nothing else starts: the estimate falls below the limit, the soonest live lease
+/// ends) when the limit is reached. `now_in_windows` is the time in windows since the epoch.
 ///
 /// New keys are counted in `idempotency_quota_usage`, per window of the epoch and per Postgres backend
 /// (no claim waits for another connection's counter, even inside a long transaction), and estimated over
@@ -72,23 +84,23 @@ macro_rules! in_progress_expiry {
 /// at most `$14` entries.
 macro_rules! quota_ctes {
     () => {
-        "used AS (
-        SELECT at,
-               coalesce(sum(claims) FILTER (WHERE window_index = floor(at)), 0)::float8 AS current,
-               coalesce(sum(claims) FILTER (WHERE window_index = floor(at) - 1), 0)::float8 AS previous
-        FROM (SELECT extract(epoch FROM now()) * 1000 / $13::float8 AS at) AS clock
+        "new_keys_used AS (
+        SELECT now_in_windows,
+               coalesce(sum(claims) FILTER (WHERE window_index = floor(now_in_windows)), 0)::float8 AS current,
+               coalesce(sum(claims) FILTER (WHERE window_index = floor(now_in_windows) - 1), 0)::float8 AS previous
+        FROM (SELECT extract(epoch FROM now()) * 1000 / $13::float8 AS now_in_windows) AS clock
         LEFT JOIN idempotency_quota_usage
                ON tenant = $1 AND operation = $2 AND window_ms = $13::float8::bigint
-              AND window_index IN (floor(at)::bigint - 1, floor(at)::bigint)
+              AND window_index IN (floor(now_in_windows)::bigint - 1, floor(now_in_windows)::bigint)
         WHERE $12::int4 IS NOT NULL
-        GROUP BY at
+        GROUP BY now_in_windows
     ), over_new_keys AS (
         SELECT 'n'::\"char\" AS quota_limit,
                to_timestamp($13::float8 / 1000 * CASE
-                   WHEN current + 1 <= $12::int4 THEN floor(at) + 1 - ($12::int4 - 1 - current) / previous
-                   ELSE floor(at) + 2 - ($12::int4 - 1) / current END) AS frees_at
-        FROM used
-        WHERE previous * (1 - (at - floor(at))) + current + 1 > $12::int4
+                   WHEN current + 1 <= $12::int4 THEN floor(now_in_windows) + 1 - ($12::int4 - 1 - current) / previous
+                   ELSE floor(now_in_windows) + 2 - ($12::int4 - 1) / current END) AS frees_at
+        FROM new_keys_used
+        WHERE previous * (1 - (now_in_windows - floor(now_in_windows))) + current + 1 > $12::int4
     ), over_live_keys AS (
         SELECT 'l'::\"char\" AS quota_limit, min(lease_expires_at) AS frees_at FROM (
             SELECT lease_expires_at FROM idempotency_records
@@ -100,10 +112,74 @@ macro_rules! quota_ctes {
     };
 }
 
-/// Milliseconds from now until `$at`, rounded up, never negative.
-macro_rules! millis_until {
-    ($at:expr) => {
-        concat!("CEIL(GREATEST(0, EXTRACT(EPOCH FROM ", $at, " - now()) * 1000))::bigint")
+/// The claim statement's text, with or without the quota's parts: a policy without a quota sends the
+/// statement without them, which neither reads nor locks anything of the quota's.
+macro_rules! claim_sql {
+    (quota_ctes: $quota_ctes:expr, held_back: $held_back:expr, counted: $counted:expr,
+     prior_quota: $prior_quota:expr, refused: $refused:expr $(,)?) => {
+        concat!(
+            "WITH prior AS (
+            SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
+            FROM idempotency_records
+            WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
+        ), buried AS (",
+            tombstone!(),
+            " AND NOT EXISTS (SELECT 1 FROM prior)
+        ), ",
+            $quota_ctes,
+            "claimed AS (
+            INSERT INTO idempotency_records AS r
+                (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
+                 tier, on_lease_expiry, retention_ms, tombstone_ms)
+            SELECT $1, $2, $3, $4, 'p'::\"char\", nextval('idempotency_fences'), $5,
+                   now() + $6::float8 * interval '1 millisecond',
+                   ",
+            in_progress_expiry!("$7::float8"),
+            ",
+                   $9, CASE WHEN $8 THEN 't' ELSE 'm' END::\"char\", $7::float8::bigint,
+                   $10::float8::bigint
+            WHERE NOT EXISTS (SELECT 1 FROM buried)
+              AND NOT EXISTS (SELECT 1 FROM prior WHERE state IN ('c', 'i')
+                                                     OR (state = 'p' AND (lease_expires_at > now()
+                                                         OR on_lease_expiry = 'm')))",
+            $held_back,
+            "
+            ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
+            SET fingerprint = EXCLUDED.fingerprint, state = 'p',
+                fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
+                owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
+                expires_at = ",
+            in_progress_expiry!(kept_retention!()),
+            ",
+                tier = COALESCE(r.tier, EXCLUDED.tier),
+                on_lease_expiry = COALESCE(r.on_lease_expiry, EXCLUDED.on_lease_expiry),
+                retention_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.retention_ms ELSE r.retention_ms END,
+                tombstone_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.tombstone_ms ELSE r.tombstone_ms END,
+                waited = false, updated_at = now()
+            WHERE (r.state = 'r' AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
+               OR (r.state = 'p' AND r.lease_expires_at <= now()
+                   AND COALESCE(r.on_lease_expiry = 't', $8)
+                   AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
+            RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
+    ",
+            $counted,
+            "
+        )
+        SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, NULL::\"char\" AS quota_limit,
+               NULL::bigint AS quota_retry_ms, ",
+            record_columns!(),
+            " FROM claimed
+        UNION ALL
+        SELECT false, NULL, ",
+            $prior_quota,
+            record_columns!(),
+            " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
+        UNION ALL
+        SELECT false, NULL, NULL, NULL, ",
+            record_columns!(),
+            " FROM buried",
+            $refused
+        )
     };
 }
 
@@ -115,95 +191,54 @@ macro_rules! millis_until {
 /// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
 /// row lock. `prior` also says what was re-acquired (for the takeover metric). A record stored by an
 /// earlier release may hold the payload's version-1 fingerprint (`$11`, NULL when it has none).
-///
-/// The tenant's quota ([`quota_ctes`]) holds back a new record while either limit is reached, and a
-/// re-acquisition while the live-key limit is; a new record is counted (`counted`). The quota is read
-/// only where the claim would write: a key answered from its record costs nothing more. The refusal
-/// comes back as `quota_limit` and `quota_retry_ms`, with `prior`'s record, or with NULL record columns
-/// for a new key.
+/// `quota_limit` and `quota_retry_ms` are NULL ([`CLAIM_UNDER_QUOTA`] fills them).
 const CLAIM: Statement = Statement::new(
     "claim",
-    concat!(
-        "WITH prior AS (
-        SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
-        FROM idempotency_records
-        WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
-    ), buried AS (",
-        tombstone!(),
-        " AND NOT EXISTS (SELECT 1 FROM prior)
-    ), ",
-        quota_ctes!(),
-        "claimed AS (
-        INSERT INTO idempotency_records AS r
-            (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
-             tier, on_lease_expiry, retention_ms, tombstone_ms)
-        SELECT $1, $2, $3, $4, 'p'::\"char\", nextval('idempotency_fences'), $5,
-               now() + $6::float8 * interval '1 millisecond',
-               ",
-        in_progress_expiry!("$7::float8"),
-        ",
-               $9, CASE WHEN $8 THEN 't' ELSE 'm' END::\"char\", $7::float8::bigint,
-               $10::float8::bigint
-        WHERE NOT EXISTS (SELECT 1 FROM buried)
-          AND NOT EXISTS (SELECT 1 FROM prior WHERE state IN ('c', 'i')
-                                                 OR (state = 'p' AND (lease_expires_at > now()
-                                                     OR on_lease_expiry = 'm')))
+    claim_sql!(quota_ctes: "", held_back: "", counted: "", prior_quota: "NULL, NULL, ", refused: ""),
+);
+
+/// [`CLAIM`] under the tenant's quota (`$12`..`$14`, see [`quota_ctes`]): it holds back a new record
+/// while either limit is reached, and a re-acquisition while the live-key limit is; a new record is
+/// counted (`counted`). The quota is read only where the claim would write: a key answered from its
+/// record costs nothing more. A refusal comes back as `quota_limit` and `quota_retry_ms`, with `prior`'s
+/// record, or with NULL record columns for a new key.
+const CLAIM_UNDER_QUOTA: Statement = Statement::new(
+    "claim",
+    claim_sql!(
+        quota_ctes: quota_ctes!(),
+        held_back: "
           AND NOT EXISTS (SELECT 1 FROM over_live_keys)
-          AND (EXISTS (SELECT 1 FROM prior) OR NOT EXISTS (SELECT 1 FROM over_new_keys))
-        ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
-        SET fingerprint = EXCLUDED.fingerprint, state = 'p',
-            fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
-            owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
-            expires_at = ",
-        in_progress_expiry!(kept_retention!()),
-        ",
-            tier = COALESCE(r.tier, EXCLUDED.tier),
-            on_lease_expiry = COALESCE(r.on_lease_expiry, EXCLUDED.on_lease_expiry),
-            retention_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.retention_ms ELSE r.retention_ms END,
-            tombstone_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.tombstone_ms ELSE r.tombstone_ms END,
-            waited = false, updated_at = now()
-        WHERE (r.state = 'r' AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
-           OR (r.state = 'p' AND r.lease_expires_at <= now()
-               AND COALESCE(r.on_lease_expiry = 't', $8)
-               AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
-        RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
-    ), counted AS (
-        INSERT INTO idempotency_quota_usage AS u (tenant, operation, window_ms, window_index, backend, claims, expires_at)
-        SELECT $1, $2, $13::float8::bigint, floor(at)::bigint, pg_backend_pid(), 1,
-               to_timestamp($13::float8 / 1000 * (floor(at) + 2))
-        FROM used WHERE EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
-        ON CONFLICT (tenant, operation, window_ms, window_index, backend) DO UPDATE SET claims = u.claims + 1
-    )
-    SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, NULL::\"char\" AS quota_limit,
-           NULL::bigint AS quota_retry_ms, ",
-        record_columns!(),
-        " FROM claimed
-    UNION ALL
-    SELECT false, NULL,
-           CASE WHEN state = 'r' OR (state = 'p' AND lease_expires_at <= now())
-                THEN (SELECT quota_limit FROM over_live_keys) END,
-           CASE WHEN state = 'r' OR (state = 'p' AND lease_expires_at <= now())
-                THEN (SELECT ",
-        millis_until!("frees_at"),
-        " FROM over_live_keys) END, ",
-        record_columns!(),
-        " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
-    UNION ALL
-    SELECT false, NULL, NULL, NULL, ",
-        record_columns!(),
-        " FROM buried
+          AND (EXISTS (SELECT 1 FROM prior) OR NOT EXISTS (SELECT 1 FROM over_new_keys))",
+        counted: "    ), counted AS (
+        INSERT INTO idempotency_quota_usage AS u
+            (tenant, operation, window_ms, window_index, backend, claims, expires_at)
+        SELECT $1, $2, $13::float8::bigint, floor(now_in_windows)::bigint, pg_backend_pid(), 1,
+               to_timestamp($13::float8 / 1000 * (floor(now_in_windows) + 2))
+        FROM new_keys_used WHERE EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
+        ON CONFLICT (tenant, operation, window_ms, window_index, backend) DO UPDATE SET claims = u.claims + 1",
+        prior_quota: concat!(
+            "CASE WHEN state = 'r' OR (state = 'p' AND lease_expires_at <= now())
+                  THEN (SELECT quota_limit FROM over_live_keys) END,
+             CASE WHEN state = 'r' OR (state = 'p' AND lease_expires_at <= now())
+                  THEN (SELECT ",
+            millis_until!("frees_at"),
+            " FROM over_live_keys) END, "
+        ),
+        refused: concat!(
+            "
     UNION ALL
     SELECT false, NULL, reached.quota_limit, ",
-        millis_until!("reached.frees_at"),
-        ", ",
-        record_columns!(),
-        " FROM (SELECT NULL::\"char\" AS state, NULL::bytea AS fingerprint, NULL::bigint AS fence,
+            millis_until!("reached.frees_at"),
+            ", ",
+            record_columns!(),
+            " FROM (SELECT NULL::\"char\" AS state, NULL::bytea AS fingerprint, NULL::bigint AS fence,
                   NULL::bytea AS response, NULL::text AS tier, NULL::\"char\" AS on_lease_expiry,
                   NULL::timestamptz AS lease_expires_at, NULL::timestamptz AS expires_at) AS nothing,
            (SELECT * FROM over_new_keys UNION ALL SELECT * FROM over_live_keys ORDER BY frees_at DESC LIMIT 1)
                AS reached
     WHERE NOT EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
       AND NOT EXISTS (SELECT 1 FROM buried)"
+        ),
     ),
 );
 
@@ -231,7 +266,8 @@ const LOOKUP: Statement = Statement::new(
 /// caller's, only for records older than stored tiers).
 const COMPLETE: Statement = Statement::new(
     "complete",
-    "
+    concat!(
+        "
     UPDATE idempotency_records
     SET state = 'c', response = $5, owner = NULL, lease_expires_at = NULL,
         expires_at = now() + (CASE WHEN tier IS NULL THEN $6::float8 ELSE retention_ms::float8 END)
@@ -239,8 +275,10 @@ const COMPLETE: Statement = Statement::new(
         updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
       AND state IN ('p', 'i')
-    RETURNING waited, CASE WHEN expires_at IS NOT NULL
-                   THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms",
+    RETURNING waited, CASE WHEN expires_at IS NOT NULL THEN ",
+        millis_until!("expires_at"),
+        " END AS expires_ms"
+    ),
 );
 
 const RELEASE: Statement = Statement::new(
@@ -311,8 +349,8 @@ pub(crate) struct Retained {
 /// What the claim statement answered: the record it found or wrote, or the tenant's quota that held a
 /// write back.
 #[derive(Debug)]
-pub(crate) enum Claimed {
-    Record(Claim),
+pub(crate) enum ClaimAnswer {
+    Claim(Claim),
     OverQuota { limit: QuotaLimit, retry_after: Duration },
 }
 
@@ -362,7 +400,11 @@ impl PostgresTier {
     }
 
     /// The claim on a pooled connection, or on `conn` (inside the caller's transaction) when given.
-    pub(crate) async fn claim(&self, lease: &Lease, conn: Option<&mut PgConnection>) -> Result<Claimed, StoreError> {
+    pub(crate) async fn claim(
+        &self,
+        lease: &Lease,
+        conn: Option<&mut PgConnection>,
+    ) -> Result<ClaimAnswer, StoreError> {
         let mut pooled;
         let conn = match conn {
             Some(conn) => conn,
@@ -372,14 +414,17 @@ impl PostgresTier {
             }
         };
         let policy = &lease.policy;
-        let new_keys = policy.quota.new_key_limit();
+        let quota = &policy.quota;
+        let statement = if quota.is_off() { &CLAIM } else { &CLAIM_UNDER_QUOTA };
+        // Limits fit an int4: `Quota::check` refused larger ones.
+        let limit = |limit: u32| i32::try_from(limit).unwrap_or(i32::MAX);
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
         // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
         // record this claim would have re-acquired). The next attempt sees the winner.
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let claim = sqlx::query(CLAIM.sql)
+            let mut claim = sqlx::query(statement.sql)
                 .bind(lease.scope.tenant())
                 .bind(lease.scope.operation())
                 .bind(lease.key.as_str())
@@ -390,15 +435,18 @@ impl PostgresTier {
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                 .bind(policy.name())
                 .bind(policy.tombstone.map(|t| millis(t) as f64))
-                .bind(lease.fingerprint.legacy_bytes().map(|legacy| &legacy[..]))
-                .bind(new_keys.map(|(limit, _)| i32::try_from(limit).unwrap_or(i32::MAX)))
-                .bind(new_keys.map(|(_, window)| millis(window) as f64))
-                .bind(policy.quota.live_key_limit().map(|limit| i32::try_from(limit).unwrap_or(i32::MAX)))
-                .fetch_optional(&mut *conn);
-            let row = self.bounded(&CLAIM, claim).await?;
+                .bind(lease.fingerprint.legacy_bytes().map(|legacy| &legacy[..]));
+            if !quota.is_off() {
+                let new_keys = quota.new_key_limit();
+                claim = claim
+                    .bind(new_keys.map(|(n, _)| limit(n)))
+                    .bind(new_keys.map(|(_, window)| millis(window) as f64))
+                    .bind(quota.live_key_limit().map(limit));
+            }
+            let row = self.bounded(statement, claim.fetch_optional(&mut *conn)).await?;
             if let Some(row) = row {
-                let claimed = decode_claim(&row, lease).map_err(|e| CLAIM.failed(e))?;
-                if let Claimed::Record(claim) = &claimed
+                let claimed = decode_claim(&row, lease).map_err(|e| statement.failed(e))?;
+                if let ClaimAnswer::Claim(claim) = &claimed
                     && !claim.acquired
                     && attempt < MAX_CLAIM_ATTEMPTS
                     && would_reacquire(&claim.record, lease)
@@ -492,8 +540,9 @@ fn fenced<'q>(
         .bind(lease.fence)
 }
 
-/// Whether the claim would have re-acquired this record as read, and did not: another claim got it
-/// first, after this statement's snapshot, or the tenant's quota held the write back.
+/// Whether the claim would re-acquire this record as read: released, or its lease ran out under
+/// `take_over`, with this payload or past its expiry. For a record the claim did not acquire, another
+/// claim got it first (after this statement's snapshot), or the tenant's quota held the write back.
 fn would_reacquire(record: &Record, lease: &Lease) -> bool {
     let expired = record.expires_in == Some(Duration::ZERO);
     let reusable = expired || record.matches(&lease.fingerprint);
@@ -509,13 +558,16 @@ fn would_reacquire(record: &Record, lease: &Lease) -> bool {
 
 /// The claim statement's row: the record, or the quota that held back a write the claim would have made
 /// (for no record, or for one it would have re-acquired as read).
-fn decode_claim(row: &PgRow, lease: &Lease) -> Result<Claimed, sqlx::Error> {
+fn decode_claim(row: &PgRow, lease: &Lease) -> Result<ClaimAnswer, sqlx::Error> {
     let acquired: bool = row.try_get("acquired")?;
     let over_quota = match row.try_get::<Option<i8>, _>("quota_limit")? {
         Some(code) => {
             let limit = QuotaLimit::from_code(code as u8)
                 .ok_or_else(|| sqlx::Error::Decode(format!("unknown quota limit {code}").into()))?;
-            Some(Claimed::OverQuota { limit, retry_after: millis_column(row, "quota_retry_ms")?.unwrap_or_default() })
+            Some(ClaimAnswer::OverQuota {
+                limit,
+                retry_after: millis_column(row, "quota_retry_ms")?.unwrap_or_default(),
+            })
         }
         None => None,
     };
@@ -529,7 +581,7 @@ fn decode_claim(row: &PgRow, lease: &Lease) -> Result<Claimed, sqlx::Error> {
     }
     let prior: Option<i8> = row.try_get("prior_state")?;
     let took_over = acquired && prior == Some(State::InProgress.code() as i8);
-    Ok(Claimed::Record(Claim { acquired, took_over, record }))
+    Ok(ClaimAnswer::Claim(Claim { acquired, took_over, record }))
 }
 
 /// How often a claim is retried after losing a race, before the last answer stands ("in flight").

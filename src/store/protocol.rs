@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::Store;
 use sqlx::postgres::PgConnection;
 
-use super::postgres_tier::{Claimed, Retained};
+use super::postgres_tier::{ClaimAnswer, Retained};
 use super::redis_tier::{RedisTier, Takeback};
 use super::scripts::RedisBegin;
 use super::wakeup::{self, Watch};
@@ -361,10 +361,10 @@ impl Store {
                 }
             };
             let claim = match self.inner.postgres.claim(&candidate, tx.as_deref_mut()).await {
-                Ok(Claimed::Record(claim)) => claim,
+                Ok(ClaimAnswer::Claim(claim)) => claim,
                 // Nothing runs and nothing is recorded: the marker goes too, so that a retry is not told
                 // "in flight".
-                Ok(Claimed::OverQuota { limit, retry_after }) => {
+                Ok(ClaimAnswer::OverQuota { limit, retry_after }) => {
                     take_back_marker().await;
                     telemetry::quota_refusal(operation, limit);
                     return Ok(Begin::QuotaExceeded { limit, retry_after });
