@@ -38,6 +38,10 @@ struct NodeLine {
     slots: Vec<(u16, u16)>,
 }
 
+/// A little longer than Redis's own limit on a manual failover (`CLUSTER_MF_TIMEOUT`, 5 s), after which
+/// it gives the failover up.
+const MANUAL_FAILOVER_TIMEOUT: Duration = Duration::from_secs(6);
+
 impl RedisCluster {
     /// Starts six nodes, joins them into a cluster and waits until every node reports
     /// `cluster_state:ok`.
@@ -141,9 +145,21 @@ impl RedisCluster {
             .into_iter()
             .find(|port| replicated_master(*port).is_ok_and(|master| master == Some(master_port)))
             .ok_or_else(|| failed("failing over", format!("master {master_port} has no replica")))?;
+        // OK comes before the switch: wait for the replica to say it is master. A coordinated failover
+        // that does not finish within Redis's manual-failover timeout (5 s: the replica did not catch up
+        // with its paused master, as on a busy machine) is dropped without a word: ask again.
         query::<()>(replica, redis::cmd("CLUSTER").arg("FAILOVER"))?;
-        // OK comes before the switch: wait for the replica to say it is master.
-        self.wait_for("the replica to take over", || Ok(role(replica)? == "master"))?;
+        let mut asked = Instant::now();
+        self.wait_for("the replica to take over", || {
+            if role(replica)? == "master" {
+                return Ok(true);
+            }
+            if asked.elapsed() > MANUAL_FAILOVER_TIMEOUT {
+                query::<()>(replica, redis::cmd("CLUSTER").arg("FAILOVER"))?;
+                asked = Instant::now();
+            }
+            Ok(false)
+        })?;
         self.wait_until_ok()?;
         self.wait_for("every node to see the new master", || {
             Ok(self.live_ports(None).into_iter().all(|port| {
