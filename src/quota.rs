@@ -1,27 +1,4 @@
-//! Per-tenant quotas: how many keys one tenant may start under a policy, so that one tenant cannot fill
-//! the store (or hold every worker) for everyone else.
-//!
-//! Both limits are enforced in Postgres, inside the claim statement that would start a key: no extra
-//! round trip in either mode, nothing in Redis (so the same limit holds in Postgres-only mode, with
-//! Redis down, and on a Redis Cluster without a counter slot). Only a claim that would execute is
-//! counted or refused; replays, duplicates in flight and mismatches are answered as before, from Redis
-//! or Postgres. A refused claim writes nothing.
-//!
-//! - **New keys** are counted in `idempotency_quota_usage`, one row per tenant, operation, window of the
-//!   epoch and Postgres connection, and estimated over a sliding window (the previous window's count,
-//!   weighted by how much of it the sliding window still covers, plus the current one's). Reading it
-//!   costs a row per connection that counted in the last two windows, whatever the limit; no claim
-//!   waits for another connection's counter. Changing a policy's window starts its counts afresh.
-//! - **Live keys** are counted from the tenant's in-progress records, at most `limit` index entries.
-//!
-//! Counts are read in the claim's snapshot, so claims of one tenant that run at the same instant do not
-//! see each other: a burst of `k` concurrent claims can pass a limit by at most `k - 1`, and claims made
-//! inside applications' open transactions (`run_once_in_tx`, `Inbox::receive_in_tx`) are not seen
-//! until those commit (a new key counts from then on; a live key never shows, as it commits completed).
-//! A duplicate of a key whose claim has not committed yet may be told [`crate::Begin::QuotaExceeded`]
-//! rather than "in flight". Under `SERIALIZABLE`, concurrent claims of one tenant under a quota read
-//! what the other writes, and one may fail with a serialization error (retry it). Sequential claims
-//! outside transactions are held to the limits; a quota is abuse control, not billing.
+//! Per-tenant quotas ([`Quota`]): how many keys one tenant may start under a policy.
 
 use std::time::Duration;
 
@@ -31,8 +8,31 @@ use crate::error::ConfigError;
 /// retention question, not a rate.
 pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(366 * 86_400);
 
-/// Limits on the keys one tenant may start under a policy (per operation). Off by default; set with
+/// Limits on the keys one tenant may start under a policy (per operation), so that one tenant cannot
+/// fill the store (or hold every worker) for everyone else. Off by default; set with
 /// [`crate::PolicyBuilder::quota`] or in the policy file (`new_keys = "1000/1m"`, `live_keys = 50`).
+///
+/// Both limits are enforced in Postgres, inside the claim statement that would start a key: no extra
+/// round trip in either mode, nothing in Redis (so the same limit holds in Postgres-only mode, with
+/// Redis down, and on a Redis Cluster without a counter slot). Only a claim that would execute is
+/// counted or refused; replays, duplicates in flight and mismatches are answered as before, from Redis
+/// or Postgres. A refused claim leaves nothing behind.
+///
+/// - **New keys** are counted in `idempotency_quota_usage`, one row per tenant, operation, window of the
+///   epoch and Postgres connection, and estimated over a sliding window (the previous window's count,
+///   weighted by how much of it the sliding window still covers, plus the current one's). Reading it
+///   costs a row per connection that counted in the last two windows, whatever the limit; no claim
+///   waits for another connection's counter. Changing a policy's window starts its counts afresh.
+/// - **Live keys** are counted from the tenant's in-progress records, at most `limit` index entries.
+///
+/// Counts are read in the claim's snapshot, so claims of one tenant that run at the same instant do not
+/// see each other: a burst of `k` concurrent claims can pass a limit by at most `k - 1`, and claims made
+/// inside applications' open transactions (`run_once_in_tx`, `Inbox::receive_in_tx`) are not seen
+/// until those commit (a new key counts from then on; a live key never shows, as it commits completed).
+/// A duplicate of a key whose claim has not committed yet may be told [`crate::Begin::QuotaExceeded`]
+/// rather than "in flight". Under `SERIALIZABLE`, concurrent claims of one tenant under a quota read
+/// what the other writes, and one may fail with a serialization error (retry it). Sequential claims
+/// outside transactions are held to the limits; a quota is abuse control, not billing.
 ///
 /// ```
 /// use std::time::Duration;
@@ -51,8 +51,8 @@ pub struct Quota {
 
 impl Quota {
     /// About `limit` new keys started by one tenant per `window`, estimated over a sliding window from
-    /// two fixed ones (see the module docs: a burst straddling two windows can start somewhat more, an
-    /// uneven previous window somewhat less). A key started again after a release or a takeover is not
+    /// two fixed ones (see [`Quota`]: a burst straddling two windows can start somewhat more, an uneven
+    /// previous window somewhat less). A key started again after a release or a takeover is not
     /// new.
     pub fn new_keys(mut self, limit: u32, window: Duration) -> Self {
         self.new_keys = Some((limit, window));
