@@ -4,12 +4,14 @@
 --                        "none": no key header
 --   HTTP_BENCH_PREFIX    the keys' prefix (one per cell, so cells never share keys)
 --   HTTP_BENCH_EXPECT    the status every answer should have; others are counted as unexpected
+--   HTTP_BENCH_COOKIE    optional: a Cookie header to send (a session, for peers/)
 -- Prints one JSON line at the end: requests, unexpected answers, socket errors, latency percentiles (us).
 
 local path = os.getenv("HTTP_BENCH_PATH")
 local keys = os.getenv("HTTP_BENCH_KEYS")
 local prefix = os.getenv("HTTP_BENCH_PREFIX")
 local expect = tonumber(os.getenv("HTTP_BENCH_EXPECT"))
+local cookie = os.getenv("HTTP_BENCH_COOKIE")
 local body = '{"amount":1250,"currency":"eur","customer":"cus_bench","description":"benchmark charge"}'
 
 local threads = {}
@@ -29,6 +31,9 @@ end
 function request()
   sent = sent + 1
   local headers = { ["Content-Type"] = "application/json", ["Authorization"] = "Bearer bench" }
+  if cookie then
+    headers["Cookie"] = cookie
+  end
   if keys == "unique" then
     headers["Idempotency-Key"] = prefix .. "-" .. tid .. "-" .. sent
   elseif keys ~= "none" then

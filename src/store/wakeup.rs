@@ -82,7 +82,8 @@ impl Drop for Watch {
 
 /// Where settlements come from.
 enum Source {
-    Redis { client: redis::Client, channel: String },
+    // Boxed: with TLS features that another crate in the build may turn on, a client is large.
+    Redis { client: Box<redis::Client>, channel: String },
     Postgres(PgPool),
 }
 
@@ -106,7 +107,7 @@ impl Feed {
             let (open, waiters) = (self.open.clone(), Arc::downgrade(waiters));
             AbortOnDrop(match &self.source {
                 Source::Redis { client, channel } => {
-                    tokio::spawn(follow_redis(client.clone(), channel.clone(), open, waiters))
+                    tokio::spawn(follow_redis(redis::Client::clone(client), channel.clone(), open, waiters))
                 }
                 Source::Postgres(pool) => tokio::spawn(follow_postgres(pool.clone(), open, waiters)),
             })
@@ -136,7 +137,7 @@ impl Wakeups {
     pub(crate) fn new(redis: Option<(redis::Client, String)>, pool: PgPool) -> Self {
         Self {
             waiters: Arc::default(),
-            redis: redis.map(|(client, channel)| Feed::new(Source::Redis { client, channel })),
+            redis: redis.map(|(client, channel)| Feed::new(Source::Redis { client: Box::new(client), channel })),
             postgres: Feed::new(Source::Postgres(pool)),
         }
     }

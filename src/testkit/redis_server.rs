@@ -2,6 +2,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -10,13 +11,15 @@ use tempfile::TempDir;
 
 use super::{TestkitError, io, on_free_port, run};
 
-/// A `redis-server` child process without persistence, bound to 127.0.0.1. Its controls take `&self`,
-/// so a fault can be injected while a workload shares the handle.
+/// A `redis-server` child process (or another Redis-compatible server) bound to 127.0.0.1, without
+/// persistence unless its extra arguments ask for it. Its controls take `&self`, so a fault can be
+/// injected while a workload shares the handle.
 #[derive(Debug)]
 pub struct RedisServer {
     child: Mutex<Option<Child>>,
     port: u16,
     dir: TempDir,
+    program: PathBuf,
     extra_args: Vec<String>,
 }
 
@@ -35,12 +38,22 @@ impl RedisServer {
     /// As [`RedisServer::start`].
     pub fn start_with(extra_args: &[&str]) -> Result<Self, TestkitError> {
         ensure_installed()?;
+        Self::start_program("redis-server", extra_args)
+    }
+
+    /// Starts another build of a Redis-compatible server, such as a newer Redis or Valkey than
+    /// Debian ships, with extra arguments. Nothing is installed.
+    ///
+    /// # Errors
+    /// [`TestkitError`] if `program` cannot be started or does not come up.
+    pub fn start_program(program: impl Into<PathBuf>, extra_args: &[&str]) -> Result<Self, TestkitError> {
         let dir =
             tempfile::Builder::new().prefix("idemstore-redis-").tempdir().map_err(io("creating a Redis directory"))?;
         let mut server = Self {
             child: Mutex::new(None),
             port: 0,
             dir,
+            program: program.into(),
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
         };
         on_free_port(|port| {
@@ -77,6 +90,21 @@ impl RedisServer {
         self.spawn()
     }
 
+    /// Kills the server, deletes everything it wrote to disk (its append-only file, if it was started
+    /// with one) and starts it again: an empty server even where a plain restart would reload its data.
+    ///
+    /// # Errors
+    /// As [`RedisServer::start`], or if its directory cannot be emptied.
+    pub fn restart_empty(&self) -> Result<(), TestkitError> {
+        self.kill();
+        for entry in std::fs::read_dir(self.dir.path()).map_err(io("emptying the Redis directory"))? {
+            let path = entry.map_err(io("emptying the Redis directory"))?.path();
+            let removed = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+            removed.map_err(io("emptying the Redis directory"))?;
+        }
+        self.spawn()
+    }
+
     /// Stops the process with SIGSTOP: connections stay open and nothing answers.
     ///
     /// # Errors
@@ -104,7 +132,7 @@ impl RedisServer {
 
     fn spawn(&self) -> Result<(), TestkitError> {
         let port = self.port.to_string();
-        let child = Command::new("redis-server")
+        let child = Command::new(&self.program)
             .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(self.dir.path())
@@ -112,7 +140,7 @@ impl RedisServer {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(io("starting redis-server"))?;
+            .map_err(io("starting a Redis server"))?;
         *self.lock() = Some(child);
         wait_for_pong(self.port).inspect_err(|_| self.kill())
     }
