@@ -16,10 +16,10 @@ mod footprint;
 mod report;
 #[path = "../common/spread.rs"]
 mod spread;
+#[path = "../common/wrk.rs"]
+mod wrk;
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::Command;
 
 use axum::Router;
 use axum::extract::State;
@@ -32,6 +32,7 @@ use idemstore::http::IdempotencyLayer;
 use idemstore::testkit::{PostgresServer, RedisServer};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use wrk::{Keys, Load, Summary};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -122,18 +123,6 @@ pub struct Cell {
     p999_us: u64,
 }
 
-/// What wrk's script prints at the end of a run.
-#[derive(serde::Deserialize)]
-struct WrkSummary {
-    requests: u64,
-    duration_us: u64,
-    unexpected: u64,
-    socket_errors: u64,
-    p50_us: u64,
-    p99_us: u64,
-    p999_us: u64,
-}
-
 const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS http_bench_charges (
     id BIGSERIAL PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL, customer TEXT NOT NULL)";
 const REPLAY_KEYS: usize = 256;
@@ -198,21 +187,15 @@ async fn serve(app: Router) -> std::io::Result<SocketAddr> {
     Ok(address)
 }
 
-/// What a cell sends and expects.
-struct Request<'a> {
-    path: &'a str,
-    keys: String,
-    expect: u16,
-}
-
-fn request_of(workload: Workload, subject: Subject) -> Option<Request<'static>> {
+/// What a cell sends: its route, its keys and the status it expects.
+fn request_of(workload: Workload, subject: Subject) -> Option<(&'static str, Keys, u16)> {
     Some(match (workload, subject) {
-        (Workload::New, Subject::Bare) => Request { path: "/charges", keys: "none".into(), expect: 201 },
-        (Workload::New, _) => Request { path: "/charges", keys: "unique".into(), expect: 201 },
-        (Workload::Replay, Subject::Bare) => Request { path: "/static", keys: "none".into(), expect: 201 },
-        (Workload::Replay, _) => Request { path: "/charges", keys: REPLAY_KEYS.to_string(), expect: 201 },
+        (Workload::New, Subject::Bare) => ("/charges", Keys::None, 201),
+        (Workload::New, _) => ("/charges", Keys::Unique, 201),
+        (Workload::Replay, Subject::Bare) => ("/static", Keys::None, 201),
+        (Workload::Replay, _) => ("/charges", Keys::Cycle(REPLAY_KEYS), 201),
         (Workload::Inflight, Subject::Bare) => return None,
-        (Workload::Inflight, _) => Request { path: "/charges", keys: HELD_KEYS.to_string(), expect: 409 },
+        (Workload::Inflight, _) => ("/charges", Keys::Cycle(HELD_KEYS), 409),
     })
 }
 
@@ -260,22 +243,10 @@ async fn prepare(
     }
 }
 
-fn wrk(plan: &Plan, address: SocketAddr, request: &Request, concurrency: usize, prefix: &str) -> WrkSummary {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/http/wrk.lua");
-    let output = Command::new("wrk")
-        .args(["-t2", &format!("-c{concurrency}"), &format!("-d{}s", plan.seconds), "-s"])
-        .arg(&script)
-        .arg(format!("http://{address}"))
-        .env("HTTP_BENCH_PATH", request.path)
-        .env("HTTP_BENCH_KEYS", &request.keys)
-        .env("HTTP_BENCH_PREFIX", prefix)
-        .env("HTTP_BENCH_EXPECT", request.expect.to_string())
-        .output()
-        .expect("wrk runs (apt install wrk)");
-    assert!(output.status.success(), "wrk failed: {}", String::from_utf8_lossy(&output.stderr));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).unwrap_or_else(|error| panic!("wrk printed {stdout:?}: {error}"))
+fn wrk(plan: &Plan, address: SocketAddr, request: (&str, Keys, u16), concurrency: usize, prefix: &str) -> Summary {
+    let (path, keys, expect) = request;
+    let load = Load { path, keys, prefix, expect, cookie: None };
+    wrk::run(address, &load, concurrency, plan.seconds).unwrap_or_else(|error| panic!("{error}"))
 }
 
 #[tokio::main]
@@ -302,7 +273,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let warm_up = Plan { seconds: 1, ..plan.clone() };
     for &(subject, address) in &subjects {
         if let Some(request) = request_of(Workload::New, subject) {
-            wrk(&warm_up, address, &request, plan.concurrency.iter().copied().max().unwrap_or(16), "warm");
+            wrk(&warm_up, address, request, plan.concurrency.iter().copied().max().unwrap_or(16), "warm");
         }
     }
 
@@ -319,7 +290,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let Some(request) = request_of(workload, subject) else { continue };
                     let prefix = format!("r{run_id}-{round}-{concurrency}-{workload:?}-{subject:?}");
                     let held = prepare(address, workload, &prefix).await?;
-                    let summary = wrk(&plan, address, &request, concurrency, &prefix);
+                    let summary = wrk(&plan, address, request, concurrency, &prefix);
                     held.iter().for_each(|request| request.abort());
                     cells.push(Cell {
                         workload,
@@ -329,7 +300,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                         requests: summary.requests,
                         unexpected: summary.unexpected,
                         socket_errors: summary.socket_errors,
-                        throughput: summary.requests as f64 / (summary.duration_us as f64 / 1e6),
+                        throughput: summary.throughput(),
                         p50_us: summary.p50_us,
                         p99_us: summary.p99_us,
                         p999_us: summary.p999_us,

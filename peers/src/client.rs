@@ -4,14 +4,17 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::Error;
 use crate::subjects::Subject;
-
-pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// The body every charge request sends unless a scenario changes it: the one `benches/http/wrk.lua`
 /// sends, so that keys prepared here are replayed there.
 pub const BODY: &str = r#"{"amount":1250,"currency":"eur","customer":"cus_bench","description":"benchmark charge"}"#;
 
+/// How long a client waits for an answer.
+pub const TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Clone)]
 pub struct Client {
     http: reqwest::Client,
     base: String,
@@ -30,7 +33,7 @@ pub struct Answer {
 impl Client {
     /// A client of `subject`'s app at `address` for `tenant`, logged in where the subject needs a session.
     pub async fn new(address: SocketAddr, subject: Subject, tenant: &str) -> Result<Self, Error> {
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
+        let http = reqwest::Client::builder().timeout(TIMEOUT).build()?;
         let mut client = Client { http, base: format!("http://{address}"), tenant: tenant.to_owned(), cookie: None };
         if subject.needs_session() {
             client.cookie = Some(client.login().await?);
@@ -55,19 +58,25 @@ impl Client {
         self.cookie.as_deref()
     }
 
+    /// The same tenant and session, sending to another process serving the same subject.
+    pub fn pointed_at(&self, address: SocketAddr) -> Self {
+        Client { base: format!("http://{address}"), ..self.clone() }
+    }
+
     /// Waits until the app answers a fresh key with 201 (at most 5 s): each scenario starts from a subject
     /// that has got over the previous scenario's faults, so that its first request is no casualty of them.
     pub async fn ready(&self, key: &str) -> Result<(), Error> {
         let deadline = Instant::now() + Duration::from_secs(5);
-        for attempt in 0.. {
+        let mut attempt = 0;
+        loop {
             let answer = self.charge(&format!("{key}-{attempt}"), BODY, &[]).await;
             match answer.status {
                 Some(201) => return Ok(()),
                 _ if Instant::now() > deadline => return Err(format!("not ready: {answer:?}").into()),
                 _ => tokio::time::sleep(Duration::from_millis(100)).await,
             }
+            attempt += 1;
         }
-        unreachable!("the loop returns")
     }
 
     /// POSTs a charge with `key` and `body`, and `extra` headers.
@@ -86,17 +95,10 @@ impl Client {
             request = request.header(*name, *value);
         }
         let started = Instant::now();
-        let answer = match request.send().await {
-            Ok(response) => {
-                let status = response.status().as_u16();
-                Answer {
-                    status: Some(status),
-                    body: response.text().await.unwrap_or_default(),
-                    elapsed: Duration::ZERO,
-                }
-            }
-            Err(_) => Answer { status: None, body: String::new(), elapsed: Duration::ZERO },
+        let (status, body) = match request.send().await {
+            Ok(response) => (Some(response.status().as_u16()), response.text().await.unwrap_or_default()),
+            Err(_) => (None, String::new()),
         };
-        Answer { elapsed: started.elapsed(), ..answer }
+        Answer { status, body, elapsed: started.elapsed() }
     }
 }

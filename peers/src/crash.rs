@@ -10,18 +10,20 @@ use std::process::Stdio;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-use crate::client::{BODY, Client, Error};
+use crate::Error;
+use crate::client::{BODY, Client};
 use crate::subjects::{self, CRASH_POINT, Subject};
 
 /// What the child prints once a request has reached the handler.
 const AT_CRASH_POINT: &str = "at the crash point";
 
-/// Sends `key` to a child serving `subject`, and kills the child once the request is in the handler.
+/// Sends `key` from `client` (its tenant and session) to a child serving `subject`, and kills the child
+/// once the request is in the handler.
 pub async fn kill_owner_mid_request(
+    client: &Client,
     subject: Subject,
     postgres_url: &str,
     redis_url: &str,
-    tenant: &str,
     key: &str,
 ) -> Result<(), Error> {
     let subject_arg = clap::ValueEnum::to_possible_value(&subject).ok_or("a subject has a name")?;
@@ -32,7 +34,7 @@ pub async fn kill_owner_mid_request(
         .spawn()?;
     let mut lines = BufReader::new(child.stdout.take().ok_or("the child's stdout")?).lines();
     let address: SocketAddr = lines.next_line().await?.ok_or("the child printed no address")?.parse()?;
-    let client = Client::new(address, subject, tenant).await?;
+    let client = client.pointed_at(address);
     let key = key.to_owned();
     let request = tokio::spawn(async move { client.charge(&key, BODY, &[("x-crash", "1")]).await });
     if lines.next_line().await?.as_deref() != Some(AT_CRASH_POINT) {

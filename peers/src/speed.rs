@@ -1,12 +1,12 @@
-//! Speed: every subject under `wrk` (its own process, the same Lua script as `benches/http`), replays
+//! Speed: every subject under `wrk` (its own process, the driver and script of `benches/http`), replays
 //! and new keys, at each concurrency, subjects interleaved within a round (A..E, then E..A).
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::Command;
 
-use crate::client::{BODY, Client, Error};
+use crate::Error;
+use crate::client::{BODY, Client};
 use crate::subjects::{App, Subject};
+use crate::wrk::{self, Keys, Load, Summary};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -30,16 +30,9 @@ pub struct Cell {
     /// Answers with another status than 201, plus socket errors (0 in a sound run).
     pub unexpected: u64,
     pub throughput: f64,
+    pub p50_us: u64,
     pub p99_us: u64,
-}
-
-#[derive(serde::Deserialize)]
-struct WrkSummary {
-    requests: u64,
-    duration_us: u64,
-    unexpected: u64,
-    socket_errors: u64,
-    p99_us: u64,
+    pub p999_us: u64,
 }
 
 /// What a timed run does.
@@ -58,7 +51,9 @@ pub async fn run(plan: &Plan, apps: &[App], run: &str) -> Result<Vec<Cell>, Erro
     // Warm-up, not recorded: connections opened and statements prepared everywhere.
     for (app, client) in apps.iter().zip(&clients) {
         let max = plan.concurrency.iter().copied().max().unwrap_or(16);
-        wrk(1, app.address, route(Workload::New, app.subject), max, &format!("{run}-warm"), client.cookie())?;
+        let (path, keys) = load_of(Workload::New, app.subject);
+        let load = Load { path, keys, prefix: &format!("{run}-warm"), expect: 201, cookie: client.cookie() };
+        wrk(app.address, &load, max, 1)?;
     }
     let mut cells = Vec::new();
     for round in 0..plan.rounds {
@@ -70,8 +65,8 @@ pub async fn run(plan: &Plan, apps: &[App], run: &str) -> Result<Vec<Cell>, Erro
                 }
                 for (app, client) in order {
                     let prefix = format!("{run}-{round}-{concurrency}-{workload:?}-{:?}", app.subject);
-                    let route = route(workload, app.subject);
-                    if route.keys != "none" && workload == Workload::Replay {
+                    let (path, keys) = load_of(workload, app.subject);
+                    if let Keys::Cycle(_) = keys {
                         for key in 0..REPLAY_KEYS {
                             let answer = client.charge(&format!("{prefix}-{key}"), BODY, &[]).await;
                             if answer.status != Some(201) {
@@ -79,7 +74,8 @@ pub async fn run(plan: &Plan, apps: &[App], run: &str) -> Result<Vec<Cell>, Erro
                             }
                         }
                     }
-                    let summary = wrk(plan.seconds, app.address, route, concurrency, &prefix, client.cookie())?;
+                    let load = Load { path, keys, prefix: &prefix, expect: 201, cookie: client.cookie() };
+                    let summary = wrk(app.address, &load, concurrency, plan.seconds)?;
                     cells.push(Cell {
                         workload,
                         subject: app.subject,
@@ -87,8 +83,10 @@ pub async fn run(plan: &Plan, apps: &[App], run: &str) -> Result<Vec<Cell>, Erro
                         round,
                         requests: summary.requests,
                         unexpected: summary.unexpected + summary.socket_errors,
-                        throughput: summary.requests as f64 / (summary.duration_us as f64 / 1e6),
+                        throughput: summary.throughput(),
+                        p50_us: summary.p50_us,
                         p99_us: summary.p99_us,
+                        p999_us: summary.p999_us,
                     });
                 }
             }
@@ -99,49 +97,18 @@ pub async fn run(plan: &Plan, apps: &[App], run: &str) -> Result<Vec<Cell>, Erro
 }
 
 /// Where a cell sends its requests and with which keys.
-#[derive(Clone, Copy)]
-struct Route {
-    path: &'static str,
-    keys: &'static str,
-}
-
-fn route(workload: Workload, subject: Subject) -> Route {
+fn load_of(workload: Workload, subject: Subject) -> (&'static str, Keys) {
     match (workload, subject) {
         // The handler without any key: the cost of the work itself.
-        (Workload::New, Subject::NoLayer) => Route { path: "/charges", keys: "none" },
-        (Workload::New, _) => Route { path: "/charges", keys: "unique" },
+        (Workload::New, Subject::NoLayer) => ("/charges", Keys::None),
+        (Workload::New, _) => ("/charges", Keys::Unique),
         // The same bytes as a replay, from a route that does nothing: what a replay costs at best.
-        (Workload::Replay, Subject::NoLayer) => Route { path: "/static", keys: "none" },
-        (Workload::Replay, _) => Route { path: "/charges", keys: "256" },
+        (Workload::Replay, Subject::NoLayer) => ("/static", Keys::None),
+        (Workload::Replay, _) => ("/charges", Keys::Cycle(REPLAY_KEYS)),
     }
 }
 
-fn wrk(
-    seconds: u32,
-    address: SocketAddr,
-    route: Route,
-    concurrency: usize,
-    prefix: &str,
-    cookie: Option<&str>,
-) -> Result<WrkSummary, Error> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/http/wrk.lua");
-    let mut command = Command::new("wrk");
-    command
-        .args(["-t2", &format!("-c{concurrency}"), &format!("-d{seconds}s"), "-s"])
-        .arg(&script)
-        .arg(format!("http://{address}"))
-        .env("HTTP_BENCH_PATH", route.path)
-        .env("HTTP_BENCH_KEYS", route.keys)
-        .env("HTTP_BENCH_PREFIX", prefix)
-        .env("HTTP_BENCH_EXPECT", "201");
-    if let Some(cookie) = cookie {
-        command.env("HTTP_BENCH_COOKIE", cookie);
-    }
-    let output = command.output().map_err(|error| format!("running wrk (apt install wrk): {error}"))?;
-    if !output.status.success() {
-        return Err(format!("wrk failed: {}", String::from_utf8_lossy(&output.stderr)).into());
-    }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).map_err(|error| format!("wrk printed {stdout:?}: {error}").into())
+/// One wrk run, off the runtime's workers: the apps under test keep both.
+fn wrk(address: SocketAddr, load: &Load, concurrency: usize, seconds: u32) -> Result<Summary, Error> {
+    Ok(tokio::task::block_in_place(|| wrk::run(address, load, concurrency, seconds))?)
 }

@@ -24,6 +24,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tower_cookies::CookieManagerLayer;
 
+use crate::Error;
 use crate::idempotent_layer::{self, IdempotentStore};
 
 /// A library under comparison, or none.
@@ -64,8 +65,14 @@ impl Subject {
 
 /// How long every library keeps a completed answer.
 pub const RETENTION: Duration = Duration::from_secs(24 * 3600);
-/// idemstore's in-progress lease (the peers have no separate one: see docs/peers.md).
+/// How long a claim holds a key for its owner: idemstore's lease, idempotent's in-progress TTL.
+/// axum-idempotent takes no claim. Short, so that the owner-crash scenario can wait it out.
 pub const LEASE: Duration = Duration::from_secs(2);
+
+/// ruts's Redis store over a fred pool (the store's default client type).
+type SessionStore = RedisStore<fred::clients::Pool>;
+/// Connections in each Redis pool: deadpool-redis's default on this 2-core machine (4 per core).
+const REDIS_CONNECTIONS: usize = 8;
 
 pub const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS peer_charges (
     id BIGSERIAL PRIMARY KEY, subject TEXT NOT NULL, tenant TEXT NOT NULL, idempotency_key TEXT,
@@ -148,27 +155,37 @@ async fn static_charge() -> Response {
 }
 
 /// The tenant is the bearer token (a stand-in for an authenticated principal).
-fn tenant_of(headers: &HeaderMap) -> Option<String> {
+pub fn tenant_of(headers: &HeaderMap) -> Option<String> {
     let value = headers.get("authorization")?.to_str().ok()?;
     Some(value.strip_prefix("Bearer ")?.to_owned())
 }
 
-/// Counts the requests inside the app. Outermost, so that it sees every request whole.
+/// Counts the requests inside the app, whether they end with an answer or are cancelled (hyper drops a
+/// request whose client went away). Outermost, so that it sees every request whole.
 async fn count_in_flight(State(inflight): State<Arc<InFlight>>, request: Request, next: Next) -> Response {
-    inflight.count.fetch_add(1, Ordering::SeqCst);
-    let response = next.run(request).await;
-    if inflight.count.fetch_sub(1, Ordering::SeqCst) == 1 {
-        inflight.idle.notify_waiters();
+    let _inside = Inside::enter(inflight);
+    next.run(request).await
+}
+
+struct Inside(Arc<InFlight>);
+
+impl Inside {
+    fn enter(inflight: Arc<InFlight>) -> Self {
+        inflight.count.fetch_add(1, Ordering::SeqCst);
+        Inside(inflight)
     }
-    response
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 /// Builds and serves the app of `subject` on a free loopback port.
-pub async fn start(
-    subject: Subject,
-    pg: &PgPool,
-    redis_url: &str,
-) -> Result<App, Box<dyn std::error::Error + Send + Sync>> {
+pub async fn start(subject: Subject, pg: &PgPool, redis_url: &str) -> Result<App, Error> {
     let handler = Handler { pg: pg.clone(), subject };
     let charges = post(create_charge);
     let router = match subject {
@@ -187,26 +204,32 @@ pub async fn start(
             Router::new().route("/charges", charges.route_layer(layer))
         }
         Subject::AxumIdempotent => {
-            // ruts's README: a fred client, connected, behind `RedisStore`. Plus a reconnect policy,
-            // without which the client never comes back after a Redis restart (docs/peers.md).
-            let client =
-                fred::clients::Client::new(Config::from_url(redis_url)?, None, None, Some(ReconnectPolicy::default()));
-            client.init().await?;
-            let store = Arc::new(RedisStore::new(Arc::new(client)).await?);
+            // ruts's README: fred, connected, behind `RedisStore`; here its default client type, a pool
+            // of as many connections as idemstore's, and a reconnect policy, without which fred never
+            // comes back after a Redis restart (docs/peers.md).
+            let policy = Some(ReconnectPolicy::default());
+            let pool = fred::clients::Pool::new(Config::from_url(redis_url)?, None, None, policy, REDIS_CONNECTIONS)?;
+            pool.init().await?;
+            let store = Arc::new(SessionStore::new(Arc::new(pool)).await?);
             // axum-idempotent's README: the client's `Idempotency-Key` header, required.
             let options = IdempotentOptions::default()
                 .use_idempotency_key_header(Some("Idempotency-Key"), true)
                 .expire_after(RETENTION.as_secs() as i64);
-            // Plain HTTP on loopback, so the cookie cannot be `Secure`.
-            let cookie = CookieOptions::build().name("session").http_only(true).path("/").max_age(RETENTION.as_secs());
+            // Plain HTTP on loopback: not `Secure` (the clients send the cookie themselves either way).
+            let cookie = CookieOptions::build()
+                .name("session")
+                .http_only(true)
+                .secure(false)
+                .path("/")
+                .max_age(RETENTION.as_secs());
             Router::new()
-                .route("/charges", charges.layer(IdempotentLayer::<RedisStore<fred::clients::Client>>::new(options)))
+                .route("/charges", charges.layer(IdempotentLayer::<SessionStore>::new(options)))
                 .route("/login", post(login))
                 .layer(SessionLayer::new(store).with_cookie_options(cookie))
                 .layer(CookieManagerLayer::new())
         }
         Subject::Idempotent => {
-            let store = IdempotentStore::connect(redis_url, RETENTION).await?;
+            let store = IdempotentStore::connect(redis_url, LEASE, RETENTION).await?;
             Router::new().route(
                 "/charges",
                 charges.route_layer(middleware::from_fn_with_state(Arc::new(store), idempotent_layer::middleware)),
@@ -226,9 +249,11 @@ pub async fn start(
 
 /// Opens a session for the bearer's tenant: axum-idempotent caches answers only inside a session that
 /// the application already established (its README), so every client logs in first.
-async fn login(session: Session<RedisStore<fred::clients::Client>>, headers: HeaderMap) -> Response {
+async fn login(session: Session<SessionStore>, headers: HeaderMap) -> Response {
     let tenant = tenant_of(&headers).unwrap_or_default();
-    let ttl = Ttl::new(RETENTION.as_secs() as i64).expect("a valid TTL");
+    let Ok(ttl) = Ttl::new(RETENTION.as_secs() as i64) else {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "RETENTION is no session TTL").into_response();
+    };
     match session.set("tenant", &tenant, ttl, None).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
