@@ -68,10 +68,13 @@ pub fn run(address: SocketAddr, load: &Load, concurrency: usize, seconds: u32) -
         .env("HTTP_BENCH_KEYS", keys)
         .env("HTTP_BENCH_PREFIX", load.prefix)
         .env("HTTP_BENCH_EXPECT", load.expect.to_string());
-    if let Some(cookie) = load.cookie {
-        command.env("HTTP_BENCH_COOKIE", cookie);
-    }
-    let output = command.output().map_err(|error| format!("running wrk (apt install wrk): {error}"))?;
+    match load.cookie {
+        Some(cookie) => command.env("HTTP_BENCH_COOKIE", cookie),
+        None => command.env_remove("HTTP_BENCH_COOKIE"),
+    };
+    let output = command.output().map_err(|error| format!("running wrk (apt install wrk): {error}"));
+    let _ = std::fs::remove_file(&script);
+    let output = output?;
     if !output.status.success() {
         return Err(format!("wrk failed: {}", String::from_utf8_lossy(&output.stderr)));
     }

@@ -14,6 +14,8 @@ use crate::subjects::{App, LEASE, Subject};
 
 /// How long a scenario waits for requests its client gave up on to end on the server.
 const SETTLE: Duration = Duration::from_secs(30);
+/// A little over idemstore's default Redis cool-down.
+const REDIS_COOLDOWN: Duration = Duration::from_millis(1100);
 
 /// One scenario's result for one subject.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -40,8 +42,6 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    /// In this order: a subject meets the pause first among Redis faults, as a fresh outage (a store
-    /// may skip a Redis it saw fail moments ago).
     pub const ALL: [Scenario; 8] = [
         Scenario::Concurrent,
         Scenario::OtherPayload,
@@ -52,6 +52,10 @@ impl Scenario {
         Scenario::OwnerCrash,
         Scenario::Tenants,
     ];
+
+    fn breaks_redis(self) -> bool {
+        matches!(self, Scenario::PausedRetry | Scenario::PausedNewKey | Scenario::Flushall | Scenario::RestartedEmpty)
+    }
 
     pub fn title(self) -> &'static str {
         match self {
@@ -80,6 +84,11 @@ impl Bench<'_> {
         let key = format!("{}-{:?}-{:?}", self.run, scenario, app.subject);
         let client = Client::new(app.address, app.subject, "tenant-a").await?;
         client.ready(&format!("{key}-ready")).await?;
+        if scenario.breaks_redis() {
+            // idemstore skips a Redis it saw fail for a cool-down (1 s by default): let any earlier
+            // fault's pass, so that every subject meets this one as a fresh outage. Nothing signals it.
+            tokio::time::sleep(REDIS_COOLDOWN).await;
+        }
         let answer = match scenario {
             Scenario::Concurrent => {
                 let requests = (0..50).map(|_| client.charge(&key, BODY, &[("x-delay-ms", "200")]));
@@ -102,24 +111,26 @@ impl Bench<'_> {
                     redis::cmd("FLUSHALL").query_async::<()>(&mut redis).await?;
                     describe(&first, &client.charge(&key, BODY, &[]).await, "new answer")
                 } else {
-                    tokio::task::block_in_place(|| self.redis.restart_empty())?;
+                    self.redis.restart_empty()?;
                     // A client may lose its first command to the restart (a dropped connection) and
                     // reconnect after it: the second retry shows what the lost data means.
                     let retry = client.charge(&key, BODY, &[]).await;
                     let second = client.charge(&key, BODY, &[]).await;
+                    // The second retry against the last answer the client got: a replay of a re-run is one.
+                    let last = if retry.status.is_some_and(|s| (200..300).contains(&s)) { &retry } else { &first };
                     format!(
                         "{}, then {}",
                         describe(&first, &retry, "new answer"),
-                        describe(&first, &second, "new answer")
+                        describe(last, &second, "new answer")
                     )
                 }
             }
             Scenario::PausedRetry | Scenario::PausedNewKey => {
                 let first =
                     if scenario == Scenario::PausedRetry { Some(client.charge(&key, BODY, &[]).await) } else { None };
-                tokio::task::block_in_place(|| self.redis.pause())?;
+                self.redis.pause()?;
                 let answer = client.charge(&key, BODY, &[]).await;
-                tokio::task::block_in_place(|| self.redis.resume())?;
+                self.redis.resume()?;
                 // A request the client gave up on may still be in the server: count what it did.
                 let settled = tokio::time::timeout(SETTLE, app.inflight.wait_idle()).await.is_ok();
                 let what = match &first {
@@ -130,7 +141,10 @@ impl Bench<'_> {
                     true => String::new(),
                     false => format!("; still in the server {} s after Redis resumed", SETTLE.as_secs()),
                 };
-                format!("{what} in {} ms{unsettled}", answer.elapsed.as_millis())
+                match answer.status {
+                    Some(_) => format!("{what} in {} ms{unsettled}", answer.elapsed.as_millis()),
+                    None => format!("{what}{unsettled}"),
+                }
             }
             Scenario::OwnerCrash => {
                 crash::kill_owner_mid_request(&client, app.subject, &self.postgres_url, &self.redis.url(), &key)

@@ -108,7 +108,8 @@ fn load_of(workload: Workload, subject: Subject) -> (&'static str, Keys) {
     }
 }
 
-/// One wrk run, off the runtime's workers: the apps under test keep both.
+/// One wrk run. It blocks the thread of `main`'s future, which is not one of the runtime's workers: the
+/// apps under test keep both.
 fn wrk(address: SocketAddr, load: &Load, concurrency: usize, seconds: u32) -> Result<Summary, Error> {
-    Ok(tokio::task::block_in_place(|| wrk::run(address, load, concurrency, seconds))?)
+    Ok(wrk::run(address, load, concurrency, seconds)?)
 }

@@ -69,10 +69,8 @@ pub const RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// axum-idempotent takes no claim. Short, so that the owner-crash scenario can wait it out.
 pub const LEASE: Duration = Duration::from_secs(2);
 
-/// ruts's Redis store over a fred pool (the store's default client type).
-type SessionStore = RedisStore<fred::clients::Pool>;
-/// Connections in each Redis pool: deadpool-redis's default on this 2-core machine (4 per core).
-const REDIS_CONNECTIONS: usize = 8;
+/// ruts's Redis store over one fred client, as its README builds it.
+type SessionStore = RedisStore<fred::clients::Client>;
 
 pub const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS peer_charges (
     id BIGSERIAL PRIMARY KEY, subject TEXT NOT NULL, tenant TEXT NOT NULL, idempotency_key TEXT,
@@ -204,13 +202,13 @@ pub async fn start(subject: Subject, pg: &PgPool, redis_url: &str) -> Result<App
             Router::new().route("/charges", charges.route_layer(layer))
         }
         Subject::AxumIdempotent => {
-            // ruts's README: fred, connected, behind `RedisStore`; here its default client type, a pool
-            // of as many connections as idemstore's, and a reconnect policy, without which fred never
-            // comes back after a Redis restart (docs/peers.md).
+            // ruts's README: a fred client, connected, behind `RedisStore` (one multiplexed connection,
+            // as idemstore and idempotent use), plus a reconnect policy, without which fred never comes
+            // back after a Redis restart (docs/peers.md).
             let policy = Some(ReconnectPolicy::default());
-            let pool = fred::clients::Pool::new(Config::from_url(redis_url)?, None, None, policy, REDIS_CONNECTIONS)?;
-            pool.init().await?;
-            let store = Arc::new(SessionStore::new(Arc::new(pool)).await?);
+            let client = fred::clients::Client::new(Config::from_url(redis_url)?, None, None, policy);
+            client.init().await?;
+            let store = Arc::new(SessionStore::new(Arc::new(client)).await?);
             // axum-idempotent's README: the client's `Idempotency-Key` header, required.
             let options = IdempotentOptions::default()
                 .use_idempotency_key_header(Some("Idempotency-Key"), true)
