@@ -236,7 +236,8 @@ impl PolicyBuilder {
     }
 
     /// Checks the policy: durations of at least a millisecond, a lease shorter than either tier keeps a
-    /// result, Redis never promising a result longer than Postgres keeps it, and quota limits of at least 1.
+    /// result, Redis never promising a result longer than Postgres keeps it, and quota limits from 1 to
+    /// 2^31 - 1 over windows from a millisecond to 366 days.
     ///
     /// # Errors
     /// [`ConfigError`] saying which rule was broken.
