@@ -255,8 +255,16 @@ pub enum StoreError {
     /// The input was refused; nothing was read or written.
     #[error(transparent)]
     Input(#[from] InputError),
-    /// Postgres, the source of truth, could not be reached or failed. The store fails closed:
-    /// no work was started by the call that returned this.
+    /// Postgres, the source of truth, could not be reached or failed. The store fails closed.
+    ///
+    /// From a claim ([`Store::begin`](crate::Store::begin), the start of `run_once`): nothing ran. From
+    /// a settlement ([`Owner::complete`](crate::Owner::complete), `run_once` after the work, `step` is
+    /// `"complete"`): **the work ran**, and its result could not be stored although the owner retried
+    /// while its lease lasted; the record stays in progress until the lease runs out, then the policy's
+    /// [`LeaseExpiry`](crate::LeaseExpiry) rule decides (a takeover runs the work again, or the record
+    /// goes indeterminate). From a transactional completion (`run_once_in_tx`, the HTTP layer's
+    /// transactional path): nothing was committed, or the commit's outcome is unknown; a retry replays
+    /// what was committed or runs once.
     #[error("the idempotency store is unavailable: Postgres failed during {step}")]
     StoreUnavailable {
         /// The protocol step that failed (`"claim"`, `"complete"`, ...).

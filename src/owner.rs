@@ -4,8 +4,9 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
@@ -13,7 +14,7 @@ use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::Heartbeat;
 use crate::policy::{LeaseExpiry, Policy};
-use crate::record::Lease;
+use crate::record::{Lease, State};
 use crate::store::COMMIT;
 use crate::store::Store;
 
@@ -35,11 +36,17 @@ pub struct Owner {
     settled: bool,
     /// Cleared when the owner goes, however it goes: a [`KeepAlive`] outliving it stops extending.
     alive: Arc<AtomicBool>,
+    /// When the lease ends at the latest, as this owner last set it (claim or extension): a settlement
+    /// that Postgres refuses for a while is retried until shortly before then.
+    lease_ends: Arc<Mutex<tokio::time::Instant>>,
 }
 
 impl Owner {
     pub(crate) fn new(store: Store, lease: Lease, heartbeat: Heartbeat, in_tx: bool) -> Self {
-        Self { store, lease, heartbeat, in_tx, settled: false, alive: Arc::new(AtomicBool::new(true)) }
+        // Set by the claim that just returned, so it ends no later than a lease from now.
+        let lease_ends = Arc::new(Mutex::new(tokio::time::Instant::now() + lease.policy.lease()));
+        let alive = Arc::new(AtomicBool::new(true));
+        Self { store, lease, heartbeat, in_tx, settled: false, alive, lease_ends }
     }
 
     /// The scope of the owned key.
@@ -81,6 +88,7 @@ impl Owner {
     /// such as a response body that streams after the handler returned.
     pub fn keep_alive(&self) -> KeepAlive {
         let (store, lease, alive) = (self.store.clone(), self.lease.clone(), Arc::clone(&self.alive));
+        let lease_ends = Arc::clone(&self.lease_ends);
         KeepAlive(tokio::spawn(async move {
             let period = lease.policy.lease() / 3;
             let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
@@ -89,8 +97,9 @@ impl Owner {
                 if !alive.load(Ordering::Acquire) {
                     return;
                 }
+                let asked = tokio::time::Instant::now();
                 match store.extend(&lease).await {
-                    Ok(()) => {}
+                    Ok(()) => set_lease_end(&lease_ends, asked + lease.policy.lease()),
                     Err(StoreError::LeaseLost { .. }) => return,
                     Err(error) => tracing::warn!(%error, "lease heartbeat failed; retrying at the next tick"),
                 }
@@ -109,16 +118,23 @@ impl Owner {
 
     /// Stores `response` as the key's result, replayed to every retry with the same payload.
     ///
+    /// If Postgres is unavailable (a restart, a failover, a cut connection), the write is retried with
+    /// backoff while the lease lasts, and the lease is kept alive meanwhile: a blip of Postgres costs
+    /// the caller latency, not a second execution by a takeover.
+    ///
     /// # Errors
     /// [`StoreError::LeaseLost`] if another owner took the key over (the response is not stored);
-    /// [`StoreError::StoreUnavailable`] if Postgres failed (the lease runs out, then the rule applies).
+    /// [`StoreError::StoreUnavailable`] if Postgres stayed unavailable until shortly before the lease
+    /// ends (the work ran; when the lease runs out, the rule applies).
     pub async fn complete(mut self, response: &[u8]) -> Result<(), StoreError> {
         self.settled = true;
         let sealed = self.store.sealed(&self.lease, response);
-        self.store.complete(&self.lease, &sealed).await
+        let _alive = self.keep_alive();
+        self.until_landed(State::Completed, || self.store.complete(&self.lease, &sealed)).await
     }
 
-    /// Gives the key up after a failure that a retry may repair: the next request executes.
+    /// Gives the key up after a failure that a retry may repair: the next request executes. Retried
+    /// while the lease lasts, as [`Owner::complete`] is.
     ///
     /// # Errors
     /// As [`Owner::complete`].
@@ -129,7 +145,42 @@ impl Owner {
             self.store.release_marker(&self.lease).await;
             return Ok(());
         }
-        self.store.release(&self.lease).await
+        let _alive = self.keep_alive();
+        self.until_landed(State::Released, || self.store.release(&self.lease)).await
+    }
+
+    /// Runs a settling write until it lands, fails for good, or the lease is about to end (the last
+    /// tenth of it, at least a Postgres timeout, is left for the write in flight).
+    ///
+    /// A write whose answer was lost may have landed: a retry then finds the record already in the
+    /// state it asked for under this owner's fence, which is its own write (every takeover raises the
+    /// fence), not a lost lease.
+    async fn until_landed<'a, F, Fut>(&'a self, goal: State, settle: F) -> Result<(), StoreError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<(), StoreError>> + 'a,
+    {
+        let mut backoff = Duration::from_millis(50);
+        let mut retried = false;
+        loop {
+            let error = match settle().await {
+                Err(error) if error.is_transient() => error,
+                Err(StoreError::LeaseLost { .. }) if retried && self.landed_before(goal).await => return Ok(()),
+                settled => return settled,
+            };
+            retried = true;
+            let lease = self.lease.policy.lease();
+            let margin = (lease / 10).max(self.store.postgres_timeout());
+            let lease_ends = *self.lease_ends.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let next = tokio::time::Instant::now() + backoff;
+            if next + margin >= lease_ends {
+                return Err(error);
+            }
+            tracing::warn!(%error, fence = self.lease.fence, "could not settle the key; retrying while the lease lasts");
+            crate::telemetry::settlement_retry(self.lease.scope.operation());
+            tokio::time::sleep_until(next).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
     }
 
     /// Leaves the key to its lease, as a crashed process would: when the lease runs out, the record's
@@ -197,6 +248,20 @@ impl fmt::Debug for Owner {
             .field("fence", &self.lease.fence)
             .finish_non_exhaustive()
     }
+}
+
+impl Owner {
+    /// Whether the record is in `goal` under this owner's fence: an earlier attempt landed.
+    async fn landed_before(&self, goal: State) -> bool {
+        let record = self.store.lookup_stored(&self.lease.scope, &self.lease.key).await;
+        matches!(record, Ok(Some(record)) if record.fence == self.lease.fence && record.state == goal)
+    }
+}
+
+/// Moves the lease's end later (never earlier: an extension that answered late says less).
+fn set_lease_end(lease_ends: &Mutex<tokio::time::Instant>, ends: tokio::time::Instant) {
+    let mut current = lease_ends.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    *current = (*current).max(ends);
 }
 
 /// Extends an owner's lease until dropped ([`Owner::keep_alive`]).

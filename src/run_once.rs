@@ -15,7 +15,7 @@ use crate::key::{IdempotencyKey, Scope};
 use crate::options::RunOptions;
 use crate::owner::Owner;
 use crate::record::Begin;
-use crate::store::{BEGIN, COMMIT, Store};
+use crate::store::{COMMIT, Store};
 
 /// What [`Store::run_once`] did.
 #[derive(Debug, PartialEq, Eq)]
@@ -281,7 +281,7 @@ impl Store {
         T: Serialize + DeserializeOwned,
         F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
     {
-        let mut tx = self.bounded(&BEGIN, self.pg_pool().begin()).await?;
+        let mut tx = self.begin_transaction().await?;
         let answer = self.begin_in(scope, key, fingerprint, options, &mut tx).await?;
         let owner = match claimed(answer, options, scope, key).await? {
             Claimed::Owner(owner) => owner,

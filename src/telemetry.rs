@@ -23,6 +23,10 @@ pub const OUTCOMES: &str = "idemstore_outcomes_total";
 /// (complete, release, extend) and `reason` (lease_lost: another owner took the key over; error:
 /// Postgres failed).
 pub const SETTLE_FAILURES: &str = "idemstore_settle_failures_total";
+/// An owner's completion or release that Postgres refused for a while (a restart, a failover), asked
+/// again while the lease lasts; label `operation`. Each one is a settlement that would otherwise have
+/// been left to the lease's rule.
+pub const SETTLE_RETRIES: &str = "idemstore_settle_retries_total";
 /// Wake-ups of a claim that waits for an in-flight duplicate (`RunOptions::wait_in_flight`); labels
 /// `operation` and `by`: notification (the owner settled), timer (the lease or wait ran out, or the
 /// periodic re-check that covers a lost notification). The wait's answer is one outcome, however many
@@ -96,6 +100,7 @@ pub fn describe() {
     describe_counter!(QUOTA_REFUSALS, "Claims refused by a tenant's quota, by limit.");
     describe_counter!(LEASE_TAKEOVERS, "Keys re-acquired after their owner's lease ran out.");
     describe_counter!(SETTLE_FAILURES, "Owner writes (complete, release, extend) that did not land, by reason.");
+    describe_counter!(SETTLE_RETRIES, "Owner completions and releases asked again while Postgres was unavailable.");
     describe_counter!(WAIT_WAKEUPS, "Wake-ups of claims waiting for an in-flight duplicate, by cause.");
     describe_counter!(POSTGRES_STATEMENTS, "Statements sent to Postgres, by statement.");
     describe_counter!(REDIS_CALLS, "Scripts run on Redis, by script.");
@@ -147,6 +152,7 @@ impl Registered {
                 metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
             }
             metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);
+            metrics::counter!(SETTLE_RETRIES, "operation" => operation.to_owned()).increment(0);
             for limit in [QuotaLimit::NewKeys, QuotaLimit::LiveKeys] {
                 quota_refusal_counter(operation, limit).increment(0);
             }
@@ -270,6 +276,10 @@ pub(crate) fn replay_refused(operation: &str) {
 
 pub(crate) fn reconciliation(operation: &str) {
     metrics::counter!(RECONCILIATIONS, "operation" => operation.to_owned()).increment(1);
+}
+
+pub(crate) fn settlement_retry(operation: &str) {
+    metrics::counter!(SETTLE_RETRIES, "operation" => operation.to_owned()).increment(1);
 }
 
 pub(crate) fn lease_takeover(operation: &str) {

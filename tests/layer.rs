@@ -1,8 +1,10 @@
-//! The layer as a plain tower middleware (no axum): trailers, a request cancelled while the response body
+//! The layer as a plain tower middleware: the transactional path (`transactional.rs`), trailers, a request cancelled while the response body
 //! is read, and an inner service that fails. Real Redis and Postgres, both modes.
 
 #[macro_use]
 mod support;
+#[path = "layer/transactional.rs"]
+mod transactional;
 
 use std::convert::Infallible;
 use std::pin::Pin;

@@ -23,6 +23,8 @@ suite!(
     query_parameters_in_another_order_are_the_same_request,
     a_multipart_body_with_another_boundary_is_the_same_request,
     a_compressed_body_is_compared_decoded,
+    stacked_encodings_are_refused_before_any_is_decoded,
+    a_multipart_body_of_too_many_parts_is_refused,
 );
 
 type Handler = BoxCloneService<Request<Full<Bytes>>, Response<idemstore::http::ResponseBody<Full<Bytes>>>, Infallible>;
@@ -134,3 +136,80 @@ async fn a_compressed_body_is_compared_decoded(mode: Mode) {
     assert_eq!(too_large, (StatusCode::PAYLOAD_TOO_LARGE, problem_types::BODY_TOO_LARGE.to_owned()));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A body gzipped 40 times over, each layer listed in `Content-Encoding` (the shape of a nested bomb:
+/// each layer may inflate to the body limit): 415 before anything is decoded or run (before: every layer
+/// was undone on the async worker, and the request ran). Two encodings are still undone.
+async fn stacked_encodings_are_refused_before_any_is_decoded(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (service, runs) = charges(&h, QueryComparison::default());
+    let json = br#"{"amount":5,"currency":"EUR"}"#.to_vec();
+    let stacked = (0..40).fold(json.clone(), |body, _| gzip(&body));
+    let encodings = vec!["gzip"; 40].join(", ");
+    let headers = [("content-type", "application/json"), ("content-encoding", encodings.as_str())];
+    let refused = answer(&service, post("/charges", "s-1", &headers, stacked)).await;
+    assert_eq!(refused, (StatusCode::UNSUPPORTED_MEDIA_TYPE, problem_types::UNSUPPORTED_ENCODING.to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+
+    let twice = [("content-type", "application/json"), ("content-encoding", "gzip, gzip")];
+    let decoded = answer(&service, post("/charges", "s-2", &twice, gzip(&gzip(&json)))).await;
+    assert_eq!(decoded, (StatusCode::CREATED, "charged".to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A multipart body of 5,000 empty parts (each a parse, a sort and a copy): 413 before anything runs
+/// (before: every part was compared, and the request ran).
+async fn a_multipart_body_of_too_many_parts_is_refused(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (service, runs) = charges(&h, QueryComparison::default());
+    let part = "--b\r\nContent-Disposition: form-data; name=\"p\"\r\n\r\n\r\n";
+    let body = format!("{}--b--\r\n", part.repeat(5_000)).into_bytes();
+    let headers = [("content-type", "multipart/form-data; boundary=b")];
+    let refused = answer(&service, post("/charges", "p-1", &headers, body)).await;
+    assert_eq!(refused.0, StatusCode::PAYLOAD_TOO_LARGE, "{refused:?}");
+    assert_eq!(refused.1, problem_types::BODY_TOO_LARGE);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// A large compressed body is decoded off the async worker: on a runtime of one worker, a request to
+/// another route is answered while the layer is still inflating a 4 MiB body (before: the worker was
+/// busy inflating it, and the large request was answered before anything else ran).
+#[tokio::test(flavor = "current_thread")]
+async fn a_large_body_is_decoded_off_the_async_worker() {
+    let h = Harness::start(Mode::PostgresOnly).await;
+    let limit = 4 << 20;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let handler = tower::service_fn(move |_: Request<RequestBody<BoxedBody>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok")))))
+    });
+    let tenant = |_: &http::request::Parts| Some("acme".to_owned());
+    let layer =
+        IdempotencyLayer::new(h.store.clone(), tenant).with_operation(h.operation.clone()).with_max_request_body(limit);
+    let service = layer.layer(handler);
+
+    // The large body tells the test when the layer has read it: from then on, the layer fingerprints it.
+    let (read, was_read) = tokio::sync::oneshot::channel();
+    let bomb = Bytes::from(gzip(&vec![b' '; limit + 1]));
+    let frame = futures::stream::once(async move {
+        let _ = read.send(());
+        Ok::<_, Infallible>(http_body::Frame::data(bomb))
+    });
+    let body = http_body_util::StreamBody::new(frame).boxed_unsync();
+    let large = Request::post("/charges").header("idempotency-key", "big-1").header("content-encoding", "gzip");
+    let large = tokio::spawn(service.clone().oneshot(large.body(body).expect("request")));
+    was_read.await.expect("the layer reads the body");
+
+    // One worker: this runs only once the large request has given the worker back.
+    let health = Request::get("/healthz").body(Full::new(Bytes::new()).map_err(|never| match never {}).boxed_unsync());
+    let health = service.clone().oneshot(health.expect("request")).await.expect("infallible");
+    assert_eq!(health.status(), StatusCode::OK);
+    assert!(!large.is_finished(), "the large body was decoded on the worker, before the health check");
+
+    let large = large.await.expect("no panic").expect("infallible");
+    assert_eq!(large.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "only the health check ran");
+}
+
+type BoxedBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;

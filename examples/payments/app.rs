@@ -1,7 +1,9 @@
 //! The payments demo's HTTP application, shared by `main.rs` and the end-to-end tests.
 //!
 //! Demo-grade authentication: the tenant is the bearer token itself (`Authorization: Bearer acme`).
-//! `POST /payments` records the charge and its receipt e-mail (an outbox row) in one transaction;
+//! `POST /payments` records the charge and its receipt e-mail (an outbox row) in the claim's own
+//! transaction (the layer's transactional path): the charge, the receipt, the claim and the stored 201
+//! commit together, so no restart or crash charges a key twice or answers 201 without its charge.
 //! [`send_receipts`] relays the receipts to the "mail provider" (the `receipts` table).
 //! `POST /webhooks/{provider}` is an inbox for signed deliveries: providers whose name starts with `stripe`
 //! sign the Stripe way (`Stripe-Signature`), others the Standard Webhooks way (`webhook-id`,
@@ -20,7 +22,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idemstore::http::IdempotencyLayer;
+use idemstore::http::{ClaimTx, IdempotencyLayer};
 use idemstore::{Drained, Message, Received, RunError, SignatureScheme, Store, StoreError, WebhookVerifier};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
@@ -60,7 +62,8 @@ pub async fn migrate(store: &Store) -> Result<(), Box<dyn std::error::Error>> {
 pub fn router(app: App) -> Router {
     let idempotency =
         IdempotencyLayer::new(app.store.clone(), |parts: &axum::http::request::Parts| bearer_tenant(&parts.headers))
-            .with_key_required();
+            .with_key_required()
+            .with_claim_transaction();
     Router::new()
         .route("/payments", post(create_payment).route_layer(idempotency))
         .route("/payments/{id}", get(show_payment))
@@ -93,7 +96,12 @@ struct Charge {
 
 const CHARGE_COLUMNS: &str = "id, amount, currency, customer, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS created_at";
 
-async fn create_payment(State(app): State<App>, headers: HeaderMap, Json(payment): Json<NewPayment>) -> Response {
+async fn create_payment(
+    State(app): State<App>,
+    headers: HeaderMap,
+    mut tx: ClaimTx,
+    Json(payment): Json<NewPayment>,
+) -> Response {
     let Some(tenant) = bearer_tenant(&headers) else { return error(StatusCode::UNAUTHORIZED, "missing bearer token") };
     if let Some(delay) = headers.get("x-demo-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok()) {
         tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -107,7 +115,7 @@ async fn create_payment(State(app): State<App>, headers: HeaderMap, Json(payment
     if payment.amount <= 0 || !valid_currency || payment.customer.is_empty() {
         return error(StatusCode::BAD_REQUEST, "amount must be positive, currency an ISO code, customer set");
     }
-    match record_charge(&app.store, &tenant, &payment).await {
+    match record_charge(&app.store, &mut tx, &tenant, &payment).await {
         Ok(charge) => {
             let location = format!("/payments/{}", charge.id);
             (StatusCode::CREATED, [(header::LOCATION, location)], Json(charge)).into_response()
@@ -116,10 +124,14 @@ async fn create_payment(State(app): State<App>, headers: HeaderMap, Json(payment
     }
 }
 
-/// The charge and its receipt, committed together: no charge without a receipt, no receipt for a
-/// charge that rolled back.
-async fn record_charge(store: &Store, tenant: &str, payment: &NewPayment) -> Result<Charge, Box<dyn Error>> {
-    let mut tx = store.pg_pool().begin().await?;
+/// The charge and its receipt, written in the claim's transaction: the layer commits them with the
+/// stored response, so there is no charge without a receipt and no receipt for a charge that rolled back.
+async fn record_charge(
+    store: &Store,
+    tx: &mut ClaimTx,
+    tenant: &str,
+    payment: &NewPayment,
+) -> Result<Charge, Box<dyn Error>> {
     let insert = format!(
         "INSERT INTO charges (tenant, amount, currency, customer) VALUES ($1, $2, $3, $4) RETURNING {CHARGE_COLUMNS}"
     );
@@ -128,11 +140,10 @@ async fn record_charge(store: &Store, tenant: &str, payment: &NewPayment) -> Res
         .bind(payment.amount)
         .bind(&payment.currency)
         .bind(&payment.customer)
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut **tx)
         .await?;
     let receipt = Receipt { charge: charge.id, customer: charge.customer.clone(), amount: charge.amount };
-    store.outbox().enqueue(&mut tx, RECEIPTS, &receipt).await?;
-    tx.commit().await?;
+    store.outbox().enqueue(tx, RECEIPTS, &receipt).await?;
     Ok(charge)
 }
 

@@ -132,6 +132,11 @@ pub(crate) fn too_large(limit: usize) -> Response<Boxed> {
     Problem::new(StatusCode::PAYLOAD_TOO_LARGE, types::BODY_TOO_LARGE, "Request body too large", detail).into_response()
 }
 
+pub(crate) fn too_many_parts(limit: usize) -> Response<Boxed> {
+    let detail = format!("the multipart body has more than {limit} parts");
+    Problem::new(StatusCode::PAYLOAD_TOO_LARGE, types::BODY_TOO_LARGE, "Request body too large", detail).into_response()
+}
+
 pub(crate) fn unsupported_encoding(detail: String) -> Response<Boxed> {
     let (status, title) = (StatusCode::UNSUPPORTED_MEDIA_TYPE, "Unsupported Content-Encoding");
     Problem::new(status, types::UNSUPPORTED_ENCODING, title, detail).into_response()
@@ -158,6 +163,26 @@ pub(crate) fn unreadable() -> Response<Boxed> {
 }
 
 /// The handler's body failed before the record could be settled with it.
+/// The transactional path could not commit, or does not know whether its commit landed: the handler's
+/// answer is not sent (its effects may not exist). A retry replays what was committed, or runs once.
+pub(crate) fn not_committed() -> Response<Boxed> {
+    let detail = "the idempotency store could not confirm the commit; retry with the same key";
+    Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
+        .retry_after(Duration::from_secs(1))
+        .into_response()
+}
+
+/// The transactional path rolled the handler's writes back (the handler outlived its lease, its body
+/// failed, or it kept the transaction): nothing of it stands, and a retry runs it again.
+pub(crate) fn rolled_back(status: StatusCode, detail: &str, retry_after: Option<Duration>) -> Response<Boxed> {
+    let problem = Problem::new(status, types::RESPONSE_FAILED, "Rolled back", detail);
+    match retry_after {
+        Some(retry_after) => problem.retry_after(retry_after),
+        None => problem,
+    }
+    .into_response()
+}
+
 pub(crate) fn response_failed() -> Response<Boxed> {
     let detail = "the handler ran, and its response body failed; a retry is told it cannot be replayed";
     Problem::new(StatusCode::INTERNAL_SERVER_ERROR, types::RESPONSE_FAILED, "Response failed", detail).into_response()

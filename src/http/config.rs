@@ -96,6 +96,8 @@ pub(crate) struct Config<T> {
     pub(crate) replayed_headers: Vec<HeaderName>,
     pub(crate) query: QueryComparison,
     pub(crate) replay_check: Option<Arc<ReplayCheck>>,
+    /// Claim, handler writes and completion in one transaction ([`super::transaction`]).
+    pub(crate) in_claim_transaction: bool,
 }
 
 impl<T> Config<T> {
@@ -136,6 +138,7 @@ impl<T> Clone for Config<T> {
             replayed_headers: self.replayed_headers.clone(),
             query: self.query,
             replay_check: self.replay_check.clone(),
+            in_claim_transaction: self.in_claim_transaction,
         }
     }
 }

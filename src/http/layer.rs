@@ -71,6 +71,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
                 replayed_headers: DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
                 query: QueryComparison::default(),
                 replay_check: None,
+                in_claim_transaction: false,
             },
         }
     }
@@ -177,6 +178,50 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
         Fut: Future<Output = bool> + Send + 'static,
     {
         self.config.replay_check = Some(Arc::new(move |parts, scope| Box::pin(check(parts, scope))));
+        self
+    }
+
+    /// Runs the handler inside the claim's Postgres transaction: the claim, the handler's own writes
+    /// (through [`ClaimTx`](super::ClaimTx), or the [`ClaimTransaction`](super::ClaimTransaction)
+    /// extension outside axum) and the stored response commit together, once, before the client is
+    /// answered. A crash, a Postgres restart or a failed commit at any point leaves all of it or none of
+    /// it, so a retry replays the stored answer or executes once: never twice, never a success without
+    /// its effect. A new key costs one commit instead of three.
+    ///
+    /// Use it when the handler's effects live in the store's database (the order, the charge, the ledger
+    /// entry, an outbox row). Effects elsewhere (another API, an e-mail) are not undone by a rollback:
+    /// for those, keep the default path, pass [`Owner::derive_key`](crate::Owner::derive_key)-style keys
+    /// downstream, or write an outbox row in the transaction and send from it.
+    ///
+    /// What changes: the handler is bounded by the policy's lease (past it: rollback, 503); a released
+    /// status (5xx, 401, 429...) rolls the handler's writes back too; a duplicate waits on the claim's row
+    /// lock in Postgres (at most the lock timeout) or meets the Redis marker, then gets 409 in flight
+    /// ([`with_wait_in_flight`](Self::with_wait_in_flight) does not apply); the handler's statements run on
+    /// the store's connection, under its statement timeout. The transaction holds a pool connection and
+    /// the key's row lock while the handler runs: size the pool for the handlers in flight.
+    ///
+    /// ```no_run
+    /// use axum::{Router, routing::post};
+    /// use idemstore::http::{ClaimTx, IdempotencyLayer};
+    ///
+    /// async fn pay(mut tx: ClaimTx, body: String) -> (http::StatusCode, String) {
+    ///     let id: i64 = sqlx::query_scalar("INSERT INTO charges (body) VALUES ($1) RETURNING id")
+    ///         .bind(body)
+    ///         .fetch_one(&mut *tx)
+    ///         .await
+    ///         .expect("a charge");
+    ///     (http::StatusCode::CREATED, format!("charge {id}"))
+    /// }
+    ///
+    /// # fn app(store: idemstore::Store) -> Router {
+    /// let tenant = |_: &http::request::Parts| Some("acme".to_owned());
+    /// Router::new()
+    ///     .route("/payments", post(pay))
+    ///     .route_layer(IdempotencyLayer::new(store, tenant).with_claim_transaction())
+    /// # }
+    /// ```
+    pub fn with_claim_transaction(mut self) -> Self {
+        self.config.in_claim_transaction = true;
         self
     }
 

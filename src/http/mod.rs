@@ -52,6 +52,7 @@ mod layer;
 mod problem;
 mod request_fingerprint;
 mod service;
+mod transaction;
 
 pub use capture::stored_response;
 pub use config::{KeyRequirement, MismatchStatus, StoredStatuses};
@@ -62,6 +63,7 @@ pub use layer::IdempotencyLayer;
 pub use problem::problem_types;
 pub use request_fingerprint::QueryComparison;
 pub use service::{IdempotencyService, RequestBody, ResponseBody, UnsyncBoxBody};
+pub use transaction::{ClaimTransaction, ClaimTx};
 
 /// Finds the tenant of a request, typically from the authenticated principal that an earlier layer put
 /// in the request's extensions. `None` answers 401 and runs nothing.

@@ -6,8 +6,9 @@
 use std::future::Future;
 use std::io::Read;
 
+use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, header};
+use http::{HeaderMap, Method, Uri, header};
 
 use crate::error::InputError;
 use crate::fingerprint::{Fingerprint, FingerprintOptions};
@@ -25,13 +26,30 @@ pub enum QueryComparison {
     Exact,
 }
 
+/// How many `Content-Encoding`s (other than `identity`) the layer undoes. Clients send one; each one
+/// may inflate up to the body limit, so a stack of them multiplies the work one request can ask for. A
+/// request that lists more is refused (415) before anything is decoded, so the decoded bytes of one
+/// request never exceed this many times the body limit.
+pub(crate) const MAX_ENCODINGS: usize = 2;
+
+/// How many multipart parts the layer compares (413 past it): every part costs a parse, a sort of its
+/// headers and a copy, so a body of many tiny parts is far more work than its size suggests.
+pub(crate) const MAX_PARTS: usize = 1_000;
+
+/// Bodies from this size on, and every compressed body, are decoded and hashed on a blocking thread:
+/// inflating and hashing megabytes on an async worker would stall every other request it serves
+/// (health checks included) for as long as it takes.
+const BLOCKING_FROM: usize = 64 * 1024;
+
 /// Why a request's body could not be fingerprinted.
 #[derive(Debug)]
 pub(crate) enum Unreadable {
     /// Malformed or over a limit (as for any payload).
     Input(InputError),
-    /// A `Content-Encoding` the layer cannot decode (415).
+    /// A `Content-Encoding` the layer cannot decode, or too many of them (415).
     Encoding(String),
+    /// A multipart body of more than [`MAX_PARTS`] parts (413).
+    TooManyParts,
 }
 
 impl From<InputError> for Unreadable {
@@ -42,20 +60,49 @@ impl From<InputError> for Unreadable {
 
 /// The request's fingerprint. It also carries the form the previous release computed (the raw body and
 /// the query as sent), which records stored before the upgrade hold, so their retries still match.
+///
+/// A large or compressed body is fingerprinted on a blocking thread (see [`BLOCKING_FROM`]).
 pub(crate) async fn fingerprint(
     parts: &Parts,
+    body: &Bytes,
+    options: &FingerprintOptions,
+    query: QueryComparison,
+    max_body: usize,
+) -> Result<Fingerprint, Unreadable> {
+    let request = Target { method: parts.method.clone(), uri: parts.uri.clone(), headers: parts.headers.clone() };
+    if body.len() < BLOCKING_FROM && !parts.headers.contains_key(header::CONTENT_ENCODING) {
+        return of_request(&request, body, options, query, max_body).await;
+    }
+    let (body, options) = (body.clone(), options.clone());
+    let blocking = tokio::task::spawn_blocking(move || {
+        // Nothing in it waits for I/O (multer reads a body already in memory): it runs to its end here.
+        let runtime = tokio::runtime::Handle::current();
+        runtime.block_on(of_request(&request, &body, &options, query, max_body))
+    });
+    blocking.await.unwrap_or_else(|_| Err(Unreadable::Encoding("the body could not be decoded".into())))
+}
+
+/// What of a request's head its fingerprint reads, owned so that it can move to a blocking thread.
+struct Target {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+}
+
+async fn of_request(
+    request: &Target,
     body: &[u8],
     options: &FingerprintOptions,
     query: QueryComparison,
     max_body: usize,
 ) -> Result<Fingerprint, Unreadable> {
-    let decoded = decode(&parts.headers, body, max_body)?;
-    let media = media_type(&parts.headers);
+    let decoded = decode(&request.headers, body, max_body)?;
+    let media = media_type(&request.headers);
     let (current, previous) = if media.as_deref().is_some_and(is_json) && !decoded.is_empty() {
         let json = Fingerprint::of_json(&decoded, options)?;
         let previous = json.previous();
         (json, previous)
-    } else if let Some(parts_of) = multipart_boundary(&parts.headers) {
+    } else if let Some(parts_of) = multipart_boundary(&request.headers) {
         let raw = Fingerprint::of_bytes(body, options)?;
         // Boxed as a trait object: multer's future types would otherwise nest into every layer's future,
         // past the compiler's default query depth in the crates that use the layer.
@@ -75,11 +122,11 @@ pub(crate) async fn fingerprint(
         };
         (current, Some(previous))
     };
-    let method = parts.method.as_str();
-    let sent = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let method = request.method.as_str();
+    let sent = request.uri.path_and_query().map_or("/", |p| p.as_str());
     let target = match query {
         QueryComparison::Exact => sent.to_owned(),
-        QueryComparison::Unordered => unordered(parts.uri.path(), parts.uri.query()),
+        QueryComparison::Unordered => unordered(request.uri.path(), request.uri.query()),
     };
     let previous = previous.map(|previous| previous.within(&[method, sent]));
     Ok(current.within(&[method, &target]).with_previous(previous))
@@ -108,18 +155,26 @@ fn unordered(path: &str, query: Option<&str>) -> String {
 }
 
 /// The body with its `Content-Encoding`s undone (`gzip`, `x-gzip`, `deflate`, `br`; `identity`), at
-/// most `max_body` bytes once decoded.
+/// most `max_body` bytes once decoded. More than [`MAX_ENCODINGS`] of them are refused before any is
+/// decoded.
 fn decode<'b>(headers: &HeaderMap, body: &'b [u8], max_body: usize) -> Result<std::borrow::Cow<'b, [u8]>, Unreadable> {
     let mut encodings: Vec<String> = Vec::new();
     for value in headers.get_all(header::CONTENT_ENCODING) {
         let value = value.to_str().map_err(|_| Unreadable::Encoding("a Content-Encoding that is not text".into()))?;
-        encodings.extend(value.split(',').map(|e| e.trim().to_ascii_lowercase()).filter(|e| !e.is_empty()));
+        for encoding in value.split(',').map(str::trim).filter(|e| !e.is_empty() && !e.eq_ignore_ascii_case("identity"))
+        {
+            if encodings.len() == MAX_ENCODINGS {
+                let detail =
+                    format!("the body lists more than {MAX_ENCODINGS} Content-Encodings; send it encoded once");
+                return Err(Unreadable::Encoding(detail));
+            }
+            encodings.push(encoding.to_ascii_lowercase());
+        }
     }
     let mut decoded = std::borrow::Cow::Borrowed(body);
     // Applied in the order listed: undone last first.
     for encoding in encodings.iter().rev() {
         let reader: Box<dyn Read + '_> = match encoding.as_str() {
-            "identity" => continue,
             "gzip" | "x-gzip" => Box::new(flate2::read::MultiGzDecoder::new(&decoded[..])),
             "deflate" => Box::new(flate2::read::ZlibDecoder::new(&decoded[..])),
             "br" => Box::new(brotli_decompressor::Decompressor::new(&decoded[..], 4096)),
@@ -145,7 +200,7 @@ async fn multipart(
     body: &[u8],
     boundary: String,
     options: &FingerprintOptions,
-) -> Option<Result<Fingerprint, InputError>> {
+) -> Option<Result<Fingerprint, Unreadable>> {
     let stream = futures_util::stream::once(std::future::ready(Ok::<_, std::convert::Infallible>(
         bytes::Bytes::copy_from_slice(body),
     )));
@@ -155,7 +210,12 @@ async fn multipart(
         canonical.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
         canonical.extend_from_slice(bytes);
     };
+    let mut count = 0;
     while let Some(field) = fields.next_field().await.ok()? {
+        count += 1;
+        if count > MAX_PARTS {
+            return Some(Err(Unreadable::TooManyParts));
+        }
         let mut headers: Vec<(String, Vec<u8>)> =
             field.headers().iter().map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec())).collect();
         headers.sort();
@@ -166,7 +226,11 @@ async fn multipart(
         }
         put(&field.bytes().await.ok()?);
     }
-    Some(Fingerprint::of_bytes(&canonical, options).map(|fingerprint| fingerprint.within(&["multipart"])))
+    Some(
+        Fingerprint::of_bytes(&canonical, options)
+            .map(|fingerprint| fingerprint.within(&["multipart"]))
+            .map_err(Into::into),
+    )
 }
 
 #[cfg(test)]
@@ -184,9 +248,10 @@ mod tests {
             .body(())
             .expect("request");
         let (parts, ()) = request.into_parts();
-        let fingerprint = fingerprint(&parts, body, &options, QueryComparison::Unordered, 1 << 20).await;
+        let body = Bytes::from_static(body);
+        let fingerprint = fingerprint(&parts, &body, &options, QueryComparison::Unordered, 1 << 20).await;
         let fingerprint = fingerprint.expect("fingerprinted");
-        let stored_before = Fingerprint::of_bytes(body, &options).expect("raw").within(&["POST", "/charges?z=1&a=2"]);
+        let stored_before = Fingerprint::of_bytes(&body, &options).expect("raw").within(&["POST", "/charges?z=1&a=2"]);
         assert!(fingerprint.is(stored_before.as_bytes()));
         assert_ne!(fingerprint.as_bytes(), stored_before.as_bytes());
     }

@@ -1,6 +1,7 @@
 //! [`IdempotencyService`]: admits a request (key, tenant, scope, body, fingerprint), then executes it as
 //! the key's owner (the inner service runs once, its response is captured and settled) or answers from
-//! what the key holds. It uses only the store's public API, as any user's middleware could.
+//! what the key holds. The plain path uses only the store's public API, as any user's middleware could;
+//! the transactional one ([`super::transaction`]) claims inside a transaction it hands to the handler.
 
 use std::fmt;
 use std::future::Future;
@@ -19,7 +20,8 @@ use super::answer::{self, Boxed, own};
 use super::body::{Settlement, SettlingBody, fits, settle_whole};
 use super::config::{Config, KeyRequirement};
 use super::key_header::read_key;
-use super::request_fingerprint::{Unreadable, fingerprint};
+use super::request_fingerprint::{MAX_PARTS, Unreadable, fingerprint};
+use super::transaction;
 use crate::error::{InputError, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
@@ -95,6 +97,9 @@ where
                         inner.oneshot(request.map(Either::Left)).await.map(|response| response.map(Either::Left))
                     }
                     Admission::Refused(response) => Ok(own(response)),
+                    Admission::Admitted(admitted) if config.in_claim_transaction => {
+                        transaction::execute(inner, &config, admitted).await.map(own)
+                    }
                     Admission::Admitted(admitted) => execute(inner, &config, admitted).await.map(own),
                 }
             }
@@ -114,12 +119,12 @@ enum Admission<B> {
 }
 
 /// A request the layer will claim a key for.
-struct Admitted {
-    parts: Parts,
-    body: Bytes,
-    scope: Scope,
-    key: IdempotencyKey,
-    fingerprint: Fingerprint,
+pub(crate) struct Admitted {
+    pub(crate) parts: Parts,
+    pub(crate) body: Bytes,
+    pub(crate) scope: Scope,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) fingerprint: Fingerprint,
 }
 
 /// Key, tenant, scope, body and fingerprint, or the refusal; nothing is claimed yet.
@@ -161,6 +166,7 @@ where
         }
         Err(Unreadable::Input(error)) => Admission::Refused(answer::invalid_body(error)),
         Err(Unreadable::Encoding(detail)) => Admission::Refused(answer::unsupported_encoding(detail)),
+        Err(Unreadable::TooManyParts) => Admission::Refused(answer::too_many_parts(MAX_PARTS)),
     }
 }
 

@@ -29,7 +29,7 @@ use postgres_tier::PostgresTier;
 use redis_connection::RedisSource;
 use redis_tier::RedisTier;
 pub use redis_tier::RedisView;
-pub(crate) use statement::{BEGIN, COMMIT, Statement};
+pub(crate) use statement::{COMMIT, Statement};
 
 /// The migrations in `migrations/`, embedded at build time. Their bookkeeping lives in its own table,
 /// `_idemstore_migrations`, so they never clash with the application's own sqlx migrations.

@@ -50,6 +50,16 @@ impl Store {
     ) -> Result<T, StoreError> {
         self.inner.postgres.bounded(statement, call).await
     }
+
+    /// The bound on each Postgres step.
+    pub(crate) fn postgres_timeout(&self) -> std::time::Duration {
+        self.inner.postgres.timeout()
+    }
+
+    /// A transaction on a pooled connection, for a claim that commits with the caller's work.
+    pub(crate) async fn begin_transaction(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+        self.bounded(&BEGIN, self.pg_pool().begin()).await
+    }
 }
 
 /// `call` under `timeout`, counted as `statement`; a timeout is an I/O error like a lost connection.

@@ -1,0 +1,246 @@
+//! The transactional path ([`IdempotencyLayer::with_claim_transaction`](super::IdempotencyLayer::with_claim_transaction)):
+//! the claim, the handler's own writes and the stored response commit in one Postgres transaction, so
+//! after any fault (a Postgres restart, a killed process, a lost connection) either all of them exist or
+//! none does. The handler reaches the transaction through [`ClaimTx`] (an axum extractor) or, in any
+//! tower service, through the [`ClaimTransaction`] request extension.
+//!
+//! | event | what happens |
+//! |---|---|
+//! | duplicate while the handler runs | answered from the Redis marker, or waits on the uncommitted claim's row lock, then 409 in flight |
+//! | the handler answers a stored status | completion in the transaction, one commit, then the answer, then Redis |
+//! | a released status (5xx, 401, 429...), an error, a panic | rollback (the handler's writes too), its answer (or the error) goes out, a retry executes once |
+//! | the handler is slower than the lease | rollback, 503 with `Retry-After`: a retry executes once |
+//! | the commit fails, or its outcome is unknown | 503 (never the handler's answer): the retry's claim finds the truth |
+//! | the process dies before the commit | Postgres rolls back with the connection; a retry executes once |
+//! | the response is larger than the capture limit | stored as completed but not replayable, in the same commit |
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, Either, Full, StreamBody};
+use sqlx::postgres::{PgConnection, Postgres};
+use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
+use tower::{BoxError, Service, ServiceExt};
+
+use super::RequestBody;
+use super::answer::{self, Boxed};
+use super::capture::{self, Captured, Stored, Withheld};
+use super::config::Config;
+use super::service::Admitted;
+use crate::error::StoreError;
+use crate::record::Begin;
+use crate::store::COMMIT;
+
+type Transaction = sqlx::Transaction<'static, Postgres>;
+
+/// The claim's open transaction, put in the request's extensions by a layer built
+/// [`with_claim_transaction`](super::IdempotencyLayer::with_claim_transaction): write the handler's
+/// effects through it and they commit together with the claim and the stored response, or not at all.
+///
+/// In axum take [`ClaimTx`] as an argument; in another tower service, take this extension and
+/// [`lock`](ClaimTransaction::lock) it. Only the layer commits: a handler that commits or rolls back
+/// on its own breaks the guarantee (sqlx's nested `begin` on it opens a savepoint, which is fine).
+#[derive(Clone)]
+pub struct ClaimTransaction(Arc<Mutex<Option<Transaction>>>);
+
+impl std::fmt::Debug for ClaimTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimTransaction").finish_non_exhaustive()
+    }
+}
+
+impl ClaimTransaction {
+    /// The transaction, for as long as the guard lives; `None` once the layer took it back (a task the
+    /// handler left running asks too late).
+    pub async fn lock(&self) -> Option<ClaimTx> {
+        let guard = Arc::clone(&self.0).lock_owned().await;
+        OwnedMutexGuard::try_map(guard, Option::as_mut).ok().map(ClaimTx)
+    }
+
+    /// Takes the transaction back once the handler returned; `None` if the handler still holds it (a
+    /// guard moved into a task or into the response body) or nothing is left to take.
+    fn take_back(&self) -> Option<Transaction> {
+        self.0.try_lock().ok()?.take()
+    }
+}
+
+/// The claim's transaction, as a connection to write the handler's effects through:
+/// `sqlx::query(..).execute(&mut *tx)`. An axum extractor on routes behind a transactional layer (500
+/// elsewhere: the route's layer is not transactional).
+///
+/// Hold it only while the handler runs: the layer commits after the handler returned, and a guard still
+/// held then (moved into a task or the response body) rolls everything back (500).
+pub struct ClaimTx(OwnedMappedMutexGuard<Option<Transaction>, Transaction>);
+
+impl std::fmt::Debug for ClaimTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimTx").finish_non_exhaustive()
+    }
+}
+
+impl Deref for ClaimTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.0
+    }
+}
+
+impl DerefMut for ClaimTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.0
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for ClaimTx {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request_parts(parts: &mut http::request::Parts, _: &S) -> Result<Self, Self::Rejection> {
+        const NOT_TRANSACTIONAL: &str = "this route's IdempotencyLayer does not hand out its claim's transaction";
+        let Some(transaction) = parts.extensions.get::<ClaimTransaction>().cloned() else {
+            return Err((StatusCode::INTERNAL_SERVER_ERROR, NOT_TRANSACTIONAL));
+        };
+        transaction.lock().await.ok_or((StatusCode::INTERNAL_SERVER_ERROR, NOT_TRANSACTIONAL))
+    }
+}
+
+/// Claims the key inside a transaction; as its owner, runs the inner service with the transaction in
+/// the request's extensions, writes the completion into it and commits once, then answers.
+pub(crate) async fn execute<S, T, ReqBody, ResBody>(
+    inner: S,
+    config: &Config<T>,
+    admitted: Admitted,
+) -> Result<Response<Boxed>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Admitted { mut parts, body, scope, key, fingerprint } = admitted;
+    let store = &config.store;
+    let mut tx = match store.begin_transaction().await {
+        Ok(tx) => tx,
+        Err(_) => return Ok(answer::unavailable()),
+    };
+    let owner = match store.begin_in(&scope, &key, &fingerprint, &config.options, &mut tx).await {
+        Ok(Begin::Acquired(owner)) => owner,
+        Ok(refused) => {
+            // The answer may have marked the record indeterminate, in this transaction: keep it.
+            if let Err(error) = store.bounded(&COMMIT, tx.commit()).await {
+                tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
+            }
+            if config.reveals(&refused) && !config.allows_replay(&parts, &scope).await {
+                return Ok(answer::replay_refused());
+            }
+            return Ok(answer::refusal(refused, config, &scope, &key).await);
+        }
+        Err(StoreError::Encryption(_)) => return Ok(answer::unreadable()),
+        Err(_) => return Ok(answer::unavailable()),
+    };
+    let transaction = ClaimTransaction(Arc::new(Mutex::new(Some(tx))));
+    parts.extensions.insert(transaction.clone());
+    let request = Request::from_parts(parts, Either::Right(Full::new(body)));
+    // Bounded by the lease: past it the Redis marker is gone and duplicates queue on the row lock, so
+    // holding the connection and the lock longer only stalls them.
+    let lease = owner.policy().lease();
+    let handled = tokio::time::timeout(lease, inner.oneshot(request)).await;
+    let taken = transaction.take_back();
+    // Dropped (rolled back) below unless committed; the owner then takes back Redis's marker.
+    let (response, tx) = match (handled, taken) {
+        (Ok(Ok(response)), Some(tx)) => (response, tx),
+        (Ok(Err(error)), _) => {
+            let _ = owner.release().await;
+            return Err(error);
+        }
+        (Err(_), _) => {
+            let _ = owner.release().await;
+            let detail = "the handler did not finish within its lease; its writes were rolled back";
+            return Ok(answer::rolled_back(StatusCode::SERVICE_UNAVAILABLE, detail, Some(Duration::from_secs(1))));
+        }
+        (Ok(Ok(_)), None) => {
+            let _ = owner.release().await;
+            let detail = "the handler kept the claim's transaction after it returned; its writes were rolled back";
+            tracing::error!("{detail}");
+            return Ok(answer::rolled_back(StatusCode::INTERNAL_SERVER_ERROR, detail, None));
+        }
+    };
+    let (head, body) = response.into_parts();
+    let headers = capture::replayed(&head.headers, &config.replayed_headers);
+    if !(config.stored.stores(head.status) && config.stored.stores_grpc(&head.headers)) {
+        drop(tx);
+        let _ = owner.release().await;
+        return Ok(Response::from_parts(head, body.map_err(Into::into).boxed_unsync()));
+    }
+    let (stored, answer_body) = match read(body, config.max_response_body).await {
+        BodyRead::Whole(bytes, trailers) if trailers.as_ref().is_none_or(|t| config.stored.stores_grpc(t)) => {
+            let captured = Captured::new(head.status, &headers, bytes.to_vec(), trailers.as_ref());
+            (Stored::Response(captured).encode(), answer::with_trailers(bytes, trailers))
+        }
+        // A gRPC status in the trailers that is not stored: as a released status.
+        BodyRead::Whole(bytes, trailers) => {
+            drop(tx);
+            let _ = owner.release().await;
+            return Ok(Response::from_parts(head, answer::with_trailers(bytes, trailers)));
+        }
+        BodyRead::Larger { seen, body } => (Stored::Withheld(Withheld::new(head.status, seen)).encode(), body),
+        BodyRead::Failed => {
+            drop(tx);
+            let _ = owner.release().await;
+            let detail = "the handler's response body failed; its writes were rolled back";
+            return Ok(answer::rolled_back(StatusCode::INTERNAL_SERVER_ERROR, detail, None));
+        }
+    };
+    match owner.complete_in(tx, &stored).await {
+        Ok(()) => Ok(Response::from_parts(head, answer_body)),
+        // Not committed, or not known to be: never the handler's answer (its effects may not exist).
+        Err(_) => Ok(answer::not_committed()),
+    }
+}
+
+/// What the transactional path read of the handler's body before its commit.
+enum BodyRead {
+    /// All of it (within the capture limit), and its trailers.
+    Whole(Bytes, Option<HeaderMap>),
+    /// More than the capture limit: the body to send (what was read, then the rest), and how many bytes
+    /// were read.
+    Larger { seen: u64, body: Boxed },
+    /// The body failed before its end: nothing was sent, so nothing is stored.
+    Failed,
+}
+
+/// Reads `body` up to `limit` bytes: the whole body is stored and replayed; past the limit, the body
+/// streams on after the commit.
+async fn read<B>(body: B, limit: usize) -> BodyRead
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let mut body = body.map_err(Into::into).boxed_unsync();
+    let mut frames: Vec<Frame<Bytes>> = Vec::new();
+    let mut seen = 0u64;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else { return BodyRead::Failed };
+        seen += frame.data_ref().map_or(0, |data| data.len() as u64);
+        frames.push(frame);
+        if seen > limit as u64 {
+            let read = futures_util::stream::iter(frames.into_iter().map(Ok));
+            let rest = http_body_util::BodyStream::new(body);
+            let body = StreamBody::new(futures_util::StreamExt::chain(read, rest)).boxed_unsync();
+            return BodyRead::Larger { seen, body };
+        }
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(seen).unwrap_or(0));
+    let mut trailers = None;
+    for frame in frames {
+        match frame.into_data() {
+            Ok(data) => bytes.extend_from_slice(&data),
+            Err(frame) => trailers = frame.into_trailers().ok(),
+        }
+    }
+    BodyRead::Whole(Bytes::from(bytes), trailers)
+}
