@@ -38,7 +38,52 @@ suite!(
     postgres_blackholed_mid_load,
     skewed_clocks_do_not_move_leases,
     owner_process_killed_mid_transaction_leaves_nothing,
+    postgres_restart_between_work_and_completion_costs_latency_not_a_rerun,
 );
+
+/// Postgres crashes and restarts after the work ran and before its completion: the owner asks again
+/// while its lease lasts, so the caller gets `Executed`, a retry gets the replay, and the work ran once
+/// (before: the completion failed at once with `StoreUnavailable`, the record stayed in progress, and the
+/// first retry after the lease ran the work a second time).
+async fn postgres_restart_between_work_and_completion_costs_latency_not_a_rerun(mode: Mode) {
+    let policy = idemstore::Policy::builder()
+        .lease(Duration::from_secs(20))
+        .redis_ttl(Duration::from_secs(600))
+        .lease_expiry(LeaseExpiry::TakeOver)
+        .build()
+        .expect("policy");
+    let h = Arc::new(Harness::with(mode, policy, Servers::Owned).await);
+    let (scope, k, payload) = (h.scope("acme"), key("blip"), json!({"amount": 1}));
+    let (ran, work_ran) = tokio::sync::oneshot::channel();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let owner = tokio::spawn({
+        let (h, scope, k, payload, gate) = (h.clone(), scope.clone(), k.clone(), payload.clone(), gate.clone());
+        async move {
+            h.store
+                .run_once(&scope, &k, &payload, || async {
+                    let charged = h.charge("acme", &k).await;
+                    let _ = ran.send(());
+                    gate.notified().await;
+                    charged
+                })
+                .await
+        }
+    });
+    work_ran.await.expect("the work ran");
+    let postgres = h.postgres.as_ref().expect("owned");
+    postgres.stop().expect("crash Postgres");
+    gate.notify_one();
+    // The completion fails and is asked again: the restart comes only once that was seen.
+    while h.counter("idemstore_settle_retries_total", &[]) < 1.0 && !owner.is_finished() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    postgres.restart().expect("restart Postgres");
+    let outcome = owner.await.expect("no panic").expect("completed once Postgres was back");
+    assert!(matches!(outcome, RunOutcome::Executed(_)), "{outcome:?}");
+    let retry = h.store.run_once(&scope, &k, &payload, || async { h.charge("acme", &k).await }).await;
+    assert!(matches!(retry, Ok(RunOutcome::Replayed(_))), "{retry:?}");
+    assert_eq!(h.effects("acme", &k).await, 1, "the work ran once");
+}
 
 /// A process SIGKILLed inside `run_once_in_tx`, after its work's insert and before the commit, leaves
 /// nothing behind: no record, no effect; the retry executes exactly once.
