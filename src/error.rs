@@ -301,4 +301,25 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         matches!(self, StoreError::StoreUnavailable { .. })
     }
+
+    /// Whether Postgres could not be reached (the connection, the pool, a server shutting down or
+    /// starting, the store's own deadline), as opposed to a statement that Postgres ran and refused:
+    /// only the first may go away by asking the same thing again.
+    pub(crate) fn is_connection_failure(&self) -> bool {
+        let StoreError::StoreUnavailable { source, .. } = self else { return false };
+        match source {
+            sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_) => true,
+            sqlx::Error::Database(error) => error.code().is_some_and(|code| {
+                // Connection exceptions; admin, crash or immediate shutdown; cannot connect now.
+                code.starts_with("08") || matches!(code.as_ref(), "57P01" | "57P02" | "57P03")
+            }),
+            _ => false,
+        }
+    }
+
+    /// The SQLSTATE of a statement Postgres refused.
+    pub(crate) fn sqlstate(&self) -> Option<String> {
+        let StoreError::StoreUnavailable { source: sqlx::Error::Database(error), .. } = self else { return None };
+        error.code().map(|code| code.into_owned())
+    }
 }

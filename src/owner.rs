@@ -118,69 +118,106 @@ impl Owner {
 
     /// Stores `response` as the key's result, replayed to every retry with the same payload.
     ///
-    /// If Postgres is unavailable (a restart, a failover, a cut connection), the write is retried with
-    /// backoff while the lease lasts, and the lease is kept alive meanwhile: a blip of Postgres costs
-    /// the caller latency, not a second execution by a takeover.
+    /// If Postgres cannot be reached (a restart, a failover, a cut connection), the write is asked again
+    /// with backoff until shortly before the lease ends (as it stood at the first failure), and the lease
+    /// is kept alive meanwhile: a blip of Postgres costs the caller latency, not a second execution by a
+    /// takeover. The write runs in a task of its own, so a caller that stops waiting (a dropped request)
+    /// does not leave it half done.
     ///
     /// # Errors
     /// [`StoreError::LeaseLost`] if another owner took the key over (the response is not stored);
-    /// [`StoreError::StoreUnavailable`] if Postgres stayed unavailable until shortly before the lease
-    /// ends (the work ran; when the lease runs out, the rule applies).
-    pub async fn complete(mut self, response: &[u8]) -> Result<(), StoreError> {
-        self.settled = true;
-        let sealed = self.store.sealed(&self.lease, response);
-        let _alive = self.keep_alive();
-        self.until_landed(State::Completed, || self.store.complete(&self.lease, &sealed)).await
+    /// [`StoreError::StoreUnavailable`] if Postgres failed otherwise, or stayed unreachable until
+    /// shortly before the lease ends (the work ran; when the lease runs out, the rule applies).
+    pub async fn complete(self, response: &[u8]) -> Result<(), StoreError> {
+        let sealed = self.store.sealed(&self.lease, response).into_owned();
+        self.settle(Goal::Complete(sealed)).await
     }
 
-    /// Gives the key up after a failure that a retry may repair: the next request executes. Retried
-    /// while the lease lasts, as [`Owner::complete`] is.
+    /// Gives the key up after a failure that a retry may repair: the next request executes. Asked again
+    /// through a blip of Postgres, as [`Owner::complete`] is.
     ///
     /// # Errors
     /// As [`Owner::complete`].
     pub async fn release(mut self) -> Result<(), StoreError> {
-        self.settled = true;
         if self.in_tx {
+            self.settled = true;
             // The claim rolls back with the caller's transaction; only Redis's marker is left to take.
             self.store.release_marker(&self.lease).await;
             return Ok(());
         }
-        let _alive = self.keep_alive();
-        self.until_landed(State::Released, || self.store.release(&self.lease)).await
+        self.settle(Goal::Release).await
     }
 
-    /// Runs a settling write until it lands, fails for good, or the lease is about to end (the last
-    /// tenth of it, at least a Postgres timeout, is left for the write in flight).
+    /// Runs [`Owner::until_landed`] in a task of its own, and waits for it.
+    async fn settle(mut self, goal: Goal) -> Result<(), StoreError> {
+        self.settled = true;
+        let step = goal.step();
+        match tokio::spawn(async move { self.until_landed(&goal).await }).await {
+            Ok(settled) => settled,
+            Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+            // The runtime is shutting down: the lease runs out instead.
+            Err(_) => Err(StoreError::StoreUnavailable { step, source: sqlx::Error::PoolClosed }),
+        }
+    }
+
+    /// Runs a settling write until it lands, fails for good, or the lease is about to end: the last
+    /// tenth of the lease as it stood at the first failure (at least a Postgres timeout) is left for the
+    /// write in flight; the heartbeat that keeps the lease meanwhile never moves that deadline.
     ///
-    /// A write whose answer was lost may have landed: a retry then finds the record already in the
-    /// state it asked for under this owner's fence, which is its own write (every takeover raises the
-    /// fence), not a lost lease.
-    async fn until_landed<'a, F, Fut>(&'a self, goal: State, settle: F) -> Result<(), StoreError>
-    where
-        F: Fn() -> Fut,
-        Fut: Future<Output = Result<(), StoreError>> + 'a,
-    {
+    /// A write whose answer was lost may have landed: a retry then finds the record already settled
+    /// under this owner's fence with this owner's response (every takeover raises the fence), which is
+    /// its own write, not a lost lease. Redis's marker is then taken back, and the next miss reads the
+    /// record from Postgres.
+    async fn until_landed(&self, goal: &Goal) -> Result<(), StoreError> {
+        let _alive = self.keep_alive();
         let mut backoff = Duration::from_millis(50);
-        let mut retried = false;
+        let mut deadline: Option<tokio::time::Instant> = None;
         loop {
-            let error = match settle().await {
-                Err(error) if error.is_transient() => error,
-                Err(StoreError::LeaseLost { .. }) if retried && self.landed_before(goal).await => return Ok(()),
+            let settled = match goal {
+                Goal::Complete(sealed) => self.store.complete(&self.lease, sealed).await,
+                Goal::Release => self.store.release(&self.lease).await,
+            };
+            let error = match settled {
+                Err(error) if error.is_connection_failure() => error,
+                Err(error @ StoreError::LeaseLost { .. }) if deadline.is_some() => match self.landed_before(goal).await
+                {
+                    Some(true) => {
+                        self.store.release_marker(&self.lease).await;
+                        return Ok(());
+                    }
+                    Some(false) => return Err(error),
+                    None => error,
+                },
                 settled => return settled,
             };
-            retried = true;
-            let lease = self.lease.policy.lease();
-            let margin = (lease / 10).max(self.store.postgres_timeout());
-            let lease_ends = *self.lease_ends.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let deadline = *deadline.get_or_insert_with(|| {
+                let lease_ends = *self.lease_ends.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                lease_ends - (self.lease.policy.lease() / 10).max(self.store.postgres_timeout())
+            });
             let next = tokio::time::Instant::now() + backoff;
-            if next + margin >= lease_ends {
+            if next >= deadline {
                 return Err(error);
             }
-            tracing::warn!(%error, fence = self.lease.fence, "could not settle the key; retrying while the lease lasts");
+            tracing::warn!(%error, fence = self.lease.fence, "could not settle the key; asking again while the lease lasts");
             crate::telemetry::settlement_retry(self.lease.scope.operation());
             tokio::time::sleep_until(next).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
+    }
+
+    /// Whether the record holds `goal` under this owner's fence (an earlier attempt landed); `None` if
+    /// Postgres could not tell.
+    async fn landed_before(&self, goal: &Goal) -> Option<bool> {
+        let record = self.store.lookup_stored(&self.lease.scope, &self.lease.key).await.ok()?;
+        Some(record.is_some_and(|record| {
+            record.fence == self.lease.fence
+                && match goal {
+                    Goal::Complete(sealed) => {
+                        record.state == State::Completed && record.response.is_some_and(|r| r.as_bytes() == &sealed[..])
+                    }
+                    Goal::Release => record.state == State::Released,
+                }
+        }))
     }
 
     /// Leaves the key to its lease, as a crashed process would: when the lease runs out, the record's
@@ -250,11 +287,19 @@ impl fmt::Debug for Owner {
     }
 }
 
-impl Owner {
-    /// Whether the record is in `goal` under this owner's fence: an earlier attempt landed.
-    async fn landed_before(&self, goal: State) -> bool {
-        let record = self.store.lookup_stored(&self.lease.scope, &self.lease.key).await;
-        matches!(record, Ok(Some(record)) if record.fence == self.lease.fence && record.state == goal)
+/// What a settlement writes.
+enum Goal {
+    /// The stored response, sealed as both tiers keep it.
+    Complete(Vec<u8>),
+    Release,
+}
+
+impl Goal {
+    fn step(&self) -> &'static str {
+        match self {
+            Goal::Complete(_) => "complete",
+            Goal::Release => "release",
+        }
     }
 }
 

@@ -10,8 +10,8 @@ use std::time::{Duration, SystemTime};
 
 use futures::future::join_all;
 use idemstore::http::problem_types;
-use idemstore::{IdempotencyKey, Mode, Scope, State};
-use payments::{PAYMENTS, app, charge, charges, post_payment, problem_type, serve, wait_for_state};
+use idemstore::{IdempotencyKey, Mode, Scope};
+use payments::{PAYMENTS, app, charge, charges, post_payment, problem_type, serve, wait_in_flight};
 use serde_json::{Value, json};
 use support::Harness;
 
@@ -176,9 +176,11 @@ async fn metrics_match_a_known_sequence_end_to_end(mode: Mode) {
     let base = serve(&h).await;
     let client = reqwest::Client::new();
     let body = charge(1);
-    let slow = post_payment(&client, &base, "seq-1", "acme", &body, 800);
+    // Slower than the lock timeout (1 s here), so that a Postgres-only duplicate, which waits on the
+    // claim's row lock, is answered "in flight" rather than the replay.
+    let slow = post_payment(&client, &base, "seq-1", "acme", &body, 1500);
     let duplicate = async {
-        wait_for_state(&h, "seq-1", State::InProgress).await;
+        wait_in_flight(&h, "seq-1").await;
         post_payment(&client, &base, "seq-1", "acme", &charge(1), 0).await
     };
     let (first, in_flight) = tokio::join!(slow, duplicate);

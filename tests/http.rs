@@ -18,7 +18,7 @@ use axum::routing::post;
 use http_body_util::BodyExt;
 use idemstore::http::{IdempotencyLayer, MismatchStatus, problem_types};
 use idemstore::{IdempotencyKey, Mode, Policy, Scope, State};
-use payments::{PAYMENTS, charge, charges, demo, post_payment, problem_type, serve, wait_for_state};
+use payments::{PAYMENTS, charge, charges, demo, post_payment, problem_type, serve, wait_for_state, wait_in_flight};
 use serde_json::{Value, json};
 use support::{Harness, Servers};
 use tower::ServiceExt;
@@ -203,7 +203,7 @@ async fn concurrent_retry_gets_409_with_retry_after(mode: Mode) {
     let mut slow = payment(Some("slow"), "acme", &charge(7));
     slow.headers_mut().insert("x-demo-delay-ms", "1500".parse().expect("value"));
     let first = tokio::spawn(router.clone().oneshot(slow));
-    wait_for_state(&h, "slow", State::InProgress).await;
+    wait_in_flight(&h, "slow").await;
     let (status, headers, body) = send(&router, payment(Some("slow"), "acme", &charge(7))).await;
     assert_eq!(status, StatusCode::CONFLICT);
     assert_eq!(problem_type(&body), problem_types::IN_FLIGHT);

@@ -106,11 +106,15 @@ async fn prometheus_sees_the_first_burst_and_the_first_outage(mode: Mode) {
     }
     let h = Harness::with(mode, Policy::default(), Servers::Owned).await;
     app::migrate(&h.store).await.expect("migrations");
-    let router = app::router(app::App {
+    // The plain path: its in-progress record is visible while the slow request runs, and duplicates
+    // get 409 at once in both modes (on the transactional path a Postgres-only duplicate waits on the
+    // claim's row lock first).
+    let app = app::App {
         store: h.store.clone(),
         metrics: support::recorder().clone(),
         webhook_secret: app::DEMO_WEBHOOK_SECRET.to_owned(),
-    });
+    };
+    let router = app::router_with(app, app::PaymentsPath::Plain(idemstore::LeaseExpiry::TakeOver));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let target = listener.local_addr().expect("address").to_string();
     tokio::spawn(async move { axum::serve(listener, router).await });

@@ -23,12 +23,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idemstore::http::{ClaimTx, IdempotencyLayer};
-use idemstore::{Drained, Message, Received, RunError, SignatureScheme, Store, StoreError, WebhookVerifier};
+use idemstore::{
+    Drained, LeaseExpiry, Message, Policy, Received, RunError, SignatureScheme, Store, StoreError, WebhookVerifier,
+};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use sqlx::PgPool;
 use sqlx::migrate::Migrator;
+use sqlx::{PgConnection, PgPool};
 
 /// The demo's tables (`charges`, `webhook_events`, `receipts`), separate from the store's own schema.
 pub static CHARGES: Migrator = sqlx::migrate!("examples/payments/migrations");
@@ -59,11 +61,31 @@ pub async fn migrate(store: &Store) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// How `POST /payments` settles its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PaymentsPath {
+    /// The charge in the claim's transaction (the default): one commit, never twice.
+    Transactional,
+    /// The charge in a transaction of its own, the record settled after it under this lease rule: what
+    /// an application whose effects live elsewhere gets (`IDEMSTORE_DEMO_PATH=takeover|indeterminate`).
+    Plain(LeaseExpiry),
+}
+
 pub fn router(app: App) -> Router {
+    router_with(app, PaymentsPath::Transactional)
+}
+
+pub fn router_with(app: App, path: PaymentsPath) -> Router {
     let idempotency =
         IdempotencyLayer::new(app.store.clone(), |parts: &axum::http::request::Parts| bearer_tenant(&parts.headers))
-            .with_key_required()
-            .with_claim_transaction();
+            .with_key_required();
+    let idempotency = match path {
+        PaymentsPath::Transactional => idempotency.with_claim_transaction(),
+        PaymentsPath::Plain(expiry) => {
+            let policy = Policy::builder().lease_expiry(expiry).build().expect("the default policy with a rule");
+            idempotency.with_policy(policy)
+        }
+    };
     Router::new()
         .route("/payments", post(create_payment).route_layer(idempotency))
         .route("/payments/{id}", get(show_payment))
@@ -99,7 +121,7 @@ const CHARGE_COLUMNS: &str = "id, amount, currency, customer, to_char(created_at
 async fn create_payment(
     State(app): State<App>,
     headers: HeaderMap,
-    mut tx: ClaimTx,
+    tx: Option<ClaimTx>,
     Json(payment): Json<NewPayment>,
 ) -> Response {
     let Some(tenant) = bearer_tenant(&headers) else { return error(StatusCode::UNAUTHORIZED, "missing bearer token") };
@@ -115,7 +137,7 @@ async fn create_payment(
     if payment.amount <= 0 || !valid_currency || payment.customer.is_empty() {
         return error(StatusCode::BAD_REQUEST, "amount must be positive, currency an ISO code, customer set");
     }
-    match record_charge(&app.store, &mut tx, &tenant, &payment).await {
+    match record_charge(&app.store, tx, &tenant, &payment).await {
         Ok(charge) => {
             let location = format!("/payments/{}", charge.id);
             (StatusCode::CREATED, [(header::LOCATION, location)], Json(charge)).into_response()
@@ -124,11 +146,29 @@ async fn create_payment(
     }
 }
 
-/// The charge and its receipt, written in the claim's transaction: the layer commits them with the
-/// stored response, so there is no charge without a receipt and no receipt for a charge that rolled back.
+/// The charge and its receipt, written in the claim's transaction (the layer commits them with the
+/// stored response), or on the plain path in a transaction of their own: either way there is no charge
+/// without a receipt and no receipt for a charge that rolled back.
 async fn record_charge(
     store: &Store,
-    tx: &mut ClaimTx,
+    claim: Option<ClaimTx>,
+    tenant: &str,
+    payment: &NewPayment,
+) -> Result<Charge, Box<dyn Error>> {
+    match claim {
+        Some(mut claim) => insert_charge(store, &mut claim, tenant, payment).await,
+        None => {
+            let mut tx = store.pg_pool().begin().await?;
+            let charge = insert_charge(store, &mut tx, tenant, payment).await?;
+            tx.commit().await?;
+            Ok(charge)
+        }
+    }
+}
+
+async fn insert_charge(
+    store: &Store,
+    tx: &mut PgConnection,
     tenant: &str,
     payment: &NewPayment,
 ) -> Result<Charge, Box<dyn Error>> {
@@ -140,7 +180,7 @@ async fn record_charge(
         .bind(payment.amount)
         .bind(&payment.currency)
         .bind(&payment.customer)
-        .fetch_one(&mut **tx)
+        .fetch_one(&mut *tx)
         .await?;
     let receipt = Receipt { charge: charge.id, customer: charge.customer.clone(), amount: charge.amount };
     store.outbox().enqueue(tx, RECEIPTS, &receipt).await?;

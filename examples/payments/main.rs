@@ -9,7 +9,9 @@
 //! (comma-separated seed URLs of a Redis Cluster, used instead of `REDIS_URL`),
 //! `IDEMSTORE_DEMO_WEBHOOK_SECRET` (the secret `/webhooks/{provider}` verifies signatures with, `whsec_` and
 //! base64; a public demo secret when unset), `IDEMSTORE_ENCRYPTION_KEY` (base64 of 32 bytes, newest first,
-//! comma-separated: stored responses are encrypted in both tiers).
+//! comma-separated: stored responses are encrypted in both tiers), `IDEMSTORE_DEMO_PATH` (how `POST
+//! /payments` settles: `transactional`, the default, writes the charge in the claim's transaction;
+//! `takeover` and `indeterminate` write it apart and settle the record after it, under that lease rule).
 
 mod app;
 
@@ -81,7 +83,19 @@ async fn main() -> Result<(), Box<dyn Error>> {
         }
     });
 
-    let app = app::router(app::App { store, metrics, webhook_secret });
+    let path = match std::env::var("IDEMSTORE_DEMO_PATH").as_deref() {
+        Ok("takeover") => app::PaymentsPath::Plain(idemstore::LeaseExpiry::TakeOver),
+        Ok("indeterminate") => app::PaymentsPath::Plain(idemstore::LeaseExpiry::MarkIndeterminate),
+        Ok("transactional") | Err(_) => app::PaymentsPath::Transactional,
+        Ok(other) => {
+            return Err(format!("IDEMSTORE_DEMO_PATH={other}: transactional, takeover or indeterminate").into());
+        }
+    };
+    let app = app::App { store, metrics, webhook_secret };
+    let app = match path {
+        app::PaymentsPath::Transactional => app::router(app),
+        plain => app::router_with(app, plain),
+    };
     axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
     drop(servers);
     Ok(())

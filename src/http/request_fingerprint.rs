@@ -73,6 +73,11 @@ pub(crate) async fn fingerprint(
     if body.len() < BLOCKING_FROM && !parts.headers.contains_key(header::CONTENT_ENCODING) {
         return of_request(&request, body, options, query, max_body).await;
     }
+    // As many at once as there are cores: more would only queue on the blocking pool (which other work,
+    // such as a reconnect's DNS lookup, needs too) while each holds its decoded bytes.
+    let Ok(_permit) = blocking_decodes().acquire().await else {
+        return Err(Unreadable::Encoding("the body could not be decoded".into()));
+    };
     let (body, options) = (body.clone(), options.clone());
     let blocking = tokio::task::spawn_blocking(move || {
         // Nothing in it waits for I/O (multer reads a body already in memory): it runs to its end here.
@@ -80,6 +85,13 @@ pub(crate) async fn fingerprint(
         runtime.block_on(of_request(&request, &body, &options, query, max_body))
     });
     blocking.await.unwrap_or_else(|_| Err(Unreadable::Encoding("the body could not be decoded".into())))
+}
+
+fn blocking_decodes() -> &'static tokio::sync::Semaphore {
+    static DECODES: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    DECODES.get_or_init(|| {
+        tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get))
+    })
 }
 
 /// What of a request's head its fingerprint reads, owned so that it can move to a blocking thread.

@@ -8,11 +8,19 @@
 //! |---|---|
 //! | duplicate while the handler runs | answered from the Redis marker, or waits on the uncommitted claim's row lock, then 409 in flight |
 //! | the handler answers a stored status | completion in the transaction, one commit, then the answer, then Redis |
-//! | a released status (5xx, 401, 429...), an error, a panic | rollback (the handler's writes too), its answer (or the error) goes out, a retry executes once |
-//! | the handler is slower than the lease | rollback, 503 with `Retry-After`: a retry executes once |
+//! | a released status (5xx, 401, 429...), an error | rollback (the handler's writes too), its answer (or the error) goes out, a retry executes once |
+//! | a panic | rollback; the panic goes on to the server (add `CatchPanicLayer` inside this layer for a 500) |
+//! | a statement of the handler failed and it answered anyway | rollback, 500: wrap statements that may fail in a nested transaction (a savepoint: `(&mut *tx).begin()`) |
+//! | the handler and its body take longer than the lease | rollback, 503 with `Retry-After`: a retry executes once |
 //! | the commit fails, or its outcome is unknown | 503 (never the handler's answer): the retry's claim finds the truth |
 //! | the process dies before the commit | Postgres rolls back with the connection; a retry executes once |
 //! | the response is larger than the capture limit | stored as completed but not replayable, in the same commit |
+//!
+//! The handler's statements run on the store's connection, so they inherit its server-side timeouts
+//! (`statement_timeout` at 4/5 and `lock_timeout` at 1/2 of the store's Postgres timeout, when the store
+//! opened its pool or the pool was built with [`crate::server_bounded`]). A tenant's
+//! [`Quota`](crate::Quota) does not see claims whose transaction has not committed yet: concurrent new
+//! keys of one tenant on this path may pass a live-key limit together.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -54,10 +62,11 @@ impl std::fmt::Debug for ClaimTransaction {
 }
 
 impl ClaimTransaction {
-    /// The transaction, for as long as the guard lives; `None` once the layer took it back (a task the
-    /// handler left running asks too late).
-    pub async fn lock(&self) -> Option<ClaimTx> {
-        let guard = Arc::clone(&self.0).lock_owned().await;
+    /// The transaction, for as long as the guard lives; `None` while another guard holds it, or once the
+    /// layer took it back (a task the handler left running asks too late). Never waits: a second guard
+    /// wanted while the first is alive is a bug in the handler, not a queue.
+    pub fn lock(&self) -> Option<ClaimTx> {
+        let guard = Arc::clone(&self.0).try_lock_owned().ok()?;
         OwnedMutexGuard::try_map(guard, Option::as_mut).ok().map(ClaimTx)
     }
 
@@ -69,8 +78,9 @@ impl ClaimTransaction {
 }
 
 /// The claim's transaction, as a connection to write the handler's effects through:
-/// `sqlx::query(..).execute(&mut *tx)`. An axum extractor on routes behind a transactional layer (500
-/// elsewhere: the route's layer is not transactional).
+/// `sqlx::query(..).execute(&mut *tx)`. An axum extractor on routes behind a transactional layer; 500
+/// where the request has none (a request without a key passed through, or the layer is not
+/// transactional): take `Option<ClaimTx>` on routes where the key is optional.
 ///
 /// Hold it only while the handler runs: the layer commits after the handler returned, and a guard still
 /// held then (moved into a task or the response body) rolls everything back (500).
@@ -97,15 +107,30 @@ impl DerefMut for ClaimTx {
 }
 
 #[cfg(feature = "axum")]
+const NOT_TRANSACTIONAL: (StatusCode, &str) = (
+    StatusCode::INTERNAL_SERVER_ERROR,
+    "no claim transaction for this request (no Idempotency-Key, a layer without with_claim_transaction, or the guard is already taken)",
+);
+
+#[cfg(feature = "axum")]
 impl<S: Send + Sync> axum::extract::FromRequestParts<S> for ClaimTx {
     type Rejection = (StatusCode, &'static str);
 
-    async fn from_request_parts(parts: &mut http::request::Parts, _: &S) -> Result<Self, Self::Rejection> {
-        const NOT_TRANSACTIONAL: &str = "this route's IdempotencyLayer does not hand out its claim's transaction";
-        let Some(transaction) = parts.extensions.get::<ClaimTransaction>().cloned() else {
-            return Err((StatusCode::INTERNAL_SERVER_ERROR, NOT_TRANSACTIONAL));
-        };
-        transaction.lock().await.ok_or((StatusCode::INTERNAL_SERVER_ERROR, NOT_TRANSACTIONAL))
+    async fn from_request_parts(parts: &mut http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let optional = <Self as axum::extract::OptionalFromRequestParts<S>>::from_request_parts(parts, state).await;
+        optional?.ok_or(NOT_TRANSACTIONAL)
+    }
+}
+
+/// `Option<ClaimTx>`: `None` when the request has no claim transaction (a request without a key that
+/// the layer passed through, or a route whose layer is not transactional), so one handler serves both.
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for ClaimTx {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request_parts(parts: &mut http::request::Parts, _: &S) -> Result<Option<Self>, Self::Rejection> {
+        let Some(transaction) = parts.extensions.get::<ClaimTransaction>().cloned() else { return Ok(None) };
+        transaction.lock().map(Some).ok_or(NOT_TRANSACTIONAL)
     }
 }
 
@@ -123,6 +148,11 @@ where
 {
     let Admitted { mut parts, body, scope, key, fingerprint } = admitted;
     let store = &config.store;
+    // Redis's marker lives one lease from the claim: the transaction ends before it does, so that a
+    // duplicate meets the marker rather than queueing on the row lock (and holding a connection).
+    let policy = config.options.policy.as_deref().unwrap_or_else(|| store.policy(scope.operation()));
+    let lease = policy.lease();
+    let deadline = tokio::time::Instant::now() + lease * 9 / 10;
     let mut tx = match store.begin_transaction().await {
         Ok(tx) => tx,
         Err(_) => return Ok(answer::unavailable()),
@@ -145,10 +175,7 @@ where
     let transaction = ClaimTransaction(Arc::new(Mutex::new(Some(tx))));
     parts.extensions.insert(transaction.clone());
     let request = Request::from_parts(parts, Either::Right(Full::new(body)));
-    // Bounded by the lease: past it the Redis marker is gone and duplicates queue on the row lock, so
-    // holding the connection and the lock longer only stalls them.
-    let lease = owner.policy().lease();
-    let handled = tokio::time::timeout(lease, inner.oneshot(request)).await;
+    let handled = tokio::time::timeout_at(deadline, inner.oneshot(request)).await;
     let taken = transaction.take_back();
     // Dropped (rolled back) below unless committed; the owner then takes back Redis's marker.
     let (response, tx) = match (handled, taken) {
@@ -159,8 +186,7 @@ where
         }
         (Err(_), _) => {
             let _ = owner.release().await;
-            let detail = "the handler did not finish within its lease; its writes were rolled back";
-            return Ok(answer::rolled_back(StatusCode::SERVICE_UNAVAILABLE, detail, Some(Duration::from_secs(1))));
+            return Ok(too_slow());
         }
         (Ok(Ok(_)), None) => {
             let _ = owner.release().await;
@@ -176,7 +202,12 @@ where
         let _ = owner.release().await;
         return Ok(Response::from_parts(head, body.map_err(Into::into).boxed_unsync()));
     }
-    let (stored, answer_body) = match read(body, config.max_response_body).await {
+    let Ok(read) = tokio::time::timeout_at(deadline, read(body, config.max_response_body)).await else {
+        drop(tx);
+        let _ = owner.release().await;
+        return Ok(too_slow());
+    };
+    let (stored, answer_body) = match read {
         BodyRead::Whole(bytes, trailers) if trailers.as_ref().is_none_or(|t| config.stored.stores_grpc(t)) => {
             let captured = Captured::new(head.status, &headers, bytes.to_vec(), trailers.as_ref());
             (Stored::Response(captured).encode(), answer::with_trailers(bytes, trailers))
@@ -197,9 +228,25 @@ where
     };
     match owner.complete_in(tx, &stored).await {
         Ok(()) => Ok(Response::from_parts(head, answer_body)),
+        // A statement of the handler failed, so Postgres refuses every later one: the same would happen
+        // again, so this is no store outage to retry (a savepoint around the statement avoids it).
+        Err(error) if error.sqlstate().as_deref() == Some(IN_FAILED_TRANSACTION) => {
+            let detail = "a statement of the handler failed and the handler answered anyway; everything was rolled \
+                          back (wrap statements that may fail in a savepoint: a nested transaction)";
+            Ok(answer::rolled_back(StatusCode::INTERNAL_SERVER_ERROR, detail, None))
+        }
         // Not committed, or not known to be: never the handler's answer (its effects may not exist).
         Err(_) => Ok(answer::not_committed()),
     }
+}
+
+/// Postgres's "current transaction is aborted" (SQLSTATE 25P02).
+const IN_FAILED_TRANSACTION: &str = "25P02";
+
+/// The handler and its body outlived the claim's deadline: rolled back, and a retry runs it again.
+fn too_slow() -> Response<Boxed> {
+    let detail = "the handler did not finish within its lease; its writes were rolled back";
+    answer::rolled_back(StatusCode::SERVICE_UNAVAILABLE, detail, Some(Duration::from_secs(1)))
 }
 
 /// What the transactional path read of the handler's body before its commit.

@@ -47,18 +47,10 @@ impl PostgresServer {
                 Command::new("chown").args(["-R", "postgres:"]).arg(server.dir.path()),
             )?;
         }
-        let mut initdb = server.command("initdb");
-        initdb.arg("-D").arg(server.data()).args([
-            "-U",
-            "postgres",
-            "-A",
-            "trust",
-            "-N",
-            "-E",
-            "UTF8",
-            "--no-instructions",
-        ]);
-        run("initdb", &mut initdb)?;
+        let template = template()?;
+        let mut copy = server.command("cp");
+        copy.arg("-a").arg(&template).arg(server.data());
+        run("copying the initdb template", &mut copy)?;
         on_free_port(|port| {
             server.port = port;
             server.restart()
@@ -119,16 +111,54 @@ impl PostgresServer {
         self.dir.path().join("data")
     }
 
-    /// Postgres refuses to run as root: run its programs as the `postgres` system user then.
     fn command(&self, program: &str) -> Command {
-        if is_root() {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--", program]);
-            command
-        } else {
-            Command::new(program)
-        }
+        as_postgres(program)
     }
+}
+
+/// Postgres refuses to run as root: its programs run as the `postgres` system user then.
+fn as_postgres(program: &str) -> Command {
+    if is_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "postgres", "--", program]);
+        command
+    } else {
+        Command::new(program)
+    }
+}
+
+/// A cluster that `initdb` made once per machine (and Postgres version), which every server copies:
+/// `initdb` takes seconds on a small machine, most of a test's set-up, and a copy of its files a
+/// fraction of that. Made in a directory of its own and renamed into place, so processes that race to
+/// make it never see half of one.
+fn template() -> Result<PathBuf, TestkitError> {
+    let version = run("initdb --version", as_postgres("initdb").arg("--version"))?;
+    let version: String = String::from_utf8_lossy(&version.stdout)
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '-' })
+        .collect();
+    let root = std::env::temp_dir().join(format!("idemstore-initdb-{}", version.trim_matches('-')));
+    let data = root.join("data");
+    if data.join("PG_VERSION").exists() {
+        return Ok(data);
+    }
+    let staging = tempfile::Builder::new()
+        .prefix("idemstore-initdb-staging-")
+        .tempdir()
+        .map_err(io("creating the initdb template directory"))?;
+    if is_root() {
+        run("chown of the initdb template", Command::new("chown").args(["-R", "postgres:"]).arg(staging.path()))?;
+    }
+    let mut initdb = as_postgres("initdb");
+    initdb.arg("-D").arg(staging.path().join("data"));
+    initdb.args(["-U", "postgres", "-A", "trust", "-N", "-E", "UTF8", "--no-instructions"]);
+    run("initdb", &mut initdb)?;
+    let staging = staging.keep();
+    // Another process may have published its template first: then this one is not needed.
+    if std::fs::rename(&staging, &root).is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    Ok(data)
 }
 
 impl Drop for PostgresServer {

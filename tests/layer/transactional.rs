@@ -26,7 +26,20 @@ suite!(
     a_cancelled_request_leaves_neither_claim_nor_effect,
     a_response_over_the_capture_limit_is_committed_as_not_replayable,
     the_axum_extractor_writes_in_the_claims_transaction,
+    a_failed_statement_the_handler_ignored_rolls_back_with_500,
 );
+
+/// The handler's statement fails (its transaction is then aborted) and it answers 201 anyway: nothing
+/// commits and the client gets 500 `response-failed`, not 503 "retry" (before: the completion failed on
+/// the aborted transaction and every retry was told the store was unavailable).
+async fn a_failed_statement_the_handler_ignored_rolls_back_with_500(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (service, calls) = service(&h, Script { failing_statement: true, ..Script::default() }, 1 << 20);
+    let answer = answer(&service, "tx-aborted").await;
+    assert_eq!((answer.0, answer.2.as_str()), (StatusCode::INTERNAL_SERVER_ERROR, problem_types::RESPONSE_FAILED));
+    assert_eq!((calls.load(Ordering::SeqCst), h.effects("acme", &key("tx-aborted")).await), (1, 0));
+    assert!(h.store.lookup(&h.scope("acme"), &key("tx-aborted")).await.expect("lookup").is_none());
+}
 
 /// How the test handler behaves.
 #[derive(Clone, Default)]
@@ -39,6 +52,8 @@ struct Script {
     fail_first: Option<(StatusCode, usize)>,
     /// The 201's body length.
     body_len: Option<usize>,
+    /// A statement that fails (and is ignored) after the effect.
+    failing_statement: bool,
 }
 
 type Service = tower::util::BoxCloneSyncService<
@@ -57,11 +72,15 @@ fn service(h: &Harness, script: Script, max_response_body: usize) -> (Service, A
         async move {
             let transaction = request.extensions().get::<ClaimTransaction>().cloned().expect("the claim's transaction");
             let key = request.headers()["idempotency-key"].to_str()?.to_owned();
-            let mut tx = transaction.lock().await.expect("not taken back yet");
+            let mut tx = transaction.lock().expect("not taken back yet");
             let id: i64 = sqlx::query_scalar("INSERT INTO effects (tenant, key) VALUES ('acme', $1) RETURNING id")
                 .bind(&key)
                 .fetch_one(&mut *tx)
                 .await?;
+            if script.failing_statement {
+                // Ignored, as a handler that catches a constraint violation and answers 422 would.
+                let _ = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+            }
             drop(tx);
             if let Some(written) = script.written.as_ref().and_then(|w| w.lock().expect("lock").take()) {
                 let _ = written.send(());

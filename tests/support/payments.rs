@@ -57,6 +57,33 @@ pub async fn wait_for_state(h: &Harness, key: &str, state: State) {
     panic!("the record never reached {state:?}");
 }
 
+/// Polls until the demo's request for `key` is in flight: its record in progress, or (the demo's
+/// transactional path, whose claim commits with the charge) a transaction that wrote a record and has
+/// not ended yet.
+pub async fn wait_in_flight(h: &Harness, key: &str) {
+    let scope = Scope::new("acme", PAYMENTS).expect("scope");
+    let key = IdempotencyKey::new(key).expect("key");
+    for _ in 0..500 {
+        if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == State::InProgress) {
+            return;
+        }
+        let uncommitted: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+             WHERE c.relname LIKE 'idempotency_records%' AND l.mode = 'RowExclusiveLock' AND l.granted
+               AND l.pid <> pg_backend_pid()
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
+        )
+        .fetch_one(&h.pool)
+        .await
+        .expect("pg_locks");
+        if uncommitted {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the request never got in flight");
+}
+
 /// Serves the demo on 127.0.0.1:0; returns its base URL.
 pub async fn serve(h: &Harness) -> String {
     let router = demo(h).await;
