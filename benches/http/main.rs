@@ -7,7 +7,9 @@
 //! cargo bench --bench http -- --subjects two-tier --workloads replay --concurrency 64 --seconds 30
 //! ```
 //! Subjects: the bare app (no layer), the layer over a two-tier store, the layer over a Postgres-only
-//! store. The handler inserts a charge and answers 201 with about 150 bytes of JSON; the bare app's
+//! store, and the same two layers on the transactional path (`with_claim_transaction`: the handler's
+//! insert in the claim's transaction, one commit per new key; no in-flight cells, whose held requests
+//! would each hold a pooled connection). The handler inserts a charge and answers 201 with about 150 bytes of JSON; the bare app's
 //! replay row is a route answering the same bytes without the insert, which is what a replay should
 //! cost at best. Then the bytes per completed record in each tier (`footprint`). Durable servers (fsync and synchronous commit on), as in `compare`. Subjects alternate
 //! within each round (A B C, then C B A). Results: `target/bench/http.{json,md}`.
@@ -28,7 +30,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use clap::Parser;
 use idemstore::Store;
-use idemstore::http::IdempotencyLayer;
+use idemstore::http::{ClaimTx, IdempotencyLayer};
 use idemstore::testkit::{PostgresServer, RedisServer};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -79,7 +81,15 @@ impl From<Args> for Plan {
             rounds: args.rounds.unwrap_or(if quick { 1 } else { 3 }),
             seconds: args.seconds.unwrap_or(if quick { 1 } else { 5 }),
             workloads: args.workloads.unwrap_or_else(|| vec![Workload::New, Workload::Replay, Workload::Inflight]),
-            subjects: args.subjects.unwrap_or_else(|| vec![Subject::Bare, Subject::TwoTier, Subject::PostgresOnly]),
+            subjects: args.subjects.unwrap_or_else(|| {
+                vec![
+                    Subject::Bare,
+                    Subject::TwoTier,
+                    Subject::PostgresOnly,
+                    Subject::TwoTierTx,
+                    Subject::PostgresOnlyTx,
+                ]
+            }),
         }
     }
 }
@@ -104,6 +114,10 @@ pub enum Subject {
     TwoTier,
     /// The layer over Postgres alone.
     PostgresOnly,
+    /// The transactional layer over Redis and Postgres.
+    TwoTierTx,
+    /// The transactional layer over Postgres alone.
+    PostgresOnlyTx,
 }
 
 /// One timed cell, as wrk reported it.
@@ -137,20 +151,28 @@ struct NewCharge {
     customer: String,
 }
 
-/// The handler every subject shares: one durable insert, 201 with the charge. A request with
-/// `x-hold` never finishes (it holds its key in flight for the in-flight workload).
-async fn create_charge(State(pg): State<PgPool>, headers: HeaderMap, body: axum::Json<NewCharge>) -> Response {
+/// The handler every subject shares: one durable insert (in the claim's transaction on the
+/// transactional path), 201 with the charge. A request with `x-hold` never finishes (it holds its key
+/// in flight for the in-flight workload).
+async fn create_charge(
+    State(pg): State<PgPool>,
+    claim: Option<ClaimTx>,
+    headers: HeaderMap,
+    body: axum::Json<NewCharge>,
+) -> Response {
     if headers.contains_key("x-hold") {
         HOLDING.notify_one();
         std::future::pending::<()>().await;
     }
-    let inserted = sqlx::query_scalar::<_, i64>(
+    let insert = sqlx::query_scalar::<_, i64>(
         "INSERT INTO http_bench_charges (tenant, amount, customer) VALUES ('bench', $1, $2) RETURNING id",
     )
     .bind(body.amount)
-    .bind(&body.customer)
-    .fetch_one(&pg)
-    .await;
+    .bind(&body.customer);
+    let inserted = match claim {
+        Some(mut tx) => insert.fetch_one(&mut *tx).await,
+        None => insert.fetch_one(&pg).await,
+    };
     match inserted {
         Ok(id) => (StatusCode::CREATED, charge_json(id, body.amount, &body.currency, &body.customer)).into_response(),
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
@@ -169,11 +191,12 @@ async fn static_charge() -> Response {
     (StatusCode::CREATED, charge_json(1, 1250, "eur", "cus_bench")).into_response()
 }
 
-fn app(pg: PgPool, store: Option<Store>) -> Router {
+fn app(pg: PgPool, store: Option<Store>, transactional: bool) -> Router {
     let charges = post(create_charge);
     let charges = match store {
         Some(store) => {
-            charges.route_layer(IdempotencyLayer::new(store, |_: &axum::http::request::Parts| Some("bench".to_owned())))
+            let layer = IdempotencyLayer::new(store, |_: &axum::http::request::Parts| Some("bench".to_owned()));
+            charges.route_layer(if transactional { layer.with_claim_transaction() } else { layer })
         }
         None => charges,
     };
@@ -194,7 +217,7 @@ fn request_of(workload: Workload, subject: Subject) -> Option<(&'static str, Key
         (Workload::New, _) => ("/charges", Keys::Unique, 201),
         (Workload::Replay, Subject::Bare) => ("/static", Keys::None, 201),
         (Workload::Replay, _) => ("/charges", Keys::Cycle(REPLAY_KEYS), 201),
-        (Workload::Inflight, Subject::Bare) => return None,
+        (Workload::Inflight, Subject::Bare | Subject::TwoTierTx | Subject::PostgresOnlyTx) => return None,
         (Workload::Inflight, _) => ("/charges", Keys::Cycle(HELD_KEYS), 409),
     })
 }
@@ -263,9 +286,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     sqlx::raw_sql(SCHEMA).execute(&pg).await?;
 
     let addresses = [
-        (Subject::Bare, serve(app(pg.clone(), None)).await?),
-        (Subject::TwoTier, serve(app(pg.clone(), Some(two_tier))).await?),
-        (Subject::PostgresOnly, serve(app(pg.clone(), Some(postgres_only))).await?),
+        (Subject::Bare, serve(app(pg.clone(), None, false)).await?),
+        (Subject::TwoTier, serve(app(pg.clone(), Some(two_tier.clone()), false)).await?),
+        (Subject::PostgresOnly, serve(app(pg.clone(), Some(postgres_only.clone()), false)).await?),
+        (Subject::TwoTierTx, serve(app(pg.clone(), Some(two_tier), true)).await?),
+        (Subject::PostgresOnlyTx, serve(app(pg.clone(), Some(postgres_only), true)).await?),
     ];
     let subjects: Vec<_> = addresses.into_iter().filter(|(subject, _)| plan.subjects.contains(subject)).collect();
 

@@ -65,6 +65,7 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
         };
         let over_postgres = match row.subject {
             Subject::TwoTier => ratio(median_of(row.workload, row.concurrency, Subject::PostgresOnly)),
+            Subject::TwoTierTx => ratio(median_of(row.workload, row.concurrency, Subject::PostgresOnlyTx)),
             _ => String::new(),
         };
         let t = row.throughput;
@@ -86,7 +87,8 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
     }
     out.push_str(
         "\nBare: the same app without the layer; its replay row is a route that answers the same bytes without \
-         the insert. In-flight answers are 409 (no bare row).\n",
+         the insert. In-flight answers are 409 (no bare row). The Tx subjects run the handler's insert in the \
+         claim's transaction (one commit per new key).\n",
     );
     out
 }
