@@ -221,6 +221,14 @@ impl Encryption {
     }
 }
 
+/// The key id of a response in the sealed form; `None` for one in clear. A store without encryption asks
+/// this so that it never hands sealed bytes out as a response (JSON and the HTTP layer's stored form never
+/// start with the sealed form's first byte, 0xE5).
+pub(crate) fn sealed_key_id(stored: &[u8]) -> Option<u32> {
+    (stored.len() >= SEALING_OVERHEAD && stored[0] == SEALED)
+        .then(|| u32::from_be_bytes(stored[1..1 + KEY_ID].try_into().expect("4 bytes")))
+}
+
 /// The id a sealed response names its master key by: the first 4 bytes of an HKDF output, so it says
 /// nothing about the key, and no operator has to number keys.
 fn key_id(master: &[u8; 32]) -> u32 {

@@ -125,6 +125,15 @@ pub enum ConfigError {
     /// A lease, Redis TTL or retention shorter than a millisecond.
     #[error("lease, Redis TTL and retention must be at least 1 ms")]
     TooShort,
+    /// A duration is longer than the store can honour end to end (an expiry Redis or Postgres refuses,
+    /// or a deadline past the clock's range).
+    #[error("{setting} must be at most {max:?}")]
+    TooLong {
+        /// The builder setting.
+        setting: &'static str,
+        /// The longest accepted.
+        max: std::time::Duration,
+    },
     /// The lease would outlive the Redis copy of its marker.
     #[error("the lease ({lease:?}) must be shorter than the Redis TTL ({redis_ttl:?})")]
     LeaseOutlivesRedisTtl {

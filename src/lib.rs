@@ -110,7 +110,8 @@ pub use encryption::{Encryption, SEALING_OVERHEAD};
 pub use error::{ConfigError, EncryptionError, InputError, SignatureError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
 pub use inbox::{
-    DEFAULT_TOLERANCE, DeliveryHeaders, Inbox, Received, SignatureScheme, VerifiedDelivery, WebhookVerifier,
+    DEFAULT_TOLERANCE, DeliveryHeaders, Inbox, MAX_TOLERANCE, Received, SignatureScheme, VerifiedDelivery,
+    WebhookVerifier,
 };
 pub use key::{IdempotencyKey, Scope};
 pub use options::{Heartbeat, RunOptions};

@@ -43,6 +43,9 @@ impl fmt::Debug for ReplayCheck {
     }
 }
 
+/// The longest wait for an in-flight duplicate: a day (a deadline further out could overflow the clock).
+const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
 impl RunOptions {
     /// Waits up to `wait` for an in-flight duplicate to finish, then replays its result (or, if its owner
     /// released the key, claims it), instead of answering "in flight" at once; "in flight" at the bound.
@@ -52,9 +55,10 @@ impl RunOptions {
     /// [`StoreBuilder::redis_url`](crate::StoreBuilder::redis_url)) or with Postgres `NOTIFY` (Postgres-only
     /// mode, a ready-made Redis pool, or Redis unavailable). Only records someone waits for pay for a
     /// notification. A lost notification costs at most a second: the claim also asks again every second,
-    /// and when the owner's lease runs out.
+    /// and when the owner's lease runs out. At most a day: a longer `wait` (`Duration::MAX` included)
+    /// waits a day.
     pub fn wait_in_flight(mut self, wait: Duration) -> Self {
-        self.wait = Some(wait);
+        self.wait = Some(wait.min(MAX_WAIT));
         self
     }
 

@@ -169,7 +169,8 @@ impl Owner {
     /// its own write, not a lost lease. Redis's marker is then taken back, and the next miss reads the
     /// record from Postgres.
     async fn until_landed(&self, goal: &Goal) -> Result<(), StoreError> {
-        let _alive = self.keep_alive();
+        // Started at the first failure: a write that lands at once pays for no heartbeat.
+        let mut alive: Option<KeepAlive> = None;
         let mut backoff = Duration::from_millis(50);
         let mut deadline: Option<tokio::time::Instant> = None;
         loop {
@@ -198,6 +199,7 @@ impl Owner {
             if next >= deadline {
                 return Err(error);
             }
+            alive.get_or_insert_with(|| self.keep_alive());
             tracing::warn!(%error, fence = self.lease.fence, "could not settle the key; asking again while the lease lasts");
             crate::telemetry::settlement_retry(self.lease.scope.operation());
             tokio::time::sleep_until(next).await;

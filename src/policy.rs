@@ -247,6 +247,14 @@ impl PolicyBuilder {
         if too_short(p.lease) || too_short(p.redis_ttl) || p.retention.is_some_and(too_short) {
             return Err(ConfigError::TooShort);
         }
+        // Past this, Redis refuses the expiry (now + TTL overflows its clock) and every completion would
+        // open the circuit; "forever" is `None`, not a huge duration.
+        let durations = [("lease", Some(p.lease)), ("redis_ttl", Some(p.redis_ttl)), ("retention", p.retention)];
+        for (setting, duration) in durations.into_iter().chain([("tombstone", p.tombstone)]) {
+            if duration.is_some_and(|d| d > MAX_POLICY_DURATION) {
+                return Err(ConfigError::TooLong { setting, max: MAX_POLICY_DURATION });
+            }
+        }
         if p.lease >= p.redis_ttl {
             return Err(ConfigError::LeaseOutlivesRedisTtl { lease: p.lease, redis_ttl: p.redis_ttl });
         }
@@ -268,6 +276,9 @@ impl From<Policy> for PolicyBuilder {
 }
 
 /// Milliseconds for SQL and Redis arguments, saturating rather than wrapping on absurd durations.
+/// The longest lease, Redis TTL, retention or tombstone horizon a policy takes: about 100 years.
+pub(crate) const MAX_POLICY_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

@@ -37,6 +37,9 @@ pub enum RunOutcome<T> {
     /// The work completed long ago and its stored result was purged after the retention; nothing was
     /// executed (see [`Begin::Expired`]).
     Expired,
+    /// The work ran, and its result could not be serialized for storage ([`RunError::Encode`] told the
+    /// call that ran it): it is not run again, and there is no result to replay.
+    NotReplayable,
     /// The work completed, and [`RunOptions::replay_check`] refused to replay its result to this caller;
     /// nothing was executed or revealed.
     ReplayRefused,
@@ -62,7 +65,8 @@ pub enum RunError<E> {
     /// The work failed; the key was released, so a retry executes it again.
     #[error("the work failed")]
     Work(#[source] E),
-    /// The work's result could not be serialized for storage; the key was released.
+    /// The work ran, and its result could not be serialized for storage: the key is stored as completed
+    /// but not replayable, so retries get [`RunOutcome::NotReplayable`] and never run the work again.
     #[error("the work's result could not be serialized")]
     Encode(#[source] serde_json::Error),
     /// A stored result could not be deserialized as the requested type.
@@ -88,6 +92,7 @@ async fn claimed<T: DeserializeOwned, E>(
 ) -> Result<Claimed<T>, RunError<E>> {
     Ok(match answer {
         Begin::Acquired(owner) => Claimed::Owner(owner),
+        Begin::Completed(stored) if stored.as_bytes() == NOT_REPLAYABLE => Claimed::Answered(RunOutcome::NotReplayable),
         Begin::Completed(_) if !options.allows_replay(scope, key).await => Claimed::Answered(RunOutcome::ReplayRefused),
         Begin::Completed(stored) => Claimed::Answered(RunOutcome::Replayed(
             serde_json::from_slice(stored.as_bytes()).map_err(RunError::Decode)?,
@@ -102,11 +107,27 @@ async fn claimed<T: DeserializeOwned, E>(
     })
 }
 
-/// The work's value with its stored form, or the error to return after releasing the key.
-fn encode<T: Serialize, E>(result: Result<T, E>) -> Result<(T, Vec<u8>), RunError<E>> {
+/// What is stored for a work that ran and whose result did not serialize: not JSON (serde_json never
+/// writes a NUL byte outside a string), so no result can be mistaken for it.
+const NOT_REPLAYABLE: &[u8] = b"\0idemstore:not-replayable";
+
+/// How a work's run is settled.
+enum Settled<T, E> {
+    /// Stored for replay, and returned.
+    Value(T, Vec<u8>),
+    /// The work ran; its result did not serialize: stored as not replayable, the error returned.
+    Unencodable(serde_json::Error),
+    /// The work failed: the key is released.
+    Failed(E),
+}
+
+fn encode<T: Serialize, E>(result: Result<T, E>) -> Settled<T, E> {
     match result {
-        Ok(value) => serde_json::to_vec(&value).map(|bytes| (value, bytes)).map_err(RunError::Encode),
-        Err(error) => Err(RunError::Work(error)),
+        Ok(value) => match serde_json::to_vec(&value) {
+            Ok(bytes) => Settled::Value(value, bytes),
+            Err(error) => Settled::Unencodable(error),
+        },
+        Err(error) => Settled::Failed(error),
     }
 }
 
@@ -188,16 +209,20 @@ impl Store {
             Claimed::Answered(outcome) => return Ok(outcome),
         };
         match encode(owner.run(work()).await) {
-            Ok((value, bytes)) => {
+            Settled::Value(value, bytes) => {
                 owner.complete(&bytes).await?;
                 Ok(RunOutcome::Executed(value))
             }
-            Err(error) => {
+            Settled::Unencodable(error) => {
+                owner.complete(NOT_REPLAYABLE).await?;
+                Err(RunError::Encode(error))
+            }
+            Settled::Failed(error) => {
                 if let Err(release) = owner.release().await {
                     // The lease runs out instead, and the record's rule decides what the next request does.
                     tracing::warn!(error = %release, "could not release the key after a failure");
                 }
-                Err(error)
+                Err(RunError::Work(error))
             }
         }
     }
@@ -294,16 +319,21 @@ impl Store {
             }
         };
         match encode(work(&mut tx).await) {
-            Ok((value, bytes)) => {
+            Settled::Value(value, bytes) => {
                 owner.complete_in(tx, &bytes).await?;
                 Ok(RunOutcome::Executed(value))
             }
-            Err(error) => {
+            // The work's writes commit with the record that says it ran.
+            Settled::Unencodable(error) => {
+                owner.complete_in(tx, NOT_REPLAYABLE).await?;
+                Err(RunError::Encode(error))
+            }
+            Settled::Failed(error) => {
                 // Rolled back (the transaction is dropped): no claim was ever durable, so no retry may be
                 // told "in flight" for it.
                 drop(tx);
                 let _ = owner.release().await;
-                Err(error)
+                Err(RunError::Work(error))
             }
         }
     }

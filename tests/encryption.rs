@@ -21,7 +21,45 @@ suite!(
     tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again,
     responses_in_clear_are_refused_unless_accepted,
     the_demo_with_an_encryption_key_stores_no_charge_in_clear,
+    a_store_without_the_key_never_hands_out_ciphertext,
 );
+
+/// Store A (encrypted) completes a key; store B on the same servers, built without `.encryption()`,
+/// never hands the sealed bytes out as a response: its claim (from Redis's copy, then from Postgres once
+/// Redis lost it) and its lookup answer `UnknownKey`, and the work does not run (before: B answered
+/// `Replayed` with the ciphertext, or failed to decode it, and `lookup` showed it).
+async fn a_store_without_the_key_never_hands_out_ciphertext(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let encrypted = sealing(&h, keys(&[KEY_A]));
+    let mut builder = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
+    if let Some(url) = &h.redis_url {
+        builder = builder.redis_url(url);
+    }
+    let plain = builder.build().expect("store");
+    let (scope, k, payload) = (h.scope("acme"), key("sealed-elsewhere"), json!({"amount": 1}));
+    let result = || async { Ok::<_, std::io::Error>(json!({ "canary": CANARY })) };
+    let first = encrypted.run_once(&scope, &k, &payload, result).await;
+    assert!(matches!(first, Ok(RunOutcome::Executed(_))), "{first:?}");
+    let unknown = |outcome: &Result<RunOutcome<Value>, RunError<std::io::Error>>| {
+        matches!(outcome, Err(RunError::Store(StoreError::Encryption(EncryptionError::UnknownKey { .. }))))
+    };
+    let ran = std::sync::atomic::AtomicUsize::new(0);
+    let counted = || async {
+        ran.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<_, std::io::Error>(json!({}))
+    };
+    let from_redis = plain.run_once(&scope, &k, &payload, counted).await;
+    assert!(unknown(&from_redis), "{from_redis:?}");
+    if mode == Mode::TwoTier {
+        let mut conn = h.redis_connection().await;
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.expect("FLUSHALL");
+        let from_postgres = plain.run_once(&scope, &k, &payload, counted).await;
+        assert!(unknown(&from_postgres), "{from_postgres:?}");
+    }
+    let looked_up = plain.lookup(&scope, &k).await;
+    assert!(matches!(looked_up, Err(StoreError::Encryption(EncryptionError::UnknownKey { .. }))), "{looked_up:?}");
+    assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 0, "nothing ran again");
+}
 
 const CANARY: &str = "CANARY-4242-4242-4242-4242";
 const KEY_A: [u8; 32] = [0xA1; 32];

@@ -155,6 +155,15 @@ async fn mismatch_answers_422_or_as_configured(mode: Mode) {
     assert_eq!((status, body), (StatusCode::CONFLICT, original));
     assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // Past the retention (before the purge), nothing of the response is shown any more: the same
+    // payload gets 410, another payload 409 without the original (before: 409 with the original body).
+    h.pass_retention(&Scope::new("acme", PAYMENTS).expect("scope"), &support::key("m3")).await;
+    let (status, headers, body) = send(&router, payment(Some("m3"), "acme", &charge(2))).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::CONFLICT, problem_types::KEY_REUSED.to_owned()));
+    assert!(headers.get("idempotent-replayed").is_none());
+    let (status, _, body) = send(&router, payment(Some("m3"), "acme", &charge(1))).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::GONE, problem_types::EXPIRED.to_owned()));
 }
 
 fn ok_body(n: usize) -> axum::response::Response {
@@ -225,6 +234,16 @@ async fn replay_keeps_allowed_headers_only(mode: Mode) {
     let (status, replay, body) = send(&router, payment(Some("h1"), "acme", &charge(1))).await;
     assert_eq!((status, &body[..]), (StatusCode::CREATED, &b"created"[..]));
     assert_eq!(replay["location"], "/payments/1");
+    assert!(replay.get("set-cookie").is_none());
+
+    // Asking for Set-Cookie to be replayed does not make it so (before: it was stored and replayed to
+    // whoever held the key).
+    let asked = layer(&h).with_operation("cookies").with_replayed_header(http::header::SET_COOKIE);
+    let (router, _) =
+        counting(asked, |n| (StatusCode::CREATED, [("set-cookie", format!("session={n}"))], "created").into_response());
+    send(&router, payment(Some("h2"), "acme", &charge(1))).await;
+    let (_, replay, _) = send(&router, payment(Some("h2"), "acme", &charge(1))).await;
+    assert_eq!(replay["idempotent-replayed"], "true");
     assert!(replay.get("set-cookie").is_none());
 }
 

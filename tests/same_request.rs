@@ -24,6 +24,7 @@ suite!(
     a_multipart_body_with_another_boundary_is_the_same_request,
     a_compressed_body_is_compared_decoded,
     stacked_encodings_are_refused_before_any_is_decoded,
+    a_compressed_body_never_aliases_the_same_bytes_sent_plain,
     a_multipart_body_of_too_many_parts_is_refused,
 );
 
@@ -134,6 +135,20 @@ async fn a_compressed_body_is_compared_decoded(mode: Mode) {
     let bomb = gzip(&vec![b' '; 4 << 20]);
     let too_large = answer(&service, post("/charges", "z-3", &gzipped, bomb)).await;
     assert_eq!(too_large, (StatusCode::PAYLOAD_TOO_LARGE, problem_types::BODY_TOO_LARGE.to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Request A sends gzip bytes G as a plain body; request B reuses A's key with the same bytes G and
+/// `Content-Encoding: gzip` (its payload is the decompressed text, another payload): 422, never A's 201
+/// replayed (before: B got A's stored 201, since the raw body's form was accepted against any record).
+async fn a_compressed_body_never_aliases_the_same_bytes_sent_plain(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (service, runs) = charges(&h, QueryComparison::default());
+    let compressed = gzip(b"amount=5");
+    let plain = answer(&service, post("/charges", "alias-1", &[], compressed.clone())).await;
+    assert_eq!(plain.0, StatusCode::CREATED);
+    let encoded = answer(&service, post("/charges", "alias-1", &[("content-encoding", "gzip")], compressed)).await;
+    assert_eq!(encoded, (StatusCode::UNPROCESSABLE_ENTITY, problem_types::KEY_REUSED.to_owned()));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 

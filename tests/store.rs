@@ -40,7 +40,39 @@ suite!(
     run_once_in_tx_commits_nothing_when_the_work_fails,
     run_once_in_tx_replays_from_both_tiers,
     inbox_handles_a_redelivered_event_once,
+    a_result_that_cannot_be_stored_is_never_run_again,
 );
+
+/// A result JSON cannot hold: a map whose keys are not strings.
+type Unencodable = std::collections::HashMap<Vec<u8>, i32>;
+
+fn unencodable_in_tx(tx: &mut sqlx::PgConnection) -> idemstore::TxFuture<'_, Unencodable, sqlx::Error> {
+    Box::pin(async move {
+        sqlx::query("INSERT INTO effects (tenant, key) VALUES ('acme', 'unencodable-tx')").execute(&mut *tx).await?;
+        Ok(Unencodable::from([(vec![1u8], 1)]))
+    })
+}
+
+/// A work whose result does not serialize (a map with byte-string keys): it ran once, the call that ran
+/// it gets `RunError::Encode`, and a retry gets `NotReplayable`, never a second run (before: the key was
+/// released, and the retry ran the work and its effect again). The same through `run_once_in_tx`.
+async fn a_result_that_cannot_be_stored_is_never_run_again(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (scope, k, payload) = (h.scope("acme"), key("unencodable"), json!({"amount": 1}));
+    let work = || async { h.charge("acme", &k).await.map(|_| Unencodable::from([(vec![1u8], 1)])) };
+    let first = h.store.run_once(&scope, &k, &payload, work).await;
+    assert!(matches!(first, Err(RunError::Encode(_))), "{first:?}");
+    let retry = h.store.run_once(&scope, &k, &payload, work).await;
+    assert!(matches!(retry, Ok(RunOutcome::NotReplayable)), "{retry:?}");
+    assert_eq!(h.effects("acme", &k).await, 1);
+
+    let in_tx = key("unencodable-tx");
+    let first = h.store.run_once_in_tx(&scope, &in_tx, &payload, unencodable_in_tx).await;
+    assert!(matches!(first, Err(RunError::Encode(_))), "{first:?}");
+    let retry = h.store.run_once_in_tx(&scope, &in_tx, &payload, unencodable_in_tx).await;
+    assert!(matches!(retry, Ok(RunOutcome::NotReplayable)), "{retry:?}");
+    assert_eq!(h.effects("acme", &in_tx).await, 1);
+}
 
 /// A provider delivering one event five times at once: the handler runs once, every other delivery is
 /// acknowledged (or asked to come back); the record keeps the provider's sequence number.

@@ -225,8 +225,20 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
         self
     }
 
-    /// Adds a response header to those stored and replayed.
+    /// Adds a response header to those stored and replayed. Never a credential or a session
+    /// (`Set-Cookie`, `Authorization`, `Proxy-Authorization`, `Cookie`, `Proxy-Authenticate`,
+    /// `WWW-Authenticate`): a replay goes to whoever holds the key, so those are not added (and a
+    /// warning is logged).
     pub fn with_replayed_header(mut self, name: HeaderName) -> Self {
+        use http::header::{
+            AUTHORIZATION, COOKIE, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, SET_COOKIE, WWW_AUTHENTICATE,
+        };
+        if [SET_COOKIE, AUTHORIZATION, PROXY_AUTHORIZATION, COOKIE, PROXY_AUTHENTICATE, WWW_AUTHENTICATE]
+            .contains(&name)
+        {
+            tracing::warn!(header = %name, "a credential header is never stored for replay; not added");
+            return self;
+        }
         self.config.replayed_headers.push(name);
         self
     }

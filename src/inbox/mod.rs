@@ -11,7 +11,9 @@
 
 mod signature;
 
-pub use signature::{DEFAULT_TOLERANCE, DeliveryHeaders, SignatureScheme, VerifiedDelivery, WebhookVerifier};
+pub use signature::{
+    DEFAULT_TOLERANCE, DeliveryHeaders, MAX_TOLERANCE, SignatureScheme, VerifiedDelivery, WebhookVerifier,
+};
 
 use std::future::Future;
 use std::time::Duration;
@@ -67,6 +69,9 @@ pub enum Received<T> {
     Indeterminate,
     /// The event was handled so long ago that its record was purged; a tombstone says it ran. Acknowledge it.
     Expired,
+    /// The event was handled, and its outcome could not be recorded (it did not serialize): acknowledge
+    /// it; it is not handled again.
+    NotReplayable,
     /// The sender (the inbox's tenant) reached a limit of the policy's [`crate::Quota`]: not handled,
     /// nothing recorded; ask the provider to retry after `retry_after`.
     QuotaExceeded {
@@ -257,6 +262,7 @@ impl Inbox {
             RunOutcome::Mismatch => Received::Conflict,
             RunOutcome::Indeterminate => Received::Indeterminate,
             RunOutcome::Expired => Received::Expired,
+            RunOutcome::NotReplayable => Received::NotReplayable,
             RunOutcome::QuotaExceeded { limit, retry_after } => Received::QuotaExceeded { limit, retry_after },
             // An inbox asks no replay check: this is never answered.
             RunOutcome::ReplayRefused => Received::Conflict,

@@ -24,6 +24,8 @@ const MAX_SIGNATURES: usize = 16;
 /// How far a delivery's signed timestamp may be from now, by default (both providers' libraries use 5
 /// minutes).
 pub const DEFAULT_TOLERANCE: Duration = Duration::from_secs(300);
+/// The longest tolerance a verifier takes ([`WebhookVerifier::tolerance`]).
+pub const MAX_TOLERANCE: Duration = Duration::from_secs(3600);
 
 /// The two signature schemes in wide use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,9 +126,11 @@ impl WebhookVerifier {
         Ok(Self { scheme, keys, tolerance: DEFAULT_TOLERANCE })
     }
 
-    /// How far a delivery's signed timestamp may be from now, either way (default 5 minutes).
+    /// How far a delivery's signed timestamp may be from now, either way (default 5 minutes; at most
+    /// [`MAX_TOLERANCE`], one hour: a longer `tolerance` is that). The tolerance is how long a captured
+    /// delivery can be replayed, so it stays short.
     pub fn tolerance(mut self, tolerance: Duration) -> Self {
-        self.tolerance = tolerance;
+        self.tolerance = tolerance.min(MAX_TOLERANCE);
         self
     }
 
@@ -322,6 +326,21 @@ fn event_id_of(body: &[u8]) -> Result<String, SignatureError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tolerance past the bound is the bound: a delivery captured two hours ago is stale, whatever the
+    /// verifier was asked (before: `Duration::MAX` accepted a captured delivery for ever).
+    #[test]
+    fn the_tolerance_is_bounded() {
+        let verifier = WebhookVerifier::new(SignatureScheme::Stripe, ["whsec_test_secret"]).unwrap();
+        let verifier = verifier.tolerance(Duration::MAX);
+        let signed_at = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let signed = verifier.sign("evt_1", signed_at, b"{\"id\":\"evt_1\"}");
+        let headers: Vec<(&str, &str)> = signed.iter().map(|(name, value)| (*name, value.as_str())).collect();
+        let later = signed_at + Duration::from_secs(2 * 3600);
+        let verified = verifier.verify_at(&headers[..], b"{\"id\":\"evt_1\"}", later);
+        assert!(matches!(verified, Err(SignatureError::Stale { .. })), "{verified:?}");
+        assert!(verifier.verify_at(&headers[..], b"{\"id\":\"evt_1\"}", signed_at + MAX_TOLERANCE / 2).is_ok());
+    }
 
     /// Stripe's method, computed independently: HMAC-SHA256 over `t.body` with the whole `whsec_` string
     /// as the key, in lower-case hex.

@@ -186,9 +186,17 @@ impl Store {
 /// # }
 /// ```
 pub fn server_bounded(options: PgConnectOptions, timeout: Duration) -> PgConnectOptions {
-    let ms = |d: Duration| format!("{}ms", millis(d).max(1));
-    options.options([("statement_timeout", ms(timeout * 4 / 5)), ("lock_timeout", ms(timeout / 2))])
+    // Postgres takes at most 2^31 - 1 ms here; `timeout - timeout / 5` never overflows as `4 / 5` would.
+    let ms = |d: Duration| format!("{}ms", millis(d).clamp(1, i64::from(i32::MAX)));
+    options.options([("statement_timeout", ms(timeout - timeout / 5)), ("lock_timeout", ms(timeout / 2))])
 }
+
+/// The longest [`StoreBuilder::postgres_timeout`]: one hour.
+const MAX_POSTGRES_TIMEOUT: Duration = Duration::from_secs(3600);
+/// The longest [`StoreBuilder::redis_budget`]: one minute (the budget is per call, on the request path).
+const MAX_REDIS_BUDGET: Duration = Duration::from_secs(60);
+/// The longest [`StoreBuilder::redis_cooldown`]: one hour.
+const MAX_REDIS_COOLDOWN: Duration = Duration::from_secs(3600);
 
 /// Configures a [`Store`]. Postgres is required; Redis is optional (without it, [`Mode::PostgresOnly`]).
 #[derive(Default)]
@@ -281,20 +289,22 @@ impl StoreBuilder {
         self
     }
 
-    /// How long one Redis call may take before the request degrades to Postgres (default 100 ms).
+    /// How long one Redis call may take before the request degrades to Postgres (default 100 ms; at most
+    /// a minute, else [`build`](Self::build) refuses it).
     pub fn redis_budget(mut self, budget: Duration) -> Self {
         self.redis_budget = Some(budget);
         self
     }
 
-    /// How long Redis is skipped after it failed, before it is tried again (default 1 s).
+    /// How long Redis is skipped after it failed, before it is tried again (default 1 s; at most an hour).
     pub fn redis_cooldown(mut self, cooldown: Duration) -> Self {
         self.redis_cooldown = Some(cooldown);
         self
     }
 
     /// Longest wait for one Postgres statement before the call fails closed with
-    /// [`StoreError::StoreUnavailable`] (default 5 s). Guards against a partitioned or stalled server.
+    /// [`StoreError::StoreUnavailable`] (default 5 s; at most an hour, else [`build`](Self::build) refuses
+    /// it). Guards against a partitioned or stalled server.
     ///
     /// The server enforces it too, with room to spare, on the connections the store opens from
     /// [`StoreBuilder::database_url`] (see [`server_bounded`](crate::server_bounded)): a statement the store
@@ -356,6 +366,19 @@ impl StoreBuilder {
             return Err(ConfigError::KeyPrefix { prefix });
         }
         let timeout = self.postgres_timeout.unwrap_or(Duration::from_secs(5));
+        let budget = self.redis_budget.unwrap_or(Duration::from_millis(100));
+        let cooldown = self.redis_cooldown.unwrap_or(Duration::from_secs(1));
+        // Each bounds calls and timers: past these, deadlines overflow the clock (a panic on a request, or
+        // a background task that dies), and nothing useful waits that long anyway.
+        for (setting, value, max) in [
+            ("postgres_timeout", timeout, MAX_POSTGRES_TIMEOUT),
+            ("redis_budget", budget, MAX_REDIS_BUDGET),
+            ("redis_cooldown", cooldown, MAX_REDIS_COOLDOWN),
+        ] {
+            if value > max {
+                return Err(ConfigError::TooLong { setting, max });
+            }
+        }
         let pg_pool = match (self.pg_pool, self.database_url) {
             (Some(pool), _) => pool,
             (None, Some(url)) => {
@@ -371,7 +394,6 @@ impl StoreBuilder {
         };
         // A client of its own for the subscription that wakes waiting claims: a pool given ready-made
         // does not tell its URL, and its waiters follow Postgres instead.
-        let budget = self.redis_budget.unwrap_or(Duration::from_millis(100));
         let (source, subscriber) = match (self.redis_pool, self.redis_url) {
             #[cfg(feature = "cluster")]
             (pool, url) if let Some(seeds) = self.redis_cluster => {
@@ -388,7 +410,6 @@ impl StoreBuilder {
             }
             (None, None) => (None, None),
         };
-        let cooldown = self.redis_cooldown.unwrap_or(Duration::from_secs(1));
         let redis = source.map(|source| RedisTier::new(source, prefix, budget, cooldown));
         let (mut patterns, policies): (Vec<_>, Vec<_>) =
             self.policies.into_iter().map(|(op, p)| (op, Arc::new(p))).partition(|(op, _)| op.ends_with('*'));
@@ -414,5 +435,33 @@ impl StoreBuilder {
                 encryption: self.encryption,
             }),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::options::RunOptions;
+
+    /// Extreme durations are refused by `build` with a typed error, never a panic (before:
+    /// `postgres_timeout(Duration::MAX)` overflowed in `server_bounded`; a huge budget killed the
+    /// repair task later, a huge TTL opened the Redis circuit on every completion).
+    #[tokio::test]
+    async fn extreme_durations_are_refused_or_hold_end_to_end() {
+        let url = "postgres://postgres@127.0.0.1:1/none";
+        for extreme in [Duration::ZERO, Duration::from_nanos(1), Duration::from_secs(u64::MAX), Duration::MAX] {
+            let built = Store::builder().database_url(url).postgres_timeout(extreme).build();
+            assert!(built.is_ok() == (extreme <= MAX_POSTGRES_TIMEOUT), "postgres_timeout({extreme:?})");
+            let built =
+                Store::builder().database_url(url).redis_url("redis://127.0.0.1:1/").redis_budget(extreme).build();
+            assert!(built.is_ok() == (extreme <= MAX_REDIS_BUDGET), "redis_budget({extreme:?})");
+            let built = Store::builder().database_url(url).redis_cooldown(extreme).build();
+            assert!(built.is_ok() == (extreme <= MAX_REDIS_COOLDOWN), "redis_cooldown({extreme:?})");
+            let _ = server_bounded(PgConnectOptions::new(), extreme);
+            let ttl = Policy::builder().redis_ttl(extreme).retention(None).build();
+            assert!(ttl.is_err() || extreme <= crate::policy::MAX_POLICY_DURATION, "redis_ttl({extreme:?})");
+            let options = RunOptions::default().wait_in_flight(extreme);
+            let _deadline = tokio::time::Instant::now() + options.wait.unwrap_or_default();
+        }
     }
 }

@@ -238,13 +238,15 @@ impl Store {
         Ok(())
     }
 
-    /// Reads a record from Postgres, the source of truth, its response opened.
+    /// Reads a record from Postgres, the source of truth, its response opened. A completed record whose
+    /// retention has passed (not purged yet) reads as [`State::Expired`], without its response: what a
+    /// retry is answered, and nothing of the response is shown past its retention.
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed; [`StoreError::Encryption`] if the stored
     /// response cannot be opened.
     pub async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        let record = self.lookup_stored(scope, key).await?;
+        let record = self.lookup_stored(scope, key).await?.map(past_retention);
         let opened = record.map(|record| self.opened_record(scope, key, record)).transpose();
         if let Err(error) = &opened {
             telemetry::unreadable_response(scope.operation(), "postgres", error.reason());
@@ -570,4 +572,13 @@ fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>, span: &tr
         span.record("fence", owner.fence());
     }
     telemetry::outcome(operation, outcome);
+}
+
+/// A completed record past its retention, as it is answered: expired, its response no longer shown.
+fn past_retention(mut record: Record) -> Record {
+    if record.state == State::Completed && record.expires_in == Some(Duration::ZERO) {
+        record.state = State::Expired;
+        record.response = None;
+    }
+    record
 }

@@ -68,7 +68,12 @@ impl Store {
         clear_accepted: bool,
     ) -> Result<StoredResponse, EncryptionError> {
         let Some(encryption) = &self.inner.encryption else {
-            return Ok(stored);
+            // Sealed by a store that has the key (encryption turned off here, a rollback, a second
+            // service): ciphertext is never a response.
+            return match crate::encryption::sealed_key_id(stored.as_bytes()) {
+                Some(id) => Err(EncryptionError::UnknownKey { id }),
+                None => Ok(stored),
+            };
         };
         let mut answer = Err(EncryptionError::Tampered);
         for fingerprint in fingerprints.iter().filter(|fingerprint| !fingerprint.is_empty()) {

@@ -464,11 +464,15 @@ pub fn kill_child_at(h: &Harness, entry: &str, cue: &str) {
     use std::io::BufRead as _;
     let mut process = child(h, entry).stdout(std::process::Stdio::piped()).spawn().expect("spawn the child");
     let lines = std::io::BufReader::new(process.stdout.take().expect("stdout")).lines();
+    let mut cued = false;
     for line in lines {
         if line.expect("child stdout").contains(cue) {
+            cued = true;
             break;
         }
     }
+    // A child that ended without its cue never reached the window the test kills it in.
+    assert!(cued, "the child never printed {cue:?}");
     process.kill().expect("SIGKILL the child");
     process.wait().expect("reap the child");
 }
