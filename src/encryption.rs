@@ -18,7 +18,9 @@
 //!   configured; a response whose key is gone, or whose bytes were changed, is an [`EncryptionError`],
 //!   never a wrong replay.
 //!
-//! Layout: `0xE5 | key id (4) | nonce (24) | ciphertext | tag (16)`, 45 bytes more than the response.
+//! Layout: `0xE5 0x1D | key id (4) | nonce (24) | ciphertext | tag (16)`, 46 bytes more than the
+//! response. The two first bytes never start UTF-8 text (0x1D is no continuation byte) nor JSON nor the
+//! HTTP layer's stored form, so a store without encryption tells a sealed response from one in clear.
 //! Fingerprints and keys stay as they are: they are digests, and Postgres needs them to arbitrate.
 
 use std::borrow::Cow;
@@ -35,12 +37,12 @@ use zeroize::Zeroizing;
 use crate::error::{ConfigError, EncryptionError};
 use crate::key::{IdempotencyKey, Scope};
 
-/// The first byte of a sealed response (a format version).
-const SEALED: u8 = 0xE5;
+/// The first bytes of a sealed response (a format version).
+const SEALED: [u8; 2] = [0xE5, 0x1D];
 const KEY_ID: usize = 4;
 const NONCE: usize = 24;
 const TAG: usize = 16;
-const HEADER: usize = 1 + KEY_ID + NONCE;
+const HEADER: usize = SEALED.len() + KEY_ID + NONCE;
 
 /// The bytes a sealed response adds to the response: header and tag.
 pub const SEALING_OVERHEAD: usize = HEADER + TAG;
@@ -179,7 +181,7 @@ impl Encryption {
         let master = &self.keys[0];
         let nonce: [u8; NONCE] = rand::random();
         let mut sealed = Vec::with_capacity(SEALING_OVERHEAD + response.len());
-        sealed.push(SEALED);
+        sealed.extend_from_slice(&SEALED);
         sealed.extend_from_slice(&master.id.to_be_bytes());
         sealed.extend_from_slice(&nonce);
         sealed.extend_from_slice(response);
@@ -200,12 +202,11 @@ impl Encryption {
         fingerprint: &[u8],
         stored: &'a [u8],
     ) -> Result<Cow<'a, [u8]>, EncryptionError> {
-        if stored.len() < SEALING_OVERHEAD || stored[0] != SEALED {
+        let Some(id) = sealed_key_id(stored) else {
             return if self.accept_unsealed { Ok(Cow::Borrowed(stored)) } else { Err(EncryptionError::Unsealed) };
-        }
-        let id = u32::from_be_bytes(stored[1..1 + KEY_ID].try_into().expect("4 bytes"));
+        };
         let master = self.keys.iter().find(|master| master.id == id).ok_or(EncryptionError::UnknownKey { id })?;
-        let nonce = XNonce::try_from(&stored[1 + KEY_ID..HEADER]).expect("24 bytes");
+        let nonce = XNonce::try_from(&stored[SEALED.len() + KEY_ID..HEADER]).expect("24 bytes");
         let (ciphertext, tag) = stored[HEADER..].split_at(stored.len() - HEADER - TAG);
         let mut plain = ciphertext.to_vec();
         master
@@ -222,11 +223,13 @@ impl Encryption {
 }
 
 /// The key id of a response in the sealed form; `None` for one in clear. A store without encryption asks
-/// this so that it never hands sealed bytes out as a response (JSON and the HTTP layer's stored form never
-/// start with the sealed form's first byte, 0xE5).
+/// this so that it never hands sealed bytes out as a response (UTF-8 text, JSON and the HTTP layer's
+/// stored form never
+/// start with the sealed form's first bytes).
 pub(crate) fn sealed_key_id(stored: &[u8]) -> Option<u32> {
-    (stored.len() >= SEALING_OVERHEAD && stored[0] == SEALED)
-        .then(|| u32::from_be_bytes(stored[1..1 + KEY_ID].try_into().expect("4 bytes")))
+    let id = stored.get(SEALED.len()..SEALED.len() + KEY_ID)?;
+    (stored.len() >= SEALING_OVERHEAD && stored.starts_with(&SEALED))
+        .then(|| u32::from_be_bytes(id.try_into().expect("4 bytes")))
 }
 
 /// The id a sealed response names its master key by: the first 4 bytes of an HKDF output, so it says
@@ -295,7 +298,7 @@ mod tests {
         let sealed_before = old.seal(&scope, &key, FP, b"before");
         let rotated = Encryption::new([[2; 32], [1; 32]]).unwrap();
         assert_eq!(rotated.open(&scope, &key, FP, &sealed_before).unwrap().as_ref(), b"before");
-        assert_eq!(rotated.seal(&scope, &key, FP, b"after")[1..5], key_id(&[2; 32]).to_be_bytes());
+        assert_eq!(rotated.seal(&scope, &key, FP, b"after")[2..6], key_id(&[2; 32]).to_be_bytes());
         let retired = Encryption::new([[2; 32]]).unwrap();
         let id = key_id(&[1; 32]);
         assert!(

@@ -122,8 +122,8 @@ pub enum ConfigError {
     /// The call needs Redis, and this store is Postgres-only.
     #[error("this store is Postgres-only; the call needs Redis")]
     NoRedis,
-    /// A lease, Redis TTL or retention shorter than a millisecond.
-    #[error("lease, Redis TTL and retention must be at least 1 ms")]
+    /// A lease, Redis TTL, retention, Postgres timeout or Redis budget shorter than a millisecond.
+    #[error("lease, Redis TTL, retention, Postgres timeout and Redis budget must be at least 1 ms")]
     TooShort,
     /// A duration is longer than the store can honour end to end (an expiry Redis or Postgres refuses,
     /// or a deadline past the clock's range).
@@ -311,16 +311,19 @@ impl StoreError {
         matches!(self, StoreError::StoreUnavailable { .. })
     }
 
-    /// Whether Postgres could not be reached (the connection, the pool, a server shutting down or
-    /// starting, the store's own deadline), as opposed to a statement that Postgres ran and refused:
-    /// only the first may go away by asking the same thing again.
-    pub(crate) fn is_connection_failure(&self) -> bool {
+    /// Whether the same fenced write may pass when asked again: Postgres could not be reached (the
+    /// connection, the pool, a server shutting down or starting, the store's own deadline) or gave up on
+    /// it (its statement or lock timeout, a serialization failure, a deadlock), as opposed to a statement
+    /// that Postgres ran and refused.
+    pub(crate) fn is_retryable(&self) -> bool {
         let StoreError::StoreUnavailable { source, .. } = self else { return false };
         match source {
             sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_) => true,
             sqlx::Error::Database(error) => error.code().is_some_and(|code| {
-                // Connection exceptions; admin, crash or immediate shutdown; cannot connect now.
-                code.starts_with("08") || matches!(code.as_ref(), "57P01" | "57P02" | "57P03")
+                // Connection exceptions; admin, crash or immediate shutdown; cannot connect now; query
+                // cancelled (statement timeout); lock not available; serialization failure; deadlock.
+                code.starts_with("08")
+                    || matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "57014" | "55P03" | "40001" | "40P01")
             }),
             _ => false,
         }

@@ -329,9 +329,10 @@ impl Outbox {
 
     /// Longest a sink call may take before it counts as failed (default 30 s). A topic's lease lasts
     /// twice this and a second (extended while the sink works), so a relay that dies holds its topic
-    /// back for at most that long.
+    /// back for at most that long. At most an hour (a longer `timeout` is an hour: the lease's deadline
+    /// must stay within the clock's range).
     pub fn with_delivery_timeout(mut self, timeout: Duration) -> Self {
-        self.delivery_timeout = timeout;
+        self.delivery_timeout = timeout.min(Duration::from_secs(3600));
         self
     }
 

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
+use tracing::Instrument as _;
 
 use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
@@ -152,7 +153,7 @@ impl Owner {
     async fn settle(mut self, goal: Goal) -> Result<(), StoreError> {
         self.settled = true;
         let step = goal.step();
-        match tokio::spawn(async move { self.until_landed(&goal).await }).await {
+        match tokio::spawn(async move { self.until_landed(&goal).await }.in_current_span()).await {
             Ok(settled) => settled,
             Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
             // The runtime is shutting down: the lease runs out instead.
@@ -173,22 +174,27 @@ impl Owner {
         let mut alive: Option<KeepAlive> = None;
         let mut backoff = Duration::from_millis(50);
         let mut deadline: Option<tokio::time::Instant> = None;
+        // The last failure that may pass on a retry: set once the write was asked at least once more.
+        let mut unavailable: Option<StoreError> = None;
         loop {
             let settled = match goal {
                 Goal::Complete(sealed) => self.store.complete(&self.lease, sealed).await,
                 Goal::Release => self.store.release(&self.lease).await,
             };
             let error = match settled {
-                Err(error) if error.is_connection_failure() => error,
-                Err(error @ StoreError::LeaseLost { .. }) if deadline.is_some() => match self.landed_before(goal).await
-                {
-                    Some(true) => {
-                        self.store.release_marker(&self.lease).await;
-                        return Ok(());
+                Err(error) if error.is_retryable() => error,
+                Err(lost @ StoreError::LeaseLost { .. }) => {
+                    let Some(previous) = unavailable.take() else { return Err(lost) };
+                    match self.landed_before(goal).await {
+                        Some(true) => {
+                            self.store.release_marker(&self.lease).await;
+                            return Ok(());
+                        }
+                        Some(false) => return Err(lost),
+                        // Postgres could not tell: the write may have landed, so not "lost" yet.
+                        None => previous,
                     }
-                    Some(false) => return Err(error),
-                    None => error,
-                },
+                }
                 settled => return settled,
             };
             let deadline = *deadline.get_or_insert_with(|| {
@@ -202,6 +208,7 @@ impl Owner {
             alive.get_or_insert_with(|| self.keep_alive());
             tracing::warn!(%error, fence = self.lease.fence, "could not settle the key; asking again while the lease lasts");
             crate::telemetry::settlement_retry(self.lease.scope.operation());
+            unavailable = Some(error);
             tokio::time::sleep_until(next).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
@@ -211,14 +218,15 @@ impl Owner {
     /// Postgres could not tell.
     async fn landed_before(&self, goal: &Goal) -> Option<bool> {
         let record = self.store.lookup_stored(&self.lease.scope, &self.lease.key).await.ok()?;
-        Some(record.is_some_and(|record| {
-            record.fence == self.lease.fence
-                && match goal {
-                    Goal::Complete(sealed) => {
-                        record.state == State::Completed && record.response.is_some_and(|r| r.as_bytes() == &sealed[..])
-                    }
-                    Goal::Release => record.state == State::Released,
-                }
+        let own = self.lease.fence;
+        Some(record.is_some_and(|record| match goal {
+            Goal::Complete(sealed) => {
+                let stored = record.response.is_some_and(|r| r.as_bytes() == &sealed[..]);
+                record.fence == own && record.state == State::Completed && stored
+            }
+            // Within this owner's lease nobody else can move the record out of progress: a higher fence
+            // means the release landed and another claim followed it.
+            Goal::Release => (record.fence == own && record.state == State::Released) || record.fence > own,
         }))
     }
 

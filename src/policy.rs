@@ -275,10 +275,10 @@ impl From<Policy> for PolicyBuilder {
     }
 }
 
-/// Milliseconds for SQL and Redis arguments, saturating rather than wrapping on absurd durations.
 /// The longest lease, Redis TTL, retention or tombstone horizon a policy takes: about 100 years.
 pub(crate) const MAX_POLICY_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// Milliseconds for SQL and Redis arguments, saturating rather than wrapping on absurd durations.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

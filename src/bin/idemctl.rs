@@ -476,11 +476,12 @@ fn inspection(inspection: &Inspection, show_response: bool, encrypted: bool) -> 
             "expires_in_ms": millis(r.expires_in),
             "response_bytes": r.response.as_ref().map(|r| r.as_bytes().len()),
             "response": r.response.as_ref().filter(|_| show_response).map(|r| String::from_utf8_lossy(r.as_bytes()).into_owned()),
-            "response_error": inspection.unreadable.as_ref().map(ToString::to_string).or_else(|| {
-                // Without the key, sealed bytes would read as noise: say what they are.
-                let stored = r.response.as_ref()?.as_bytes();
-                let sealed = !encrypted && stored.len() >= idemstore::SEALING_OVERHEAD && stored[0] == 0xE5;
-                sealed.then(|| "the response looks encrypted: set IDEMSTORE_ENCRYPTION_KEY".to_owned())
+            // Without the key, a sealed response does not open (`UnknownKey`): say what to set.
+            "response_error": inspection.unreadable.as_ref().map(|error| match error {
+                idemstore::EncryptionError::UnknownKey { .. } if !encrypted => {
+                    format!("{error}: the response is encrypted; set IDEMSTORE_ENCRYPTION_KEY")
+                }
+                _ => error.to_string(),
             }),
         })
     });

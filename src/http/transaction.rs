@@ -148,11 +148,13 @@ where
 {
     let Admitted { mut parts, body, scope, key, fingerprint } = admitted;
     let store = &config.store;
-    // Redis's marker lives one lease from the claim: the transaction ends before it does, so that a
-    // duplicate meets the marker rather than queueing on the row lock (and holding a connection).
+    // Redis's marker lives one lease from the claim: the transaction should end before it does, so that
+    // a duplicate meets the marker rather than queueing on the row lock (and holding a connection).
     let policy = config.options.policy.as_deref().unwrap_or_else(|| store.policy(scope.operation()));
     let lease = policy.lease();
-    let deadline = tokio::time::Instant::now() + lease * 9 / 10;
+    // The completion and the commit after the deadline take up to a Postgres timeout each.
+    let margin = (lease / 10).max(store.postgres_timeout() * 2).min(lease / 2);
+    let deadline = tokio::time::Instant::now() + lease - margin;
     let mut tx = match store.begin_transaction().await {
         Ok(tx) => tx,
         Err(_) => return Ok(answer::unavailable()),
@@ -230,7 +232,7 @@ where
         Ok(()) => Ok(Response::from_parts(head, answer_body)),
         // A statement of the handler failed, so Postgres refuses every later one: the same would happen
         // again, so this is no store outage to retry (a savepoint around the statement avoids it).
-        Err(error) if error.sqlstate().as_deref() == Some(IN_FAILED_TRANSACTION) => {
+        Err(error) if error.sqlstate().is_some_and(|code| repeats(&code)) => {
             let detail = "a statement of the handler failed and the handler answered anyway; everything was rolled \
                           back (wrap statements that may fail in a savepoint: a nested transaction)";
             Ok(answer::rolled_back(StatusCode::INTERNAL_SERVER_ERROR, detail, None))
@@ -240,8 +242,12 @@ where
     }
 }
 
-/// Postgres's "current transaction is aborted" (SQLSTATE 25P02).
-const IN_FAILED_TRANSACTION: &str = "25P02";
+/// Whether a refusal of the completion or the commit would come again on a retry of the request: the
+/// transaction is aborted or in a state the handler set (class 25, e.g. 25P02 after a failed statement,
+/// 25006 after `SET TRANSACTION READ ONLY`), or a deferred constraint failed at the commit (class 23).
+fn repeats(sqlstate: &str) -> bool {
+    sqlstate.starts_with("25") || sqlstate.starts_with("23")
+}
 
 /// The handler and its body outlived the claim's deadline: rolled back, and a retry runs it again.
 fn too_slow() -> Response<Boxed> {

@@ -379,6 +379,10 @@ impl StoreBuilder {
                 return Err(ConfigError::TooLong { setting, max });
             }
         }
+        // A zero bound fails every call: a store that can never answer.
+        if timeout < Duration::from_millis(1) || budget < Duration::from_millis(1) {
+            return Err(ConfigError::TooShort);
+        }
         let pg_pool = match (self.pg_pool, self.database_url) {
             (Some(pool), _) => pool,
             (None, Some(url)) => {
@@ -451,10 +455,11 @@ mod tests {
         let url = "postgres://postgres@127.0.0.1:1/none";
         for extreme in [Duration::ZERO, Duration::from_nanos(1), Duration::from_secs(u64::MAX), Duration::MAX] {
             let built = Store::builder().database_url(url).postgres_timeout(extreme).build();
-            assert!(built.is_ok() == (extreme <= MAX_POSTGRES_TIMEOUT), "postgres_timeout({extreme:?})");
+            let valid = |max| (Duration::from_millis(1)..=max).contains(&extreme);
+            assert!(built.is_ok() == valid(MAX_POSTGRES_TIMEOUT), "postgres_timeout({extreme:?})");
             let built =
                 Store::builder().database_url(url).redis_url("redis://127.0.0.1:1/").redis_budget(extreme).build();
-            assert!(built.is_ok() == (extreme <= MAX_REDIS_BUDGET), "redis_budget({extreme:?})");
+            assert!(built.is_ok() == valid(MAX_REDIS_BUDGET), "redis_budget({extreme:?})");
             let built = Store::builder().database_url(url).redis_cooldown(extreme).build();
             assert!(built.is_ok() == (extreme <= MAX_REDIS_COOLDOWN), "redis_cooldown({extreme:?})");
             let _ = server_bounded(PgConnectOptions::new(), extreme);

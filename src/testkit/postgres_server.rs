@@ -47,10 +47,14 @@ impl PostgresServer {
                 Command::new("chown").args(["-R", "postgres:"]).arg(server.dir.path()),
             )?;
         }
-        let template = template()?;
-        let mut copy = server.command("cp");
-        copy.arg("-a").arg(&template).arg(server.data());
-        run("copying the initdb template", &mut copy)?;
+        // A template that cannot be made or copied (a full disk, another user's files): initdb here.
+        let copied = template().and_then(|template| {
+            run("copying the initdb template", server.command("cp").arg("-a").arg(&template).arg(server.data()))
+        });
+        if copied.is_err() {
+            let _ = std::fs::remove_dir_all(server.data());
+            run("initdb", &mut initdb(server.data()))?;
+        }
         on_free_port(|port| {
             server.port = port;
             server.restart()
@@ -127,6 +131,14 @@ fn as_postgres(program: &str) -> Command {
     }
 }
 
+/// `initdb` of a throwaway cluster into `data`.
+fn initdb(data: PathBuf) -> Command {
+    let mut initdb = as_postgres("initdb");
+    initdb.arg("-D").arg(data);
+    initdb.args(["-U", "postgres", "-A", "trust", "-N", "-E", "UTF8", "--no-instructions"]);
+    initdb
+}
+
 /// A cluster that `initdb` made once per machine (and Postgres version), which every server copies:
 /// `initdb` takes seconds on a small machine, most of a test's set-up, and a copy of its files a
 /// fraction of that. Made in a directory of its own and renamed into place, so processes that race to
@@ -137,7 +149,10 @@ fn template() -> Result<PathBuf, TestkitError> {
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '-' })
         .collect();
-    let root = std::env::temp_dir().join(format!("idemstore-initdb-{}", version.trim_matches('-')));
+    // One per user: a template is trusted as it is found, so no other user may have made it.
+    let user = run("id -u", Command::new("id").arg("-u"))?;
+    let user = String::from_utf8_lossy(&user.stdout).trim().to_owned();
+    let root = std::env::temp_dir().join(format!("idemstore-initdb-{user}-{}", version.trim_matches('-')));
     let data = root.join("data");
     if data.join("PG_VERSION").exists() {
         return Ok(data);
@@ -149,10 +164,7 @@ fn template() -> Result<PathBuf, TestkitError> {
     if is_root() {
         run("chown of the initdb template", Command::new("chown").args(["-R", "postgres:"]).arg(staging.path()))?;
     }
-    let mut initdb = as_postgres("initdb");
-    initdb.arg("-D").arg(staging.path().join("data"));
-    initdb.args(["-U", "postgres", "-A", "trust", "-N", "-E", "UTF8", "--no-instructions"]);
-    run("initdb", &mut initdb)?;
+    run("initdb", &mut initdb(staging.path().join("data")))?;
     let staging = staging.keep();
     // Another process may have published its template first: then this one is not needed.
     if std::fs::rename(&staging, &root).is_err() {

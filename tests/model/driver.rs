@@ -465,10 +465,11 @@ impl<'w> Case<'w> {
         }
     }
 
-    /// What Postgres holds for the key.
+    /// What Postgres holds for the key, as it is stored (not as `lookup` presents a record past its
+    /// retention).
     async fn look(&mut self) -> Result<Seen, String> {
-        let found = self.world.take_over.lookup(&self.scope, &self.key).await;
-        let found = found.map_err(|error| format!("lookup failed: {error:?}"))?;
+        let found = self.world.take_over.inspect(&self.scope, &self.key).await;
+        let found = found.map_err(|error| format!("inspect failed: {error:?}"))?.postgres;
         let seen = match found {
             Some(record) => self.world.seen(record)?,
             None => Seen::Nothing,
