@@ -306,18 +306,21 @@ impl Store {
         T: Serialize + DeserializeOwned,
         F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
     {
-        let mut tx = self.begin_transaction().await?;
+        let mut tx = None;
         let answer = self.begin_in(scope, key, fingerprint, options, &mut tx).await?;
         let owner = match claimed(answer, options, scope, key).await? {
             Claimed::Owner(owner) => owner,
             Claimed::Answered(outcome) => {
                 // The answer may have marked the record indeterminate, in this transaction: keep it.
-                if let Err(error) = self.bounded(&COMMIT, tx.commit()).await {
+                if let Some(tx) = tx
+                    && let Err(error) = self.bounded(&COMMIT, tx.commit()).await
+                {
                     tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
                 }
                 return Ok(outcome);
             }
         };
+        let Some(mut tx) = tx else { return Err(RunError::Store(Store::no_transaction())) };
         match encode(work(&mut tx).await) {
             Settled::Value(value, bytes) => {
                 owner.complete_in(tx, &bytes).await?;

@@ -155,15 +155,14 @@ where
     // The completion and the commit after the deadline take up to a Postgres timeout each.
     let margin = (lease / 10).max(store.postgres_timeout() * 2).min(lease / 2);
     let deadline = tokio::time::Instant::now() + lease - margin;
-    let mut tx = match store.begin_transaction().await {
-        Ok(tx) => tx,
-        Err(_) => return Ok(answer::unavailable()),
-    };
+    let mut tx = None;
     let owner = match store.begin_in(&scope, &key, &fingerprint, &config.options, &mut tx).await {
         Ok(Begin::Acquired(owner)) => owner,
         Ok(refused) => {
             // The answer may have marked the record indeterminate, in this transaction: keep it.
-            if let Err(error) = store.bounded(&COMMIT, tx.commit()).await {
+            if let Some(tx) = tx
+                && let Err(error) = store.bounded(&COMMIT, tx.commit()).await
+            {
                 tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
             }
             if config.reveals(&refused) && !config.allows_replay(&parts, &scope).await {
@@ -174,6 +173,7 @@ where
         Err(StoreError::Encryption(_)) => return Ok(answer::unreadable()),
         Err(_) => return Ok(answer::unavailable()),
     };
+    let Some(tx) = tx else { return Ok(answer::unavailable()) };
     let transaction = ClaimTransaction(Arc::new(Mutex::new(Some(tx))));
     parts.extensions.insert(transaction.clone());
     let request = Request::from_parts(parts, Either::Right(Full::new(body)));

@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 use super::Store;
 use sqlx::postgres::PgConnection;
 
+/// A transaction for a claim that commits with the caller's work, begun only when Postgres is asked
+/// ([`Store::begin_in`]).
+pub(crate) type LazyTx = Option<sqlx::Transaction<'static, sqlx::Postgres>>;
+
 use super::postgres_tier::{ClaimAnswer, Retained};
 use super::redis_tier::{RedisTier, Takeback};
 use super::scripts::RedisBegin;
@@ -92,15 +96,17 @@ impl Store {
         answer
     }
 
-    /// [`Store::begin`] with the Postgres claim made inside `tx`, which the caller commits (with the
-    /// completion) or rolls back; under the policy of `options` (a wait does not apply: a row lock does).
+    /// [`Store::begin`] with the Postgres claim made inside a transaction that the caller commits (with
+    /// the completion) or rolls back; under the policy of `options` (a wait does not apply: a row lock
+    /// does). The transaction is begun only when Postgres is asked: a duplicate that Redis answers costs
+    /// no `BEGIN` and no connection. It is in `tx` afterwards (always, on [`Begin::Acquired`]).
     pub(crate) async fn begin_in(
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
         fingerprint: &Fingerprint,
         options: &RunOptions,
-        tx: &mut PgConnection,
+        tx: &mut LazyTx,
     ) -> Result<Begin, StoreError> {
         self.register(scope.operation());
         let span = telemetry::claim_span(scope.operation(), key.as_str());
@@ -271,7 +277,7 @@ impl Store {
         &'a self,
         candidate: Lease,
         heartbeat: Heartbeat,
-        tx: Option<&'a mut PgConnection>,
+        tx: Option<&'a mut LazyTx>,
         waiting: Option<&'a Waiting>,
     ) -> Boxed<'a, Result<Begin, StoreError>> {
         Box::pin(async move {
@@ -349,17 +355,32 @@ impl Store {
         &'a self,
         candidate: Lease,
         heartbeat: Heartbeat,
-        tx: Option<&'a mut PgConnection>,
+        lazy: Option<&'a mut LazyTx>,
         waiting: Option<&'a Waiting>,
         marked: Marked<'a>,
     ) -> Boxed<'a, Result<Begin, StoreError>> {
         Box::pin(async move {
             let operation = candidate.scope.operation();
             let started = Instant::now();
-            let mut tx = tx;
             let take_back_marker = async || {
                 if let Some((redis, record_key)) = &marked {
                     self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
+                }
+            };
+            // The caller's transaction, begun now that Postgres is asked.
+            let mut tx: Option<&mut PgConnection> = match lazy {
+                None => None,
+                Some(lazy) => {
+                    if lazy.is_none() {
+                        match self.begin_transaction().await {
+                            Ok(begun) => *lazy = Some(begun),
+                            Err(error) => {
+                                take_back_marker().await;
+                                return Err(error);
+                            }
+                        }
+                    }
+                    lazy.as_deref_mut()
                 }
             };
             let claim = match self.inner.postgres.claim(&candidate, tx.as_deref_mut()).await {

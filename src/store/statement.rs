@@ -56,9 +56,24 @@ impl Store {
         self.inner.postgres.timeout()
     }
 
+    /// A key acquired by [`Store::begin_in`] is always acquired inside the transaction it began (only
+    /// Postgres acquires): this is the error should that ever not hold, failing closed.
+    pub(crate) fn no_transaction() -> StoreError {
+        BEGIN.failed(sqlx::Error::Protocol("a key acquired without its claim's transaction".into()))
+    }
+
     /// A transaction on a pooled connection, for a claim that commits with the caller's work.
+    ///
+    /// `BEGIN` runs in a task of its own: sqlx counts a transaction only once the server confirmed its
+    /// `BEGIN`, so a caller cancelled in between (a client gone, this call's deadline) would hand the
+    /// pool a connection inside a transaction that nobody rolls back, and later statements on it (a
+    /// claim) would never commit. The task finishes the `BEGIN`, and a transaction nobody awaits any
+    /// more is dropped, which rolls it back.
     pub(crate) async fn begin_transaction(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        self.bounded(&BEGIN, self.pg_pool().begin()).await
+        let pool = self.pg_pool().clone();
+        let begun = tokio::spawn(async move { pool.begin().await });
+        let joined = async { begun.await.unwrap_or_else(|join| Err(sqlx::Error::Io(std::io::Error::other(join)))) };
+        self.bounded(&BEGIN, joined).await
     }
 }
 
