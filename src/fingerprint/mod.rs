@@ -9,13 +9,14 @@
 //!
 //! # Versions
 //! Fingerprints are stored with every record, for as long as the record (forever in a ledger tier), so
-//! their form is versioned. **Version 2** (written since 0.2) reads every number from its decimal text:
-//! any integer and any decimal exactly, in an output at most a few bytes longer than its input per number.
-//! **Version 1** (earlier releases) read numbers as `f64`, so integers beyond 2^64 and decimals beyond 17
-//! significant digits could share a fingerprint with a neighbour. A JSON request carries both forms: new
-//! records store version 2, and a record stored by version 1 is compared with the request's version-1
-//! form, so upgrading never turns a retry into a mismatch. (The two are hashed under different prefixes,
-//! so neither can equal the other's; which one a record holds needs no column of its own.)
+//! their form is versioned. **Version 2** (what this crate writes) reads every number from its decimal
+//! text: any integer and any decimal exactly, in an output at most a few bytes longer than its input per
+//! number. **Version 1** (development builds before it) read numbers as `f64`, so integers beyond 2^64
+//! and decimals beyond 17 significant digits could share a fingerprint with a neighbour. A JSON request
+//! carries both forms: new records store version 2, and a record stored by version 1 is compared with the
+//! request's version-1 form, so upgrading never turns a retry into a mismatch. (The two are hashed under
+//! different prefixes, so neither can equal the other's; which one a record holds needs no column of its
+//! own.)
 
 mod finite;
 mod json;
