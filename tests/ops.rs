@@ -225,6 +225,20 @@ async fn idemctl_commands(mode: Mode) {
     let bare =
         Command::new(env!("CARGO_BIN_EXE_idemctl")).args(["--json", "stats"]).env_remove("DATABASE_URL").output();
     assert_eq!(bare.expect("run idemctl").status.code(), Some(2));
+    // A password typed on the command line is warned about (before: silently taken); not one from the
+    // environment.
+    let typed = Command::new(env!("CARGO_BIN_EXE_idemctl"))
+        .args(["--database-url", "postgres://app:secret@127.0.0.1:1/none", "--json", "stats"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run idemctl");
+    assert!(String::from_utf8_lossy(&typed.stderr).contains("carries a password"), "{typed:?}");
+    let from_env = Command::new(env!("CARGO_BIN_EXE_idemctl"))
+        .args(["--json", "stats"])
+        .env("DATABASE_URL", "postgres://app:secret@127.0.0.1:1/none")
+        .output()
+        .expect("run idemctl");
+    assert!(!String::from_utf8_lossy(&from_env.stderr).contains("carries a password"), "{from_env:?}");
 
     complete(&h, "kept").await;
     let (code, inspected) = idemctl(&h, &["inspect", "acme", &op, "kept"]);

@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use idemstore::{Encryption, IdempotencyKey, Inspection, Message, Resolution, Scope, Store, StoreError, TopicBacklog};
 use serde_json::{Value, json};
 
@@ -199,7 +199,12 @@ fn http_response(status: u16, headers: &[String], body: Vec<u8>) -> Result<Vec<u
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
+    warn_of_passwords_in_arguments(&cli, &matches);
     match run(&cli).await {
         Ok(output) => {
             print(&cli, &output);
@@ -225,6 +230,32 @@ async fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// A URL typed on the command line is visible to every user of the machine (`ps`, shell history): say so
+/// when one carries a password, and where to put it instead.
+fn warn_of_passwords_in_arguments(cli: &Cli, matches: &clap::ArgMatches) {
+    let typed = |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+    let urls = [
+        ("database-url", "DATABASE_URL", cli.database_url.iter().collect::<Vec<_>>()),
+        ("redis-url", "REDIS_URL", cli.redis_url.iter().collect()),
+        ("redis-cluster", "IDEMSTORE_REDIS_CLUSTER", cli.redis_cluster.iter().collect()),
+    ];
+    for (flag, variable, values) in urls {
+        if typed(&flag.replace('-', "_")) && values.iter().any(|url| has_password(url)) {
+            eprintln!(
+                "idemctl: warning: --{flag} carries a password, which other users can read in the process list; \
+                 set {variable} in the environment instead"
+            );
+        }
+    }
+}
+
+/// Whether a URL's authority holds a password (`scheme://user:password@host`).
+fn has_password(url: &str) -> bool {
+    let Some((_, rest)) = url.split_once("://") else { return false };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    authority.rsplit_once('@').is_some_and(|(userinfo, _)| userinfo.contains(':'))
 }
 
 /// A command's result: JSON for `--json`, and the text shown otherwise.
