@@ -137,7 +137,8 @@ async fn run_once_in_tx_executes_once_under_64_concurrent_calls(mode: Mode) {
     assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
     assert_eq!(h.effects("acme", &k).await, 1);
     let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("record");
-    assert_eq!((record.state, record.fence), (State::Completed, 1));
+    // Not fence 1: a losing claim's INSERT draws from the fence sequence before its conflict is found.
+    assert_eq!(record.state, State::Completed);
 }
 
 /// When the work fails, the claim rolls back with it: no record, no effect, and the retry executes.

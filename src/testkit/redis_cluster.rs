@@ -51,10 +51,7 @@ impl RedisCluster {
     pub fn start() -> Result<Self, TestkitError> {
         super::ensure_installed("redis-server", "redis-server")?;
         super::ensure_installed("redis-cli", "redis-tools")?;
-        let dir = tempfile::Builder::new()
-            .prefix("idemstore-redis-cluster-")
-            .tempdir()
-            .map_err(io("creating a Redis Cluster directory"))?;
+        let dir = super::scratch_dir("idemstore-redis-cluster-", "creating a Redis Cluster directory")?;
         let mut cluster = Self { nodes: Vec::new(), dir };
         for _ in 0..6 {
             let node = cluster.spawn_new_node()?;

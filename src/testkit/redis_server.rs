@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use super::{TestkitError, io, on_free_port, run};
+use super::{TestkitError, io, on_free_port, run, scratch_dir};
 
 /// A `redis-server` child process (or another Redis-compatible server) bound to 127.0.0.1, without
 /// persistence unless its extra arguments ask for it. Its controls take `&self`, so a fault can be
@@ -47,8 +47,7 @@ impl RedisServer {
     /// # Errors
     /// [`TestkitError`] if `program` cannot be started or does not come up.
     pub fn start_program(program: impl Into<PathBuf>, extra_args: &[&str]) -> Result<Self, TestkitError> {
-        let dir =
-            tempfile::Builder::new().prefix("idemstore-redis-").tempdir().map_err(io("creating a Redis directory"))?;
+        let dir = scratch_dir("idemstore-redis-", "creating a Redis directory")?;
         let mut server = Self {
             child: Mutex::new(None),
             port: 0,
