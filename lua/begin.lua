@@ -3,8 +3,7 @@
 -- A "claimed" answer never means "execute": Postgres decides that.
 --
 -- KEYS[1]  the record, idem:{...}
--- ARGV[1]  payload fingerprint (the 32 bytes of its SHA-256), the version new records store
--- ARGV[5]  the same payload's version-1 fingerprint, which older records hold ('' if it has none)
+-- ARGV[1]  payload fingerprint (the 32 bytes of its SHA-256)
 -- ARGV[2]  owner token of the caller
 -- ARGV[3]  lease in milliseconds (the marker's PX)
 -- ARGV[4]  the key's digest if the caller waits for an in-flight owner and follows the settled channel,
@@ -36,12 +35,12 @@ if kind == 'string' then
     state, fingerprint, response = 'c', string.sub(packed, 1, 32), string.sub(packed, 33)
   end
 elseif kind == 'hash' then
-  local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'r', 'w', 't')
-  state, fingerprint, response, waiter, owner = rec[1], rec[2], rec[3], rec[4], rec[5]
+  local rec = redis.call('HMGET', KEYS[1], 's', 'h', 'w', 't')
+  state, fingerprint, waiter, owner = rec[1], rec[2], rec[3], rec[4]
 end
 
--- No record, or one outside this contract (fields lost, or written by something else): a miss. It is
--- replaced by the caller's marker, and Postgres decides.
+-- No record, or one outside this contract (fields lost, a hash that says 'c', or written by something
+-- else): a miss. It is replaced by the caller's marker, and Postgres decides.
 local valid = fingerprint and (state == 'p' or state == 'i' or (state == 'c' and response))
 if not valid then
   -- Only a malformed record is deleted: a write before HSET would let the script past Redis's OOM check
@@ -53,7 +52,7 @@ if not valid then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {'claimed'}
 end
-if fingerprint ~= ARGV[1] and (ARGV[5] == '' or fingerprint ~= ARGV[5]) then
+if fingerprint ~= ARGV[1] then
   if state == 'p' then
     return {'unconfirmed'}
   end

@@ -28,18 +28,12 @@ if ARGV[1] == 'c' and #ARGV[2] ~= 32 then
   return 0
 end
 local kind = redis.call('TYPE', KEYS[1]).ok
-local prior = {}
-if kind == 'string' then
-  -- A completed record, unless it is too short to be one (a miss for begin.lua too).
-  if redis.call('STRLEN', KEYS[1]) >= 32 then
-    prior = {'c'}
-  end
-elseif kind == 'hash' then
-  prior = redis.call('HMGET', KEYS[1], 's', 'w')
-end
-if ARGV[1] ~= 'c' and prior[1] == 'c' then
+-- A completed record, unless its string is too short to be one (a miss for begin.lua too).
+if ARGV[1] ~= 'c' and kind == 'string' and redis.call('STRLEN', KEYS[1]) >= 32 then
   return 0
 end
+-- Only a marker has waiters (false when none).
+local waiter = kind == 'hash' and redis.call('HGET', KEYS[1], 'w')
 -- The first write is the one Redis's OOM check sees (under `noeviction` a full Redis refuses it): SET
 -- replaces a key of any type by itself; a marker's HSET needs the old key gone first.
 if ARGV[1] == 'c' then
@@ -51,11 +45,11 @@ else
   redis.call('HSET', KEYS[1], 's', ARGV[1], 'h', ARGV[2], 't', ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[5])
 end
-if prior[2] then
+if waiter then
   if ARGV[1] == 'p' then
-    redis.call('HSET', KEYS[1], 'w', prior[2])
+    redis.call('HSET', KEYS[1], 'w', waiter)
   else
-    redis.call('PUBLISH', ARGV[6], prior[2])
+    redis.call('PUBLISH', ARGV[6], waiter)
   end
 end
 return 1

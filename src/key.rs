@@ -58,14 +58,9 @@ impl IdempotencyKey {
         IdempotencyKey(format!("idem-{}", std::str::from_utf8(&digits).expect("hex digits are ASCII")))
     }
 
-    /// The key of outbox row `id` (`outbox-<id>`), valid by construction.
-    /// An outbox row's key: `outbox-<id>-<nonce>` (hex), or `outbox-<id>` for rows written before
-    /// rows had a nonce.
-    pub(crate) fn outbox(id: i64, nonce: Option<i64>) -> Self {
-        IdempotencyKey(match nonce {
-            Some(nonce) => format!("outbox-{id}-{nonce:x}"),
-            None => format!("outbox-{id}"),
-        })
+    /// An outbox row's key: `outbox-<id>-<nonce>` (the nonce in hex), valid by construction.
+    pub(crate) fn outbox(id: i64, nonce: i64) -> Self {
+        IdempotencyKey(format!("outbox-{id}-{nonce:x}"))
     }
 }
 

@@ -27,8 +27,8 @@ use crate::policy::millis;
 use crate::store::{Statement, Store};
 use crate::telemetry;
 
-/// The nonce of the row's key is written here, not by a column default: rows an older binary enqueues
-/// during a rollout keep no nonce, and so the key (`outbox-<id>`) older relays deliver them under.
+/// The nonce of the row's key ([`Message::idempotency_key`]) is drawn here; the column's default covers
+/// rows written by hand.
 const ENQUEUE: Statement = Statement::new(
     "outbox_enqueue",
     "INSERT INTO idempotency_outbox (topic, payload, key_nonce)
@@ -225,14 +225,13 @@ pub struct Message {
     /// mid-batch keeps its number, since the crash recorded nothing.
     pub attempt: u32,
     payload: String,
-    key_nonce: Option<i64>,
+    key_nonce: i64,
 }
 
 impl Message {
     /// `outbox-<id>-<nonce>`: the same on every delivery of this row, and never another row's, even if
     /// ids repeat (a sequence restarted, a restored backup). Pass it as the downstream's idempotency key.
-    /// Rows enqueued before the nonce existed keep `outbox-<id>`. Prefix the key when several
-    /// databases feed one downstream account.
+    /// Prefix the key when several databases feed one downstream account.
     pub fn idempotency_key(&self) -> IdempotencyKey {
         IdempotencyKey::outbox(self.id, self.key_nonce)
     }

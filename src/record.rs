@@ -43,7 +43,7 @@ pub enum State {
 }
 
 impl State {
-    /// The name stored in Postgres.
+    /// The state's name, as operators read it (both tiers store a one-letter code instead).
     pub fn as_str(self) -> &'static str {
         match self {
             State::InProgress => "in_progress",
@@ -172,9 +172,10 @@ pub struct Record {
     pub expires_in: Option<Duration>,
     /// The stored response, once completed.
     pub response: Option<StoredResponse>,
-    /// The tier (policy name) the record was stored under; `None` for records older than tiers.
+    /// The tier (policy name) the record was stored under; `None` for a tombstone.
     pub tier: Option<String>,
     /// The lease-expiry rule the record was claimed under; it decides, whatever a caller's policy says.
+    /// `None` for a tombstone.
     pub lease_expiry: Option<LeaseExpiry>,
 }
 

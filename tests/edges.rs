@@ -259,9 +259,8 @@ async fn redis_never_answers_in_flight_after_postgres_settled(mode: Mode) {
     assert!(matches!(again, Begin::Completed(_)), "Redis was repaired: {again:?}");
 }
 
-/// A Redis hash that lost fields (or was written by something else) is a miss that Postgres answers and
-/// repairs (before: a hash without its fingerprint answered "mismatch" to every payload, and one without
-/// its response tripped the circuit for the whole process).
+/// A Redis marker that lost fields (or a hash written by something else) is a miss that Postgres answers
+/// and repairs (before: a marker without its fingerprint answered "mismatch" to every payload).
 async fn a_malformed_redis_record_is_a_miss(mode: Mode) {
     if mode == Mode::PostgresOnly {
         return;
@@ -270,7 +269,7 @@ async fn a_malformed_redis_record_is_a_miss(mode: Mode) {
     let scope = h.scope("acme");
     let mut conn = h.redis_connection().await;
     for (name, fields) in
-        [("no-fingerprint", &[("s", "c"), ("r", "x")][..]), ("no-response", &[("s", "c"), ("h", "")][..])]
+        [("no-fingerprint", &[("s", "i")][..]), ("no-state", &[("h", ""), ("t", "another-owner")][..])]
     {
         let k = key(name);
         let owner = acquire(&h, &scope, &k, r#"{"a":1}"#).await;

@@ -1,5 +1,5 @@
-//! The inbox keyed by event id: re-deliveries with changed bookkeeping, compared fields, the
-//! transactional receive, and records an earlier release stored. Real Redis and Postgres, both modes.
+//! The inbox keyed by event id: re-deliveries with changed bookkeeping, compared fields and the
+//! transactional receive. Real Redis and Postgres, both modes.
 
 #[macro_use]
 mod support;
@@ -13,7 +13,6 @@ suite!(
     a_redelivery_with_changed_bookkeeping_is_a_duplicate_after_success,
     compared_fields_decide_a_conflict,
     receive_in_tx_commits_the_handlers_writes_with_the_record,
-    a_record_stored_with_the_whole_body_still_answers,
 );
 
 /// A Stripe event as delivered `pending` deliveries before the last.
@@ -109,43 +108,4 @@ fn insert(
             Ok(id)
         })
     }
-}
-
-/// The whole body's fingerprint as an earlier release stored it (version 1: SHA-256 of `json\0` and the
-/// canonical JSON).
-fn stored_by_earlier_release(event: &Value) -> Vec<u8> {
-    use sha2::Digest as _;
-    let canonical = serde_json::to_string(event).expect("serializable"); // serde_json sorts members
-    sha2::Sha256::digest(format!("json\0{canonical}").as_bytes()).to_vec()
-}
-
-/// Records an earlier release stored compared whole bodies: a completed one answers a re-delivery with
-/// another body as a duplicate, and a released one (its handler failed before the upgrade) lets an
-/// identical re-delivery run the handler (before this fix: a conflict for the record's 7 days).
-async fn a_record_stored_with_the_whole_body_still_answers(mode: Mode) {
-    let h = Harness::start(mode).await;
-    let consumer = format!("stripe-{}", h.id());
-    for (event_id, state, response) in
-        [("evt_old", "c", Some(&br#"{"sequence":3,"outcome":"ok"}"#[..])), ("evt_failed", "r", None)]
-    {
-        sqlx::query(
-            "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence, response)
-             VALUES ($1, 'inbox', $2, $3, $4, nextval('idempotency_fences'), $5)",
-        )
-        .bind(&consumer)
-        .bind(event_id)
-        .bind(stored_by_earlier_release(&event(2)))
-        .bind(state)
-        .bind(response)
-        .execute(&h.pool)
-        .await
-        .expect("a record as an earlier inbox stored it");
-    }
-    let inbox = h.store.inbox(consumer).expect("inbox");
-    let again =
-        inbox.receive("evt_old", None, &event(1), || async { Ok::<_, sqlx::Error>("ran again".to_owned()) }).await;
-    assert_eq!(again.expect("re-delivery"), Received::Duplicate { outcome: "ok".to_owned(), sequence: Some(3) });
-    let retried =
-        inbox.receive("evt_failed", None, &event(2), || async { Ok::<_, sqlx::Error>("handled".to_owned()) }).await;
-    assert_eq!(retried.expect("re-delivery"), Received::Handled("handled".to_owned()));
 }

@@ -9,14 +9,11 @@
 //!
 //! # Versions
 //! Fingerprints are stored with every record, for as long as the record (forever in a ledger tier), so
-//! their form is versioned. **Version 2** (what this crate writes) reads every number from its decimal
-//! text: any integer and any decimal exactly, in an output at most a few bytes longer than its input per
-//! number. **Version 1** (development builds before it) read numbers as `f64`, so integers beyond 2^64
-//! and decimals beyond 17 significant digits could share a fingerprint with a neighbour. A JSON request
-//! carries both forms: new records store version 2, and a record stored by version 1 is compared with the
-//! request's version-1 form, so upgrading never turns a retry into a mismatch. (The two are hashed under
-//! different prefixes, so neither can equal the other's; which one a record holds needs no column of its
-//! own.)
+//! their form is versioned: each form is hashed under a prefix that names it (`json-v2`, `raw`, ...), and
+//! a form added later can never equal one a record holds. The JSON form reads every number from its
+//! decimal text, never through `f64`: any integer and any decimal exactly (through `f64`, integers beyond
+//! 2^64 and decimals beyond 17 significant digits would share a fingerprint with a neighbour), in an
+//! output at most a few bytes longer than its input per number.
 
 mod finite;
 mod json;
@@ -32,12 +29,10 @@ pub(crate) use finite::is_finite;
 use json::Canon;
 use pointer::JsonPointer;
 
-/// SHA-256 of a canonical request (32 bytes, the form stored in both tiers), in the current version;
-/// for JSON, also the version-1 form that older records hold.
+/// SHA-256 of a canonical request (32 bytes, the form stored in both tiers).
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Fingerprint {
     digest: [u8; 32],
-    legacy: Option<[u8; 32]>,
 }
 
 impl Fingerprint {
@@ -55,7 +50,7 @@ impl Fingerprint {
         let mut out = Vec::with_capacity(body.len() + 16);
         if !options.compared.is_empty() {
             // The named fields only, each as its pointer's tokens and its value, or `!` where missing
-            // (not JSON, so no value spells it). A form of its own: it has no version-1 counterpart.
+            // (not JSON, so no value spells it). A form of its own, under its own prefix.
             out.extend_from_slice(b"json-v2-fields\0");
             for pointer in &options.compared {
                 pointer.write_tokens(&mut out);
@@ -64,15 +59,11 @@ impl Fingerprint {
                     None => out.push(b'!'),
                 }
             }
-            return Ok(Self { digest: Sha256::digest(&out).into(), legacy: None });
+            return Ok(Self { digest: Sha256::digest(&out).into() });
         }
         out.extend_from_slice(b"json-v2\0");
         canon.write_exact(&mut out)?;
-        let digest = Sha256::digest(&out).into();
-        out.clear();
-        out.extend_from_slice(b"json\0");
-        let legacy = canon.write_legacy(&mut out).map(|()| Sha256::digest(&out).into());
-        Ok(Self { digest, legacy })
+        Ok(Self { digest: Sha256::digest(&out).into() })
     }
 
     /// Fingerprints any serializable value through its JSON form, with the same canonical rules.
@@ -92,8 +83,7 @@ impl Fingerprint {
         Self::of_json(&body, options)
     }
 
-    /// Fingerprints an opaque body byte for byte (for content that is not JSON; the same in every
-    /// version).
+    /// Fingerprints an opaque body byte for byte (for content that is not JSON).
     ///
     /// # Errors
     /// [`InputError::PayloadTooLarge`].
@@ -102,74 +92,47 @@ impl Fingerprint {
         let mut hasher = Sha256::new();
         hasher.update(b"raw\0");
         hasher.update(body);
-        Ok(Self { digest: hasher.finalize().into(), legacy: None })
+        Ok(Self { digest: hasher.finalize().into() })
     }
 
     /// This fingerprint bound to a context (such as the HTTP method and target), so that the same body
     /// sent to two different targets gives two different fingerprints.
     pub fn within(&self, context: &[&str]) -> Self {
-        let bind = |fingerprint: &[u8; 32]| {
-            let mut hasher = Sha256::new();
-            hasher.update(b"ctx\0");
-            for part in context {
-                // Length-prefixed, so no two different contexts hash the same bytes.
-                hasher.update((part.len() as u64).to_le_bytes());
-                hasher.update(part.as_bytes());
-            }
-            // The hex digits, as releases that stored hex bound them: the same request, the same value.
-            hasher.update(hex(fingerprint));
-            hasher.finalize().into()
-        };
-        Self { digest: bind(&self.digest), legacy: self.legacy.as_ref().map(bind) }
+        let mut hasher = Sha256::new();
+        hasher.update(b"ctx\0");
+        for part in context {
+            // Length-prefixed, so no two different contexts hash the same bytes.
+            hasher.update((part.len() as u64).to_le_bytes());
+            hasher.update(part.as_bytes());
+        }
+        // The hex digits, not the bytes: the bound form is stored, so it stays as it was first defined.
+        hasher.update(hex(&self.digest));
+        Self { digest: hasher.finalize().into() }
     }
 
     /// A fingerprint read back from storage; `None` unless it is 32 bytes.
     pub(crate) fn from_stored(stored: &[u8]) -> Option<Self> {
-        Some(Self { digest: stored.try_into().ok()?, legacy: None })
+        Some(Self { digest: stored.try_into().ok()? })
     }
 
-    /// The 32 bytes of the current version (what new records store).
+    /// The 32 bytes (what records store).
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.digest
     }
 
-    /// The current version as 64 lowercase hex digits (how logs and `idemctl` show it).
+    /// The 64 lowercase hex digits (how logs and `idemctl` show it).
     pub fn to_hex(&self) -> String {
         String::from_utf8(hex(&self.digest).to_vec()).expect("hex digits are ASCII")
     }
 
-    /// The version-1 form, which records stored by earlier releases hold; `None` for raw bodies (the
-    /// same in every version) and for payloads version 1 refused.
-    pub(crate) fn legacy_bytes(&self) -> Option<&[u8; 32]> {
-        self.legacy.as_ref()
-    }
-
-    /// The version-1 form as a fingerprint of its own (to bind it to another context than the current
-    /// form).
-    pub(crate) fn previous(&self) -> Option<Self> {
-        self.legacy.map(|digest| Self { digest, legacy: None })
-    }
-
-    /// This fingerprint, matching records that hold `previous` too (what an earlier release computed
-    /// for the same request).
-    pub(crate) fn with_previous(self, previous: Option<Self>) -> Self {
-        let legacy = previous.map(|previous| previous.digest).filter(|legacy| *legacy != self.digest);
-        Self { legacy, ..self }
-    }
-
-    /// Whether a stored fingerprint (of either version) is this request's.
+    /// Whether a stored fingerprint is this request's.
     pub(crate) fn is(&self, stored: &[u8]) -> bool {
-        self.digest == stored || self.legacy.is_some_and(|legacy| legacy == stored)
-    }
-
-    #[cfg(test)]
-    fn legacy_hex(&self) -> Option<String> {
-        self.previous().map(|previous| previous.to_hex())
+        self.digest == stored
     }
 
     /// Whether a stored prefix (a tombstone keeps 8 bytes) is this request's.
     pub(crate) fn starts_with(&self, prefix: &[u8]) -> bool {
-        self.digest.starts_with(prefix) || self.legacy.is_some_and(|legacy| legacy.starts_with(prefix))
+        self.digest.starts_with(prefix)
     }
 }
 
@@ -258,26 +221,12 @@ impl FingerprintOptions {
 }
 
 impl Canon<'_> {
-    /// Writes the version-2 canonical form (exact numbers).
+    /// Writes the canonical form, every number exact (see `number::write_exact`).
     pub(super) fn write_exact(&self, out: &mut Vec<u8>) -> Result<(), InputError> {
-        self.write(out, &mut number::write_exact)
-    }
-
-    /// Writes the version-1 canonical form; `None` if version 1 refused the payload.
-    fn write_legacy(&self, out: &mut Vec<u8>) -> Option<()> {
-        self.write(out, &mut |text, out| number::write_legacy(text, out).ok_or(())).ok()
-    }
-
-    /// The canonical form, numbers spelled by `number` (an error stops the writing).
-    fn write<E>(
-        &self,
-        out: &mut Vec<u8>,
-        number: &mut impl FnMut(&str, &mut Vec<u8>) -> Result<(), E>,
-    ) -> Result<(), E> {
         match self {
             Canon::Null => out.extend_from_slice(b"null"),
             Canon::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
-            Canon::Number(text) => number(text, out)?,
+            Canon::Number(text) => number::write_exact(text, out)?,
             Canon::String(s) => write_string(s, out),
             Canon::Array(items) => {
                 out.push(b'[');
@@ -285,7 +234,7 @@ impl Canon<'_> {
                     if i > 0 {
                         out.push(b',');
                     }
-                    item.write(out, number)?;
+                    item.write_exact(out)?;
                 }
                 out.push(b']');
             }
@@ -297,7 +246,7 @@ impl Canon<'_> {
                     }
                     write_string(name, out);
                     out.push(b':');
-                    value.write(out, number)?;
+                    value.write_exact(out)?;
                 }
                 out.push(b'}');
             }
@@ -347,32 +296,20 @@ mod tests {
         assert_ne!(fp(r#""1""#), fp("1"));
     }
 
-    /// Found by `fuzz/`: without correctly rounded float parsing, an integer beyond 64 bits and its
-    /// shortest float spelling could parse to neighbouring doubles and fingerprint differently in version
-    /// 1 (which compares them as doubles). Version 2 compares exact values: they differ.
-    #[test]
-    fn big_integers_and_their_float_spelling_agree_in_version_1_only() {
-        let big = "1111111111555555555555555";
-        let respelled = fp(&format!("{:e}", big.parse::<f64>().expect("a float")));
-        assert_eq!(fp(big).legacy_hex().as_deref(), respelled.legacy_hex().as_deref());
-        assert_ne!(fp(big).to_hex(), respelled.to_hex());
-    }
-
-    /// Two amounts that differ in the 21st digit: version 1 gave them one fingerprint (so the second
-    /// request was answered with the first one's response); version 2 tells them apart.
+    /// Two amounts that differ in the 21st digit are two requests (read as `f64`, they would share one
+    /// fingerprint, and the second request would be answered with the first one's response).
     #[test]
     fn amounts_beyond_64_bits_differ() {
         let a = fp(r#"{"amount_wei":100000000000000000001}"#);
         let b = fp(r#"{"amount_wei":100000000000000000000}"#);
-        assert_eq!(a.legacy_hex().as_deref(), b.legacy_hex().as_deref(), "the version-1 collision this replaces");
         assert_ne!(a.to_hex(), b.to_hex());
         assert!(!a.is(b.as_bytes()));
         let c = fp(r#"{"price":0.30000000000000000000000000001}"#);
         assert_ne!(c.to_hex(), fp(r#"{"price":0.3}"#).to_hex());
     }
 
-    /// A body of large exponents: version 1 wrote `1e308` as 309 digits (a 1 MiB body built a ~54 MB
-    /// canonical buffer); version 2 writes it in 5 bytes.
+    /// A body of large exponents: `1e308` is written in 5 bytes, not as its 309 digits (which would
+    /// build a ~54 MB canonical buffer for a 1 MiB body).
     #[test]
     fn canonical_form_stays_near_the_input_size() {
         let body = format!("[{}1e308]", "1e308,".repeat(100_000));
@@ -380,59 +317,41 @@ mod tests {
         let mut exact = Vec::new();
         canon.write_exact(&mut exact).expect("in range");
         assert!(exact.len() <= body.len() + 16, "{} canonical bytes for {} input bytes", exact.len(), body.len());
-        let mut legacy = Vec::new();
-        canon.write_legacy(&mut legacy).expect("in f64 range");
-        assert!(legacy.len() > 50 * body.len(), "version 1 is the blow-up this replaces");
     }
 
-    /// Fingerprints are stored in both tiers: each version's canonical form must never change, or
-    /// retries that span an upgrade would be refused as mismatches. Version 1 stays what earlier releases
-    /// stored (its golden values are theirs); version 2 is frozen here.
+    /// Fingerprints are stored in both tiers: the canonical form must never change, or retries that span
+    /// an upgrade would be refused as mismatches. It is frozen here.
     #[test]
     fn fingerprints_are_a_stored_format() {
         let golden = [
             (
                 r#"{"amount":1200,"currency":"EUR","customer":{"id":"cus_1"},"items":[1,2.5,-3,true,null,[],{}]}"#,
-                "de6d95321feefe4df4205416bf9b2f37944d1144bf01eafabc9eb2499639abe5",
                 "b7e6823004ef9976262c1a7cd61189291cdc31d79a7f64cc07c6b6a8fddd263e",
             ),
             (
                 r#"{"b":"quote \" backslash \\ tab \t nul \u0000 bell \u0007","a":"é ü 日本 🎉 \ud83c\udf89"}"#,
-                "d14938111673ff62920231ab3915827e670590c485794efffb8a73c9cfcffe2f",
                 "6e2f6cdaf15f3f97454dd93f1ab294960de325854055965c57b2284ad85b7fe3",
             ),
             (
                 r#"[0,-0,-0.0,1e0,1.5e3,1e-7,1e21,1e300,18446744073709551615,-9223372036854775808,123456789012345678901234567890]"#,
-                "0fa092f3c0e405784b52288d4f43252c294c860ecf6ee8daa49c62829b0a76e7",
                 "e1eafd753c71a57cbfd8cd4bf06a5b2306977f22c72acf9b6f0cb05c64e7e686",
             ),
             (
                 r#"{"z":1,"é":2,"Z":3,"a b":4,"a\nb":5,"":6,"aa":7,"a":8}"#,
-                "5e983d579120fd406aff1d7ad87d928a08193d35bf5b0ee00ed0c1b8db301ae9",
                 "d8c4fee85ba52405d5d3dd88cb79d02402073ca2ff7db95e936c5535ecc01016",
             ),
-            (
-                r#""just a string""#,
-                "9bcf318e16d168781747d788c05ae170d43178940982410bfd90246ff4be00ec",
-                "f761a302d0eb203a2494ec16ff99aa51d638c02417d5dcfdae5bda0ce1d24e4c",
-            ),
+            (r#""just a string""#, "f761a302d0eb203a2494ec16ff99aa51d638c02417d5dcfdae5bda0ce1d24e4c"),
             (
                 r#"[[[[{"deep":[{"x":{"y":[]}}]}]]]]"#,
-                "ac9427bd1b6b0a355ab3c1ed12aec471d71145f8ddb4b9ddbac066ed488d1091",
                 "4ca8f986c07b6157f6dd2e0fe0603a3cef2d29560432f65718977d6c3a5eea93",
             ),
         ];
-        for (body, v1, v2) in golden {
-            assert_eq!(fp(body).legacy_hex().as_deref(), Some(v1), "{body}");
-            assert_eq!(fp(body).to_hex(), v2, "{body}");
+        for (body, expected) in golden {
+            assert_eq!(fp(body).to_hex(), expected, "{body}");
         }
         let options = FingerprintOptions::default().ignore_field("/meta/ts").and_then(|o| o.ignore_field("/items/1"));
         let ignored = Fingerprint::of_json(br#"{"meta":{"ts":5,"id":1},"items":[1,2,3]}"#, &options.expect("pointers"));
         let ignored = ignored.expect("valid");
-        assert_eq!(
-            ignored.legacy_hex().as_deref(),
-            Some("93cb7b9205ef87799a3f3b30cc6b728ff8dc6b1645e661a0c1ed33dd757d4a8e")
-        );
         assert_eq!(ignored.to_hex(), "0c57f7720b661deea92f1645144ec5a8f83a4ec6800bda07e39ee0f23b080e9b");
     }
 
@@ -448,7 +367,6 @@ mod tests {
         assert_ne!(first, of(r#"{"type":"charge","data":{"amount":101},"pending_webhooks":2}"#));
         assert_ne!(of(r#"{"type":null}"#), of(r#"{}"#));
         assert_ne!(of(r#"{}"#), fp("{}"), "a form of its own");
-        assert_eq!(first.legacy_hex().as_deref(), None);
     }
 
     #[test]
@@ -508,8 +426,8 @@ mod tests {
         let huge = vec![b' '; 100 << 20];
         assert!(matches!(Fingerprint::of_json(&huge, &options), Err(InputError::PayloadTooLarge { .. })));
         assert!(matches!(Fingerprint::of_bytes(&huge, &options), Err(InputError::PayloadTooLarge { .. })));
-        // Beyond f64: version 1 refused it, version 2 keeps it exactly (and has no version-1 form).
-        assert_eq!(Fingerprint::of_json(b"1e400", &options).expect("exact").legacy_hex().as_deref(), None);
+        // Beyond f64, and kept exactly.
+        assert!(Fingerprint::of_json(b"1e400", &options).is_ok());
         let exponent = b"1e1234567890123456789";
         assert!(matches!(Fingerprint::of_json(exponent, &options), Err(InputError::InvalidJson(_))));
         for invalid in [&b"01"[..], b"1.", b".5", b"-", b"+1", b"1e", b"tru", b"[1,]", b"{\"a\"}", b"\"\\ud800\""] {
@@ -538,44 +456,6 @@ mod tests {
                     .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
             ]
         })
-    }
-
-    /// Version 1 as earlier releases computed it: `serde_json`'s parse, numbers as it read them.
-    fn version_1(value: &serde_json::Value, out: &mut Vec<u8>) {
-        use serde_json::Value;
-        match value {
-            Value::Number(n) => match (n.as_u64(), n.as_i64()) {
-                (Some(u), _) => out.extend_from_slice(u.to_string().as_bytes()),
-                (_, Some(i)) => out.extend_from_slice(i.to_string().as_bytes()),
-                _ => number::write_legacy(&n.as_f64().expect("finite").to_string(), out).expect("finite"),
-            },
-            Value::Array(items) => {
-                out.push(b'[');
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    version_1(item, out);
-                }
-                out.push(b']');
-            }
-            Value::Object(members) => {
-                let mut members: Vec<_> = members.iter().collect();
-                members.sort_by(|a, b| a.0.cmp(b.0));
-                out.push(b'{');
-                for (i, (name, item)) in members.into_iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    write_string(name, out);
-                    out.push(b':');
-                    version_1(item, out);
-                }
-                out.push(b'}');
-            }
-            Value::String(s) => write_string(s, out),
-            other => out.extend_from_slice(other.to_string().as_bytes()),
-        }
     }
 
     /// Structural equality with numbers compared by exact value.
@@ -612,17 +492,6 @@ mod tests {
             let mut again = Vec::new();
             json::parse(&canonical, 64).expect("canonical form is JSON").write_exact(&mut again).expect("in range");
             prop_assert_eq!(canonical, again);
-        }
-
-        /// The version-1 form is what earlier releases stored for the same body.
-        #[test]
-        fn version_1_is_unchanged(value in json_value()) {
-            let body = serde_json::to_vec_pretty(&value).expect("serializable");
-            let mut expected = b"json\0".to_vec();
-            version_1(&serde_json::from_slice(&body).expect("valid"), &mut expected);
-            let fingerprint = Fingerprint::of_json(&body, &FingerprintOptions::default()).expect("valid");
-            let expected = String::from_utf8(hex(&Sha256::digest(&expected).into()).to_vec()).unwrap();
-            prop_assert_eq!(fingerprint.legacy_hex(), Some(expected));
         }
 
         /// Two payloads share a fingerprint exactly when their canonical values are equal.

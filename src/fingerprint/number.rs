@@ -1,10 +1,10 @@
-//! The canonical spelling of a JSON number, from its text, in each fingerprint version.
+//! The canonical spelling of a JSON number, from its text.
 
 use std::fmt::Write as _;
 
 use crate::error::InputError;
 
-/// Version 2: the exact decimal value, one spelling per value and never through `f64`. The significant
+/// The exact decimal value, one spelling per value and never through `f64`. The significant
 /// digits without leading or trailing zeros, then `e` and the power of ten: `100`, `1e2` and `1.00e2` are
 /// all `1e2`, `-0.0` is `0`. At most 21 bytes longer than the number's text (so `1e308` stays short).
 ///
@@ -50,32 +50,6 @@ pub(super) fn write_exact(text: &str, out: &mut Vec<u8>) -> Result<(), InputErro
     Ok(())
 }
 
-/// Version 1 (stored by earlier releases, matched for their records): what `serde_json` (with
-/// `float_roundtrip`) parsed the text to, written back. Integers that fit 64 bits as written; other
-/// numbers as the nearest `f64`, integers below 2^53 without a fraction, the rest in Rust's shortest
-/// round-trip form. `None` where version 1 refused the payload (beyond the `f64` range).
-pub(super) fn write_legacy(text: &str, out: &mut Vec<u8>) -> Option<()> {
-    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
-    let integer_syntax = !text.contains(['.', 'e', 'E']);
-    if integer_syntax {
-        if let Ok(n) = text.parse::<u64>() {
-            let _ = write!(Utf8(out), "{n}");
-            return Some(());
-        }
-        if let Ok(n) = text.parse::<i64>() {
-            let _ = write!(Utf8(out), "{n}");
-            return Some(());
-        }
-    }
-    let value: f64 = text.parse().ok().filter(|v: &f64| v.is_finite())?;
-    let _ = if value.fract() == 0.0 && value.abs() < EXACT {
-        write!(Utf8(out), "{}", value as i64)
-    } else {
-        write!(Utf8(out), "{value}")
-    };
-    Some(())
-}
-
 /// `fmt::Write` into a byte buffer (writing into a `Vec` cannot fail).
 struct Utf8<'a>(&'a mut Vec<u8>);
 
@@ -115,19 +89,5 @@ mod tests {
         assert_ne!(exact("100000000000000000001"), exact("100000000000000000000"));
         assert!(write_exact("1e1234567890123456789", &mut Vec::new()).is_err());
         assert_eq!(exact("1e000000000000000000000000000001"), "1e1");
-    }
-
-    #[test]
-    fn legacy_spelling_is_what_serde_json_parsed() {
-        let legacy = |text: &str| {
-            let mut out = Vec::new();
-            write_legacy(text, &mut out).map(|()| String::from_utf8(out).expect("ASCII"))
-        };
-        assert_eq!(legacy("1.0").as_deref(), Some("1"));
-        assert_eq!(legacy("-0").as_deref(), Some("0"));
-        assert_eq!(legacy("18446744073709551615").as_deref(), Some("18446744073709551615"));
-        assert_eq!(legacy("100000000000000000001"), legacy("100000000000000000000"));
-        assert_eq!(legacy("1.5e3").as_deref(), Some("1500"));
-        assert_eq!(legacy("1e400"), None);
     }
 }

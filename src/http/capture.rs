@@ -26,8 +26,8 @@ pub(crate) const DEFAULT_REPLAYED_HEADERS: [&str; 14] = [
     "grpc-encoding",
 ];
 
-/// What the layer stores for a request whose handler ran. The first byte of the stored form is its
-/// version, so each layout stays readable after another is added.
+/// What the layer stores for a request whose handler ran. The first byte of the stored form names its
+/// layout (2 withheld, 3 a response), so that another layout can be added and these stay readable.
 #[derive(Debug, PartialEq)]
 pub(crate) enum Stored {
     /// The response, replayed to every retry.
@@ -40,11 +40,6 @@ pub(crate) enum Stored {
 impl Stored {
     pub(crate) fn encode(&self) -> Vec<u8> {
         match self {
-            // Without trailers, the first layout: a binary one version older still replays it.
-            Stored::Response(captured) if captured.trailers.is_empty() => {
-                let Captured { status, headers, body, .. } = captured;
-                postcard::to_stdvec(&(1u8, status, headers, body))
-            }
             Stored::Response(captured) => postcard::to_stdvec(captured),
             Stored::Withheld(withheld) => postcard::to_stdvec(withheld),
         }
@@ -54,10 +49,6 @@ impl Stored {
     /// `None` for bytes that are not the layer's (stored by another writer of the same key).
     pub(crate) fn decode(stored: &[u8]) -> Option<Self> {
         match stored.first()? {
-            1 => {
-                let (_, status, headers, body) = postcard::from_bytes::<(u8, u16, Fields, Vec<u8>)>(stored).ok()?;
-                Some(Stored::Response(Captured { version: 3, status, headers, body, trailers: Vec::new() }))
-            }
             2 => postcard::from_bytes::<Withheld>(stored).ok().map(Stored::Withheld),
             3 => postcard::from_bytes::<Captured>(stored).ok().map(Stored::Response),
             _ => None,
@@ -84,7 +75,7 @@ impl Withheld {
 /// Header or trailer fields, as stored.
 type Fields = Vec<(String, Vec<u8>)>;
 
-/// The stored form of a response: version 3, or version 1 (the same without trailers) when it has none.
+/// The stored form of a response (layout 3).
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Captured {
     version: u8,
@@ -173,7 +164,7 @@ mod tests {
         let allowed: Vec<HeaderName> = DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect();
         let headers = replayed(&headers, &allowed);
         let captured = Stored::Response(Captured::new(StatusCode::CREATED, &headers, b"{\"id\":7}".to_vec(), None));
-        assert_eq!(captured.encode()[0], 1, "without trailers, the first layout");
+        assert_eq!(captured.encode()[0], 3);
         let decoded = Stored::decode(&captured.encode()).expect("round trip");
         assert_eq!(decoded, captured);
         let Stored::Response(decoded) = decoded else { panic!("a response") };

@@ -109,7 +109,7 @@ async fn of_request(
 ) -> Result<Fingerprint, Unreadable> {
     let decoded = decode(&request.headers, body, max_body)?;
     let media = media_type(&request.headers);
-    let current = if media.as_deref().is_some_and(is_json) && !decoded.is_empty() {
+    let payload = if media.as_deref().is_some_and(is_json) && !decoded.is_empty() {
         Fingerprint::of_json(&decoded, options)?
     } else if let Some(parts_of) = multipart_boundary(&request.headers) {
         // Boxed as a trait object: multer's future types would otherwise nest into every layer's future,
@@ -130,12 +130,7 @@ async fn of_request(
         QueryComparison::Exact => sent.to_owned(),
         QueryComparison::Unordered => unordered(request.uri.path(), request.uri.query()),
     };
-    // Only JSON carries a second form: version 1 of its canonical form, which an earlier release stored,
-    // hashed under a prefix of its own so that it equals no other form. Nothing else is accepted in place
-    // of the request's one form: the raw bytes of a compressed body, say, would alias a plain body of
-    // those bytes (another payload).
-    let previous = current.previous().map(|previous| previous.within(&[method, sent]));
-    Ok(current.within(&[method, &target]).with_previous(previous))
+    Ok(payload.within(&[method, &target]))
 }
 
 fn media_type(headers: &HeaderMap) -> Option<String> {

@@ -28,7 +28,6 @@ use crate::fingerprint::{Fingerprint, FingerprintOptions};
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::RunOptions;
 use crate::policy::{Policy, Tier};
-use crate::record::State;
 use crate::run_once::{RunError, RunOutcome, TxFuture};
 use crate::store::Store;
 
@@ -202,7 +201,7 @@ impl Inbox {
         let (key, identity) = self.identify(event_id, payload)?;
         let work = || async move { handler().await.map(|outcome| Entry { sequence, outcome }) };
         let outcome = self.store.run_fingerprinted(&self.scope, &key, &identity, &self.options, work).await?;
-        self.received(&key, outcome).await
+        Ok(received(outcome))
     }
 
     /// [`Inbox::receive`] with the handler's statements in the transaction that records the event: they
@@ -227,12 +226,10 @@ impl Inbox {
         let (key, identity) = self.identify(event_id, payload)?;
         let work = recorded_with(sequence, handler);
         let outcome = self.store.run_fingerprinted_in_tx(&self.scope, &key, &identity, &self.options, work).await?;
-        self.received(&key, outcome).await
+        Ok(received(outcome))
     }
 
-    /// The event's key, and what its deliveries are compared by. Also the whole body's version-1
-    /// fingerprint, which records of earlier releases hold: an identical re-delivery of an event such a
-    /// record holds is answered from it as before (in progress, released and run again, indeterminate).
+    /// The event's key, and what its deliveries are compared by.
     fn identify<P: Serialize + ?Sized>(
         &self,
         event_id: &str,
@@ -244,49 +241,22 @@ impl Inbox {
             // One value for every delivery: the event id alone is the identity.
             None => Fingerprint::of_bytes(b"", &FingerprintOptions::default())?,
         };
-        // A body an earlier release could not fingerprint has no record of its making.
-        let stored_before = Fingerprint::of_serialize(payload, &FingerprintOptions::default()).ok();
-        Ok((key, identity.with_previous(stored_before.and_then(|whole| whole.previous()))))
+        Ok((key, identity))
     }
+}
 
-    async fn received<T: DeserializeOwned, E>(
-        &self,
-        key: &IdempotencyKey,
-        outcome: RunOutcome<Entry<T>>,
-    ) -> Result<Received<T>, RunError<E>> {
-        Ok(match outcome {
-            RunOutcome::Executed(entry) => Received::Handled(entry.outcome),
-            RunOutcome::Replayed(entry) => Received::Duplicate { outcome: entry.outcome, sequence: entry.sequence },
-            RunOutcome::InFlight { retry_after } => Received::InProgress { retry_after },
-            RunOutcome::Mismatch if self.compared.is_none() => self.recorded_before(key).await?,
-            RunOutcome::Mismatch => Received::Conflict,
-            RunOutcome::Indeterminate => Received::Indeterminate,
-            RunOutcome::Expired => Received::Expired,
-            RunOutcome::NotReplayable => Received::NotReplayable,
-            RunOutcome::QuotaExceeded { limit, retry_after } => Received::QuotaExceeded { limit, retry_after },
-            // An inbox asks no replay check: this is never answered.
-            RunOutcome::ReplayRefused => Received::Conflict,
-        })
-    }
-
-    /// A "mismatch" without compared fields comes from a record an earlier release stored, which
-    /// compared whole bodies, for a re-delivery whose body changed: the record still answers the event.
-    /// (Only a released one, whose handler failed before the upgrade, cannot be claimed again with
-    /// another body until it expires: a conflict.)
-    async fn recorded_before<T: DeserializeOwned, E>(&self, key: &IdempotencyKey) -> Result<Received<T>, RunError<E>> {
-        let record = self.store.lookup(&self.scope, key).await?;
-        Ok(match record {
-            Some(record) if record.state == State::Completed => {
-                let stored = record.response.as_ref().map_or(&[][..], |response| response.as_bytes());
-                let entry: Entry<T> = serde_json::from_slice(stored).map_err(RunError::Decode)?;
-                Received::Duplicate { outcome: entry.outcome, sequence: entry.sequence }
-            }
-            Some(record) if record.state == State::Expired => Received::Expired,
-            Some(record) if record.state == State::InProgress => {
-                Received::InProgress { retry_after: record.lease_remaining.unwrap_or_default() }
-            }
-            Some(record) if record.state == State::Indeterminate => Received::Indeterminate,
-            _ => Received::Conflict,
-        })
+/// What a delivery's run means for the inbox.
+fn received<T>(outcome: RunOutcome<Entry<T>>) -> Received<T> {
+    match outcome {
+        RunOutcome::Executed(entry) => Received::Handled(entry.outcome),
+        RunOutcome::Replayed(entry) => Received::Duplicate { outcome: entry.outcome, sequence: entry.sequence },
+        RunOutcome::InFlight { retry_after } => Received::InProgress { retry_after },
+        RunOutcome::Mismatch => Received::Conflict,
+        RunOutcome::Indeterminate => Received::Indeterminate,
+        RunOutcome::Expired => Received::Expired,
+        RunOutcome::NotReplayable => Received::NotReplayable,
+        RunOutcome::QuotaExceeded { limit, retry_after } => Received::QuotaExceeded { limit, retry_after },
+        // An inbox asks no replay check: this is never answered.
+        RunOutcome::ReplayRefused => Received::Conflict,
     }
 }

@@ -19,7 +19,7 @@ use crate::telemetry;
 /// lease outlives any retention, and an indeterminate record waits for its resolution. `FOR UPDATE SKIP
 /// LOCKED` lets several purgers run at once and never waits on a record being claimed; the condition is
 /// checked again on the locked row. Records are matched by primary key (ctids repeat across partitions).
-/// `$2`: the tombstone horizon of records older than stored horizons.
+/// A tombstone lasts for the horizon its record was claimed under (NULL: forever).
 const PURGE_BATCH: Statement = Statement::new(
     "purge", "
     WITH doomed AS (
@@ -32,13 +32,12 @@ const PURGE_BATCH: Statement = Statement::new(
         DELETE FROM idempotency_records r USING doomed d
         WHERE r.tenant = d.tenant AND r.operation = d.operation AND r.idempotency_key = d.idempotency_key
           AND r.expires_at <= now() AND r.state IN ('c', 'r')
-        RETURNING r.tenant, r.operation, r.idempotency_key, r.state, r.fingerprint, r.fence, r.expires_at, r.tier, r.tombstone_ms
+        RETURNING r.tenant, r.operation, r.idempotency_key, r.state, r.fingerprint, r.fence, r.expires_at, r.tombstone_ms
     ), buried AS (
         INSERT INTO idempotency_tombstones (digest, fingerprint, fence, expires_at)
         SELECT idempotency_key_digest(tenant, operation, idempotency_key), ('x' || encode(substring(fingerprint FROM 1 FOR 8), 'hex'))::bit(64)::bigint,
                fence,
-               expires_at + (CASE WHEN tier IS NULL THEN $2::float8 ELSE tombstone_ms::float8 END)
-                            * interval '1 millisecond'
+               expires_at + tombstone_ms::float8 * interval '1 millisecond'
         FROM gone WHERE state = 'c'
         ON CONFLICT (digest) DO UPDATE
         SET fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at
@@ -101,21 +100,19 @@ const RELEASE_STALE: Statement = Statement::new(
       AND state = 'p' AND lease_expires_at <= now()",
 );
 
-/// Kept for the retention the record was claimed under (NULL: forever); records claimed before tiers were
-/// recorded (no `tier`) get the resolver's configured retention. Also replaces the response of a completed
-/// record whose bytes were changed (`$7`, as read; its retention unchanged); the fingerprint (`$6`), which
-/// the sealed response is bound to, and the fence (`$8`) read must still be the record's.
+/// Kept for the retention the record was claimed under (NULL: forever). Also replaces the response of a
+/// completed record whose bytes were changed (`$6`, as read; its retention unchanged); the fingerprint
+/// (`$5`), which the sealed response is bound to, and the fence (`$7`) read must still be the record's.
 const RESOLVE_COMPLETED: Statement = Statement::new(
     "resolve",
     "
     UPDATE idempotency_records
     SET response = $4, owner = NULL, lease_expires_at = NULL,
         expires_at = CASE WHEN state = 'c' THEN expires_at
-                          ELSE now() + (CASE WHEN tier IS NOT NULL THEN retention_ms::float8 ELSE $5::float8 END)
-                                       * interval '1 millisecond' END,
+                          ELSE now() + retention_ms::float8 * interval '1 millisecond' END,
         state = 'c', updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fingerprint = $6 AND fence = $8
-      AND (state = 'i' OR (state = 'c' AND response = $7))",
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fingerprint = $5 AND fence = $7
+      AND (state = 'i' OR (state = 'c' AND response = $6))",
 );
 
 const RESOLVE_RELEASED: Statement = Statement::new(
@@ -129,7 +126,7 @@ const RESOLVE_RELEASED: Statement = Statement::new(
 const COUNTS: Statement = Statement::new(
     "stats",
     "
-    SELECT operation, state, COALESCE(tier, '') AS tier, count(*) AS records,
+    SELECT operation, state, tier, count(*) AS records,
            count(*) FILTER (WHERE expires_at <= now() + $1::float8 * interval '1 millisecond') AS expiring
     FROM idempotency_records GROUP BY 1, 2, 3 ORDER BY 1, 2, 3",
 );
@@ -186,7 +183,7 @@ pub struct StatsRow {
     pub operation: String,
     /// The state.
     pub state: State,
-    /// The tier the records were stored under (empty for records older than tiers).
+    /// The tier the records were stored under.
     pub tier: String,
     /// How many records.
     pub records: u64,
@@ -248,8 +245,7 @@ impl Store {
         let limit = i64::from(batch.max(1));
         let purged = match statement {
             Purge::Records => {
-                let horizon = self.inner.default_policy.tombstone.map(|t| millis(t) as f64);
-                let query = sqlx::query_scalar::<_, i64>(PURGE_BATCH.sql).bind(limit).bind(horizon);
+                let query = sqlx::query_scalar::<_, i64>(PURGE_BATCH.sql).bind(limit);
                 u64::try_from(self.bounded(&PURGE_BATCH, query.fetch_one(self.pg_pool())).await?).unwrap_or(0)
             }
             Purge::Tombstones => {
@@ -307,11 +303,9 @@ impl Store {
                 scope,
                 key,
             };
-            // The rule the record was claimed under; the configured one for records older than the column.
-            let rule = match row.try_get::<Option<i8>, _>(6).map_err(decode)? {
-                Some(code) => LeaseExpiry::from_code(code as u8).unwrap_or(LeaseExpiry::MarkIndeterminate),
-                None => stale.policy.lease_expiry,
-            };
+            // The rule the record was claimed under (a code this version does not know: the safe one).
+            let code: i8 = row.try_get(6).map_err(decode)?;
+            let rule = LeaseExpiry::from_code(code as u8).unwrap_or(LeaseExpiry::MarkIndeterminate);
             let (recovered, action) = match rule {
                 LeaseExpiry::TakeOver => {
                     let released = sqlx::query(RELEASE_STALE.sql)
@@ -355,14 +349,13 @@ impl Store {
         key: &IdempotencyKey,
         resolution: Resolution,
     ) -> Result<bool, StoreError> {
-        let retention = self.policy(scope.operation()).retention.map(|r| millis(r) as f64);
         let (statement, query) = match &resolution {
             Resolution::Completed(response) => {
                 // The sealed response is bound to the fingerprint the record holds.
                 let Some(record) = self.lookup_stored(scope, key).await? else { return Ok(false) };
                 let tampered = match (&record.response, record.state) {
                     (Some(stored), State::Completed) => {
-                        let opened = self.opened(scope, key, &[&record.fingerprint], stored.clone(), true);
+                        let opened = self.opened(scope, key, &record.fingerprint, stored.clone(), true);
                         matches!(opened, Err(EncryptionError::Tampered)).then(|| stored.as_bytes().to_vec())
                     }
                     _ => None,
@@ -373,7 +366,6 @@ impl Store {
                     .bind(scope.operation())
                     .bind(key.as_str())
                     .bind(sealed)
-                    .bind(retention)
                     .bind(record.fingerprint)
                     .bind(tampered)
                     .bind(record.fence);

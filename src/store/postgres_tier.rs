@@ -48,14 +48,6 @@ macro_rules! tombstone {
     };
 }
 
-/// The retention of a record being re-acquired: the one it was claimed under (`$7`, the caller's, only
-/// for records older than stored tiers).
-macro_rules! kept_retention {
-    () => {
-        "(CASE WHEN r.tier IS NULL THEN $7::float8 ELSE r.retention_ms::float8 END)"
-    };
-}
-
 /// When an in-progress record under `$retention` milliseconds (NULL: forever) expires: never before its
 /// lease (`$6`) ends, so retention cannot cut a live lease.
 macro_rules! in_progress_expiry {
@@ -71,7 +63,7 @@ macro_rules! in_progress_expiry {
     };
 }
 
-/// The tenant's quota (`$12` new keys per window of `$13` milliseconds, `$14` live keys; NULL for no
+/// The tenant's quota (`$11` new keys per window of `$12` milliseconds, `$13` live keys; NULL for no
 /// limit), as CTEs of the claim: `over_new_keys` and `over_live_keys` hold a row (the limit, and when a
 /// place should free if nothing else starts: the estimate falls below the limit, the soonest live lease
 /// ends) when the limit is reached. `now_in_windows` is the time in windows since the epoch.
@@ -81,33 +73,33 @@ macro_rules! in_progress_expiry {
 /// a sliding window: the previous window's count, weighted by how much of it the sliding window still
 /// covers, plus the current one's. Reading it costs a row per connection that counted in those two
 /// windows, whatever the limit. Live keys are counted from the in-progress records (a partial index),
-/// at most `$14` entries.
+/// at most `$13` entries.
 macro_rules! quota_ctes {
     () => {
         "new_keys_used AS (
         SELECT now_in_windows,
                coalesce(sum(claims) FILTER (WHERE window_index = floor(now_in_windows)), 0)::float8 AS current,
                coalesce(sum(claims) FILTER (WHERE window_index = floor(now_in_windows) - 1), 0)::float8 AS previous
-        FROM (SELECT extract(epoch FROM now()) * 1000 / $13::float8 AS now_in_windows) AS clock
+        FROM (SELECT extract(epoch FROM now()) * 1000 / $12::float8 AS now_in_windows) AS clock
         LEFT JOIN idempotency_quota_usage
-               ON tenant = $1 AND operation = $2 AND window_ms = $13::float8::bigint
+               ON tenant = $1 AND operation = $2 AND window_ms = $12::float8::bigint
               AND window_index IN (floor(now_in_windows)::bigint - 1, floor(now_in_windows)::bigint)
-        WHERE $12::int4 IS NOT NULL
+        WHERE $11::int4 IS NOT NULL
         GROUP BY now_in_windows
     ), over_new_keys AS (
         SELECT 'n'::\"char\" AS quota_limit,
-               to_timestamp($13::float8 / 1000 * CASE
-                   WHEN current + 1 <= $12::int4 THEN floor(now_in_windows) + 1 - ($12::int4 - 1 - current) / previous
-                   ELSE floor(now_in_windows) + 2 - ($12::int4 - 1) / current END) AS frees_at
+               to_timestamp($12::float8 / 1000 * CASE
+                   WHEN current + 1 <= $11::int4 THEN floor(now_in_windows) + 1 - ($11::int4 - 1 - current) / previous
+                   ELSE floor(now_in_windows) + 2 - ($11::int4 - 1) / current END) AS frees_at
         FROM new_keys_used
-        WHERE previous * (1 - (now_in_windows - floor(now_in_windows))) + current + 1 > $12::int4
+        WHERE previous * (1 - (now_in_windows - floor(now_in_windows))) + current + 1 > $11::int4
     ), over_live_keys AS (
         SELECT 'l'::\"char\" AS quota_limit, min(lease_expires_at) AS frees_at FROM (
             SELECT lease_expires_at FROM idempotency_records
-            WHERE $14::int4 IS NOT NULL AND tenant = $1 AND operation = $2
+            WHERE $13::int4 IS NOT NULL AND tenant = $1 AND operation = $2
               AND state = 'p' AND lease_expires_at > now()
-            ORDER BY lease_expires_at LIMIT $14::int4) AS live
-        HAVING count(*) >= $14::int4
+            ORDER BY lease_expires_at LIMIT $13::int4) AS live
+        HAVING count(*) >= $13::int4
     ), "
     };
 }
@@ -149,17 +141,12 @@ macro_rules! claim_sql {
                 fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
                 owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
                 expires_at = ",
-            in_progress_expiry!(kept_retention!()),
+            in_progress_expiry!("r.retention_ms::float8"),
             ",
-                tier = COALESCE(r.tier, EXCLUDED.tier),
-                on_lease_expiry = COALESCE(r.on_lease_expiry, EXCLUDED.on_lease_expiry),
-                retention_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.retention_ms ELSE r.retention_ms END,
-                tombstone_ms = CASE WHEN r.tier IS NULL THEN EXCLUDED.tombstone_ms ELSE r.tombstone_ms END,
                 waited = false, updated_at = now()
-            WHERE (r.state = 'r' AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
-               OR (r.state = 'p' AND r.lease_expires_at <= now()
-                   AND COALESCE(r.on_lease_expiry = 't', $8)
-                   AND (r.fingerprint IN (EXCLUDED.fingerprint, $11) OR r.expires_at <= now()))
+            WHERE (r.state = 'r' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
+               OR (r.state = 'p' AND r.lease_expires_at <= now() AND r.on_lease_expiry = 't'
+                   AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
             RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
     ",
             $counted,
@@ -183,21 +170,22 @@ macro_rules! claim_sql {
     };
 }
 
-/// The claim, in one round trip. Inserts a fresh record, or re-acquires (under a new fence: the next of
-/// the sequence, and above the record's own even if a binary older than the sequence wrote it) one that was
-/// released, or whose owner's lease ran out under the record's own `take_over` rule (`$8`, the caller's,
-/// only for records older than stored rules); another payload re-acquires only once the record expired.
+/// The claim, in one round trip. Inserts a fresh record under the caller's policy (its tier, rule,
+/// retention and horizon stay with the record), or re-acquires, under the record's own policy, one that
+/// was released or whose owner's lease ran out under its `take_over` rule; another payload re-acquires
+/// only once the record expired. A re-acquisition takes a new fence: the next of the sequence, and above
+/// the record's own even when the sequence fell behind the rows (a restore or a logical replication that
+/// did not carry the sequence along).
 /// Completed and indeterminate records, live leases and tombstones are never written: the statement
 /// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
-/// row lock. `prior` also says what was re-acquired (for the takeover metric). A record stored by an
-/// earlier release may hold the payload's version-1 fingerprint (`$11`, NULL when it has none).
-/// `quota_limit` and `quota_retry_ms` are NULL ([`CLAIM_UNDER_QUOTA`] fills them).
+/// row lock. `prior` also says what was re-acquired (for the takeover metric). `quota_limit` and
+/// `quota_retry_ms` are NULL ([`CLAIM_UNDER_QUOTA`] fills them).
 const CLAIM: Statement = Statement::new(
     "claim",
     claim_sql!(quota_ctes: "", held_back: "", counted: "", prior_quota: "NULL, NULL, ", refused: ""),
 );
 
-/// [`CLAIM`] under the tenant's quota (`$12`..`$14`, see [`quota_ctes`]): it holds back a new record
+/// [`CLAIM`] under the tenant's quota (`$11`..`$13`, see [`quota_ctes`]): it holds back a new record
 /// while either limit is reached, and a re-acquisition while the live-key limit is; a new record is
 /// counted (`counted`). The quota is read only where the claim would write: a key answered from its
 /// record costs nothing more. A refusal comes back as `quota_limit` and `quota_retry_ms`, with `prior`'s
@@ -212,8 +200,8 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
         counted: "    ), counted AS (
         INSERT INTO idempotency_quota_usage AS u
             (tenant, operation, window_ms, window_index, backend, claims, expires_at)
-        SELECT $1, $2, $13::float8::bigint, floor(now_in_windows)::bigint, pg_backend_pid(), 1,
-               to_timestamp($13::float8 / 1000 * (floor(now_in_windows) + 2))
+        SELECT $1, $2, $12::float8::bigint, floor(now_in_windows)::bigint, pg_backend_pid(), 1,
+               to_timestamp($12::float8 / 1000 * (floor(now_in_windows) + 2))
         FROM new_keys_used WHERE EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
         ON CONFLICT (tenant, operation, window_ms, window_index, backend) DO UPDATE SET claims = u.claims + 1",
         prior_quota: concat!(
@@ -262,16 +250,14 @@ const LOOKUP: Statement = Statement::new(
     ),
 );
 
-/// Retention counts from completion, under the retention the record was claimed under (`$6`, the
-/// caller's, only for records older than stored tiers).
+/// Retention counts from completion, under the retention the record was claimed under.
 const COMPLETE: Statement = Statement::new(
     "complete",
     concat!(
         "
     UPDATE idempotency_records
     SET state = 'c', response = $5, owner = NULL, lease_expires_at = NULL,
-        expires_at = now() + (CASE WHEN tier IS NULL THEN $6::float8 ELSE retention_ms::float8 END)
-                             * interval '1 millisecond',
+        expires_at = now() + retention_ms::float8 * interval '1 millisecond',
         updated_at = now()
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
       AND state IN ('p', 'i')
@@ -434,8 +420,7 @@ impl PostgresTier {
                 .bind(policy.retention.map(|r| millis(r) as f64))
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                 .bind(policy.name())
-                .bind(policy.tombstone.map(|t| millis(t) as f64))
-                .bind(lease.fingerprint.legacy_bytes().map(|legacy| &legacy[..]));
+                .bind(policy.tombstone.map(|t| millis(t) as f64));
             if !quota.is_off() {
                 let new_keys = quota.new_key_limit();
                 claim = claim
@@ -476,8 +461,7 @@ impl PostgresTier {
         response: &[u8],
         conn: Option<&mut PgConnection>,
     ) -> Result<Option<Retained>, StoreError> {
-        let retention = lease.policy.retention.map(|r| millis(r) as f64);
-        let query = fenced(&COMPLETE, lease).bind(response).bind(retention);
+        let query = fenced(&COMPLETE, lease).bind(response);
         let row = match conn {
             Some(conn) => self.bounded(&COMPLETE, query.fetch_optional(conn)).await?,
             None => self.bounded(&COMPLETE, query.fetch_optional(&self.pool)).await?,
@@ -547,11 +531,10 @@ fn would_reacquire(record: &Record, lease: &Lease) -> bool {
     let expired = record.expires_in == Some(Duration::ZERO);
     let reusable = expired || record.matches(&lease.fingerprint);
     let lease_ran_out = record.lease_remaining == Some(Duration::ZERO);
-    let rule = record.lease_expiry.unwrap_or(lease.policy.lease_expiry);
     reusable
         && match record.state {
             State::Released => true,
-            State::InProgress => lease_ran_out && rule == LeaseExpiry::TakeOver,
+            State::InProgress => lease_ran_out && record.lease_expiry == Some(LeaseExpiry::TakeOver),
             _ => false,
         }
 }

@@ -453,13 +453,13 @@ impl Store {
             return Ok(Begin::Mismatch);
         }
         let remaining = record.lease_remaining.unwrap_or_default();
-        let rule = record.lease_expiry.unwrap_or(candidate.policy.lease_expiry);
+        let marks_indeterminate = record.lease_expiry == Some(LeaseExpiry::MarkIndeterminate);
         Ok(match record.state {
             State::Completed if record.expires_in == Some(Duration::ZERO) => Begin::Expired,
             State::Completed => {
                 let stored = record.response.clone().unwrap_or_else(|| StoredResponse::new(Vec::new()));
                 let (scope, key) = (&candidate.scope, &candidate.key);
-                match self.opened(scope, key, &[&record.fingerprint], stored, true) {
+                match self.opened(scope, key, &record.fingerprint, stored, true) {
                     Ok(opened) => Begin::Completed(opened),
                     Err(error) => {
                         telemetry::unreadable_response(scope.operation(), "postgres", error.reason());
@@ -469,7 +469,7 @@ impl Store {
             }
             State::Expired => Begin::Expired,
             State::Indeterminate => Begin::Indeterminate,
-            State::InProgress if remaining.is_zero() && rule == LeaseExpiry::MarkIndeterminate => {
+            State::InProgress if remaining.is_zero() && marks_indeterminate => {
                 let stale = Lease { fence: record.fence, ..candidate.clone() };
                 let marked = self.inner.postgres.mark_indeterminate(&stale, tx).await;
                 match marked? {

@@ -165,9 +165,7 @@ impl RedisTier {
         waiter: Option<&str>,
     ) -> Result<RedisBegin, RedisUnavailable> {
         let lease = lease_ms.to_string();
-        let legacy = fingerprint.legacy_bytes().map_or(&[][..], |legacy| &legacy[..]);
-        let args =
-            [&fingerprint.as_bytes()[..], owner.as_bytes(), lease.as_bytes(), waiter.unwrap_or("").as_bytes(), legacy];
+        let args = [&fingerprint.as_bytes()[..], owner.as_bytes(), lease.as_bytes(), waiter.unwrap_or("").as_bytes()];
         let reply =
             self.invoke("begin", &scripts::BEGIN, record_key, &args, Call::Answer).await.inspect_err(|error| {
                 // A call that timed out may still have written its marker.
@@ -249,13 +247,16 @@ impl RedisTier {
             redis::cmd("HGETALL").arg(record_key).query_async(&mut conn).await.map_err(failed)?;
         let text = |name: &str| fields.get(name).map(|v| String::from_utf8_lossy(v).into_owned());
         Ok(fields.get("s").map(|tag| RedisView {
+            // A completed record is a string: a hash that says so is malformed.
             state: match tag.as_slice() {
-                [code] => State::from_code(*code).filter(|state| tag_of(*state).is_some()),
+                [code] => {
+                    State::from_code(*code).filter(|state| matches!(state, State::InProgress | State::Indeterminate))
+                }
                 _ => None,
             },
             fingerprint: fields.get("h").cloned().unwrap_or_default(),
             owner: text("t"),
-            response_bytes: fields.get("r").map_or(0, Vec::len),
+            response_bytes: 0,
             ttl,
         }))
     }

@@ -38,14 +38,14 @@ impl Store {
         mut record: Record,
     ) -> Result<Record, EncryptionError> {
         if let Some(stored) = record.response.take() {
-            record.response = Some(self.opened(scope, key, &[&record.fingerprint], stored, true)?);
+            record.response = Some(self.opened(scope, key, &record.fingerprint, stored, true)?);
         }
         Ok(record)
     }
 
-    /// A response Redis answered for `request`: it matched the request's fingerprint, of either version.
-    /// Never one in clear, whatever [`crate::Encryption::accept_unsealed`] says: a copy in Redis may have
-    /// been written by anyone who can write there, and Postgres answers instead.
+    /// A response Redis answered for `request`: it matched the request's fingerprint. Never one in
+    /// clear, whatever [`crate::Encryption::accept_unsealed`] says: a copy in Redis may have been written
+    /// by anyone who can write there, and Postgres answers instead.
     pub(crate) fn opened_for(
         &self,
         request: &Fingerprint,
@@ -53,17 +53,16 @@ impl Store {
         key: &IdempotencyKey,
         stored: StoredResponse,
     ) -> Result<StoredResponse, EncryptionError> {
-        let legacy = request.legacy_bytes().map(|legacy| &legacy[..]);
-        self.opened(scope, key, &[&request.as_bytes()[..], legacy.unwrap_or_default()], stored, false)
+        self.opened(scope, key, request.as_bytes(), stored, false)
     }
 
-    /// The stored response of the record of `scope` and `key`, sealed beside one of `fingerprints`
-    /// (empty ones skipped), opened; one in clear only if `clear_accepted` and the store accepts those.
+    /// The stored response of the record of `scope` and `key`, sealed beside `fingerprint`, opened; one
+    /// in clear only if `clear_accepted` and the store accepts those.
     pub(crate) fn opened(
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
-        fingerprints: &[&[u8]],
+        fingerprint: &[u8],
         stored: StoredResponse,
         clear_accepted: bool,
     ) -> Result<StoredResponse, EncryptionError> {
@@ -75,18 +74,11 @@ impl Store {
                 None => Ok(stored),
             };
         };
-        let mut answer = Err(EncryptionError::Tampered);
-        for fingerprint in fingerprints.iter().filter(|fingerprint| !fingerprint.is_empty()) {
-            answer = match encryption.open(scope, key, fingerprint, stored.as_bytes()) {
-                Ok(Cow::Owned(plain)) => Ok(Some(plain)),
-                Ok(Cow::Borrowed(_)) if clear_accepted => Ok(None),
-                Ok(Cow::Borrowed(_)) => Err(EncryptionError::Unsealed),
-                Err(error) => Err(error),
-            };
-            if !matches!(answer, Err(EncryptionError::Tampered)) {
-                break;
-            }
-        }
-        Ok(answer?.map_or(stored, StoredResponse::new))
+        let opened = match encryption.open(scope, key, fingerprint, stored.as_bytes())? {
+            Cow::Owned(plain) => Some(plain),
+            Cow::Borrowed(_) if clear_accepted => None,
+            Cow::Borrowed(_) => return Err(EncryptionError::Unsealed),
+        };
+        Ok(opened.map_or(stored, StoredResponse::new))
     }
 }

@@ -118,7 +118,7 @@ pub struct SeenRecord {
     /// `None` for a fingerprint of neither payload.
     pub payload: Option<Payload>,
     pub fence: i64,
-    /// The rule stored with the record (`None` for records older than stored rules).
+    /// The rule stored with the record (`None`: none the store knows, a disagreement).
     pub rule: Option<Rule>,
     pub lease_live: bool,
     pub retention_passed: bool,
@@ -530,7 +530,7 @@ impl Record {
         if (seen.stage, seen.payload, seen.fence) != (self.phase.stage(), Some(self.payload), self.fence) {
             return disagree("state, payload or fence differ");
         }
-        if seen.rule.is_some_and(|rule| rule != self.rule) {
+        if seen.rule != Some(self.rule) {
             return disagree("the rule a record was first claimed under stays with it");
         }
         match &self.phase {

@@ -379,8 +379,7 @@ fn build_store(database_url: &str, prefix: &str, operation: &str, redis_url: Opt
     // CI runs the suite a second time with every response encrypted.
     if let Ok(keys) = std::env::var("IDEMSTORE_TEST_ENCRYPTION_KEY") {
         let encryption = idemstore::Encryption::from_base64(&keys).expect("IDEMSTORE_TEST_ENCRYPTION_KEY");
-        // Records the suite writes in earlier releases' formats are in clear, as after turning encryption on.
-        builder = builder.encryption(encryption.accept_unsealed());
+        builder = builder.encryption(encryption);
     }
     builder.build().expect("build the store")
 }
