@@ -19,3 +19,12 @@ impl Spread {
         Some(Self { median, min, max })
     }
 }
+
+/// A run that got answers its workloads did not expect measured something else: its report is written
+/// (to see which cells), then the run fails, so that CI's smoke run catches a protocol answering wrongly.
+pub fn refuse_unexpected(unexpected: u64) -> Result<(), String> {
+    match unexpected {
+        0 => Ok(()),
+        n => Err(format!("{n} unexpected answers: see the report's cells")),
+    }
+}

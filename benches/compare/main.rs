@@ -217,7 +217,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let relay = relay_throughput(&plan, &two_tier).await?;
     report::write(&plan, &cells, &relay)?;
     drop((owned, owned_cluster));
-    Ok(())
+    Ok(spread::refuse_unexpected(cells.iter().map(|cell| cell.unexpected).sum())?)
 }
 
 /// One relay draining a backlog of outbox rows (over 10 topics) with a sink that accepts at once.

@@ -337,5 +337,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let footprint = footprint::measure(&pg, &redis.url(), "bench").await?;
     report::write(&plan, &cells, &footprint)?;
-    Ok(())
+    Ok(spread::refuse_unexpected(cells.iter().map(|cell| cell.unexpected).sum())?)
 }

