@@ -105,8 +105,8 @@ CREATE TABLE idempotency_outbox (
     last_error      TEXT,
     -- Part of the row's idempotency key downstream (`outbox-<id>-<nonce>`), so a key never repeats when
     -- ids do (the sequence restarted by TRUNCATE ... RESTART IDENTITY, a restored backup, a
-    -- logical-replication upgrade). `Outbox::enqueue` writes it; the default covers rows written by hand.
-    key_nonce       BIGINT      NOT NULL DEFAULT (floor(random() * 9007199254740991))::bigint
+    -- logical-replication upgrade). Random, below 2^52.
+    key_nonce       BIGINT      NOT NULL DEFAULT (floor(random() * 4503599627370496))::bigint
 );
 
 -- Finds each topic's head (its oldest row) and the rows behind it without a scan.

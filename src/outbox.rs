@@ -27,12 +27,10 @@ use crate::policy::millis;
 use crate::store::{Statement, Store};
 use crate::telemetry;
 
-/// The nonce of the row's key ([`Message::idempotency_key`]) is drawn here; the column's default covers
-/// rows written by hand.
+/// The nonce of the row's key ([`Message::idempotency_key`]) is the column's default (random, below 2^52).
 const ENQUEUE: Statement = Statement::new(
     "outbox_enqueue",
-    "INSERT INTO idempotency_outbox (topic, payload, key_nonce)
-     VALUES ($1, $2::json, floor(random() * 4503599627370496)::bigint) RETURNING id",
+    "INSERT INTO idempotency_outbox (topic, payload) VALUES ($1, $2::json) RETURNING id",
 );
 
 /// The newest row when a drain starts: it delivers nothing newer, so it ends even while producers write.

@@ -57,9 +57,14 @@ type Answers = Arc<Mutex<Vec<(Instant, http::StatusCode)>>>;
 /// A client whose backoff is short, so that a wait longer than it was asked for by the server.
 fn client(journal: impl KeyJournal) -> ClientWithMiddleware {
     let policy = RetryPolicy::default().backoff(Duration::from_millis(10), Duration::from_millis(100));
-    reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+    reqwest_middleware::ClientBuilder::new(direct())
         .with(IdempotencyMiddleware::with_journal(journal).policy(policy))
         .build()
+}
+
+/// A client that ignores any proxy the environment names: the demo is on loopback.
+fn direct() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().expect("a client")
 }
 
 fn memory() -> MemoryJournal {
@@ -144,7 +149,9 @@ async fn a_retry_during_a_postgres_restart_waits_as_asked_and_charges_once(mode:
     postgres.stop().expect("stop Postgres");
     let client = client(memory());
     let sent = tokio::spawn(payment(&client, &base, 500).send());
+    let waited = Instant::now();
     while answers.lock().expect("answers").is_empty() {
+        assert!(waited.elapsed() < Duration::from_secs(10), "the demo never answered");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     postgres.restart().expect("restart Postgres");
@@ -167,7 +174,7 @@ async fn a_retry_of_a_request_in_flight_gets_the_first_answer(mode: Mode) {
     let (base, answers) = serve_detached(&h).await;
     let first = tokio::spawn({
         let base = base.clone();
-        async move { post_payment(&reqwest::Client::new(), &base, "in-flight-1", "acme", &charge(700), 2000).await }
+        async move { post_payment(&direct(), &base, "in-flight-1", "acme", &charge(700), 2000).await }
     });
     wait_in_flight(&h, "in-flight-1").await;
     let client = client(memory());
@@ -194,7 +201,7 @@ async fn refusals_are_never_retried(mode: Mode) {
     assert_eq!(first.status(), 201);
     // The same operation with another amount: the journal's key, another body.
     let reused = payment(&client, &base, 999).with_extension(operation).send().await.expect_err("refused");
-    let Some(ClientError::Refused { status, problem: Some(problem) }) = ClientError::of(&reused) else {
+    let Some(ClientError::Refused { status, problem: Some(problem), .. }) = ClientError::of(&reused) else {
         panic!("{reused:?}");
     };
     assert_eq!(*status, 422);
@@ -214,9 +221,8 @@ async fn the_budget_stops_a_retry_storm() {
         .backoff(Duration::from_millis(1), Duration::from_millis(2))
         .max_attempts(100)
         .budget(10, 0.1);
-    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
-        .with(IdempotencyMiddleware::new().policy(policy))
-        .build();
+    let client =
+        reqwest_middleware::ClientBuilder::new(direct()).with(IdempotencyMiddleware::new().policy(policy)).build();
     let mut attempts = Vec::new();
     for _ in 0..3 {
         let failed = client.post(format!("http://{closed}/payments")).body("{}").send().await.expect_err("no server");

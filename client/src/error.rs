@@ -11,13 +11,18 @@ use http::StatusCode;
 pub enum ClientError {
     /// The server answered for good, and not with success: a 4xx other than the ones that ask for a retry
     /// (`409 in-flight`, 408, 425, 429), e.g. 400 (bad key), 410 (expired), 422 (key reused with another
-    /// body), or `409 indeterminate` (an operator must resolve the key). Sending again cannot help.
+    /// body), or `409 indeterminate` (an operator must resolve the key); or a 5xx that is final: replayed
+    /// from the server's record (`Idempotent-Replayed: true`) or a stored response the server cannot
+    /// read (`unreadable-response`). Sending again cannot help.
     #[error("the server refused the request with {status}{}", problem_title(.problem))]
     Refused {
         /// The status the server answered.
         status: StatusCode,
-        /// Its `application/problem+json` body, when it sent one.
+        /// Its body as a problem document (RFC 9457), when it is one.
         problem: Option<Problem>,
+        /// Its body, as sent (a card decline's details, or the original response some servers send
+        /// with a 409).
+        body: Vec<u8>,
     },
     /// Every attempt the policy allows failed with an answer worth retrying (a connection error, a
     /// timeout, 5xx, 429, `409 in-flight`): the operation may or may not have run. Send it again later
@@ -87,8 +92,8 @@ pub enum Stop {
 #[non_exhaustive]
 pub struct Problem {
     /// The problem type, e.g. `urn:idemstore:problem:key-reused`.
-    #[serde(rename = "type", default)]
-    pub kind: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: String,
     /// A short summary.
     #[serde(default)]
     pub title: Option<String>,
@@ -98,14 +103,14 @@ pub struct Problem {
 }
 
 impl Problem {
-    /// Parses a problem document; `None` when the body is not one.
+    /// Parses a problem document; `None` when the body is not one (not JSON, or no `type`).
     pub fn parse(body: &[u8]) -> Option<Self> {
         serde_json::from_slice(body).ok()
     }
 
     /// Whether the problem type ends with `kind` (`in-flight` matches `urn:idemstore:problem:in-flight`).
     pub fn is(&self, kind: &str) -> bool {
-        self.kind.as_deref().is_some_and(|k| k.rsplit([':', '/']).next() == Some(kind))
+        self.kind.rsplit([':', '/']).next() == Some(kind)
     }
 }
 
@@ -116,15 +121,19 @@ fn problem_title(problem: &Option<Problem>) -> String {
     }
 }
 
+/// The longest `Retry-After` taken as it is: a day. Longer (or absurd) values are read as a day, which
+/// no deadline allows, so the retries end at once.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
+
 /// How long `Retry-After` asks to wait: delay-seconds or an HTTP-date (RFC 9110 §10.2.3). `None` when
 /// absent or unreadable; a date in the past is no wait.
 pub(crate) fn retry_after(headers: &http::HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
     let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
-    }
-    let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+    let asked = match value.parse::<u64>() {
+        Ok(seconds) => Duration::from_secs(seconds),
+        Err(_) => httpdate::parse_http_date(value).ok()?.duration_since(now).unwrap_or(Duration::ZERO),
+    };
+    Some(asked.min(MAX_RETRY_AFTER))
 }
 
 #[cfg(test)]
@@ -148,6 +157,7 @@ mod tests {
         assert_eq!(retry_after(&headers(&earlier), now), Some(Duration::ZERO));
         assert_eq!(retry_after(&headers("soon"), now), None);
         assert_eq!(retry_after(&headers("-3"), now), None);
+        assert_eq!(retry_after(&headers("18446744073709551615"), now), Some(MAX_RETRY_AFTER));
         assert_eq!(retry_after(&http::HeaderMap::new(), now), None);
     }
 
@@ -158,5 +168,6 @@ mod tests {
         assert!(problem.is("in-flight"));
         assert!(!problem.is("flight"));
         assert_eq!(Problem::parse(b"<html>"), None);
+        assert_eq!(Problem::parse(br#"{"decline_code":"insufficient_funds"}"#), None, "no type, no problem");
     }
 }

@@ -37,16 +37,23 @@ impl MemoryJournal {
 impl KeyJournal for MemoryJournal {
     fn key(&self, operation: &str, mint: &mut dyn FnMut() -> String) -> io::Result<String> {
         let mut entries = lock(&self.entries);
-        Ok(entries.key(operation, SystemTime::now(), mint).0)
+        let now = SystemTime::now();
+        let (key, minted) = entries.key(operation, now, mint);
+        if minted && entries.len() >= entries.next_sweep {
+            entries.expire(now);
+        }
+        Ok(key)
     }
 }
 
 /// Keys in an append-only file: one JSON line per new key, flushed to disk (`fsync`) before the key is
-/// used, rewritten without the expired ones when it opens and whenever most of its lines are expired.
-/// One process per file: the journal assumes it is the only writer.
+/// used, rewritten without the expired ones when it opens and whenever its lines reach twice the keys
+/// that were live at the last rewrite. One journal per file (a lock file beside it says so).
 #[derive(Debug)]
 pub struct FileJournal {
     path: PathBuf,
+    /// Held while the journal is open: one writer per file.
+    _lock: File,
     state: Mutex<FileState>,
 }
 
@@ -54,7 +61,8 @@ pub struct FileJournal {
 struct FileState {
     entries: Entries,
     file: File,
-    /// Lines in the file, live or not.
+    /// Lines in the file, live or not: the file is rewritten with the live ones when they reach
+    /// `entries.next_sweep`.
     lines: usize,
 }
 
@@ -70,29 +78,46 @@ struct Line {
 impl FileJournal {
     /// Opens (or creates) the journal at `path`, keeping keys for `horizon` after they were minted. A
     /// last line cut short by a crash mid-write is dropped: its key was never used, since a key is used
-    /// only once its line is on disk.
+    /// only once its line is on disk. One process per file: a second journal on the same path is refused
+    /// while this one is open (a lock file beside it).
     ///
     /// # Errors
-    /// The file cannot be read, or the compacted copy cannot be written in its place.
+    /// The file cannot be read, a line other than the last is not one the journal wrote, another journal
+    /// holds the file, or the compacted copy cannot be written in its place.
     pub fn open(path: impl AsRef<Path>, horizon: Duration) -> io::Result<Self> {
         let path = path.as_ref().to_owned();
+        let lock = File::create(path.with_extension("lock"))?;
+        lock.try_lock().map_err(|_| io::Error::new(io::ErrorKind::WouldBlock, "another journal holds this file"))?;
         let mut entries = Entries::new(horizon);
         match File::open(&path) {
-            Ok(file) => {
-                for line in BufReader::new(file).lines() {
-                    if let Ok(Line { operation, key, minted_ms }) = serde_json::from_str(&line?) {
-                        entries.insert(operation, key, UNIX_EPOCH + Duration::from_millis(minted_ms));
-                    }
-                }
-            }
+            Ok(file) => read_lines(BufReader::new(file), &mut entries)?,
             Err(error) if error.kind() == io::ErrorKind::NotFound => {}
             Err(error) => return Err(error),
         }
         entries.expire(SystemTime::now());
         let file = rewrite(&path, &entries)?;
         let lines = entries.len();
-        Ok(Self { path, state: Mutex::new(FileState { entries, file, lines }) })
+        Ok(Self { path, _lock: lock, state: Mutex::new(FileState { entries, file, lines }) })
     }
+}
+
+/// Reads the journal's lines into `entries`. Only the last line may be unreadable (a crash cut it).
+fn read_lines(mut reader: impl BufRead, entries: &mut Entries) -> io::Result<()> {
+    let mut torn = false;
+    let mut line = Vec::new();
+    while reader.read_until(b'\n', &mut line)? > 0 {
+        if torn {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "an unreadable line inside the journal"));
+        }
+        match serde_json::from_slice::<Line>(&line) {
+            Ok(Line { operation, key, minted_ms }) => {
+                entries.insert(operation, key, UNIX_EPOCH + Duration::from_millis(minted_ms));
+            }
+            Err(_) => torn = true,
+        }
+        line.clear();
+    }
+    Ok(())
 }
 
 impl KeyJournal for FileJournal {
@@ -104,13 +129,12 @@ impl KeyJournal for FileJournal {
             return Ok(key);
         }
         let line = Line { operation: operation.to_owned(), key: key.clone(), minted_ms: millis_since_epoch(now) };
-        let written = append(&mut state.file, &line);
-        if let Err(error) = written {
+        if let Err(error) = append(&mut state.file, &line) {
             state.entries.remove(operation);
             return Err(error);
         }
         state.lines += 1;
-        if state.lines > 1024 && state.lines > 2 * state.entries.len() {
+        if state.lines >= state.entries.next_sweep {
             state.entries.expire(now);
             state.file = rewrite(&self.path, &state.entries)?;
             state.lines = state.entries.len();
@@ -119,11 +143,17 @@ impl KeyJournal for FileJournal {
     }
 }
 
+/// Appends `line` and flushes it to disk. A write that fails part-way is cut back off, so that the next
+/// line does not continue a torn one (and become unreadable with it).
 fn append(file: &mut File, line: &Line) -> io::Result<()> {
     let mut bytes = serde_json::to_vec(line).map_err(io::Error::other)?;
     bytes.push(b'\n');
-    file.write_all(&bytes)?;
-    file.sync_data()
+    let length = file.metadata()?.len();
+    let written = file.write_all(&bytes).and_then(|()| file.sync_data());
+    if written.is_err() {
+        let _ = file.set_len(length);
+    }
+    written
 }
 
 /// Writes the live entries to a new file, flushed, then renames it over `path` (and flushes the
@@ -151,11 +181,14 @@ fn rewrite(path: &Path, entries: &Entries) -> io::Result<File> {
 struct Entries {
     horizon: Duration,
     keys: HashMap<String, (String, SystemTime)>,
+    /// When to sweep expired keys next: once the entries (or the file's lines) reach twice what was
+    /// live at the last sweep, so that sweeping costs O(1) a key however long the process runs.
+    next_sweep: usize,
 }
 
 impl Entries {
     fn new(horizon: Duration) -> Self {
-        Self { horizon, keys: HashMap::new() }
+        Self { horizon, keys: HashMap::new(), next_sweep: 1024 }
     }
 
     /// The live key of `operation`, or a new one (`true`: minted now, not yet recorded elsewhere).
@@ -182,6 +215,7 @@ impl Entries {
     fn expire(&mut self, now: SystemTime) {
         let horizon = self.horizon;
         self.keys.retain(|_, (_, minted)| now.duration_since(*minted).unwrap_or_default() < horizon);
+        self.next_sweep = (2 * self.keys.len()).max(1024);
     }
 
     fn expired(&self, minted: SystemTime, now: SystemTime) -> bool {
@@ -239,6 +273,29 @@ mod tests {
         assert_eq!(expired.key("order-1/charge", &mut mint).expect("key"), "key-4");
         let lines = std::fs::read_to_string(&path).expect("read").lines().count();
         assert_eq!(lines, 1, "only the key minted after the reopen");
+
+        // One journal per file.
+        let second = FileJournal::open(&path, Duration::from_secs(3600));
+        assert_eq!(second.map(drop).map_err(|e| e.kind()), Err(io::ErrorKind::WouldBlock));
+        drop(expired);
+
+        // An unreadable line before the last is not a crash's torn tail: refused, not skipped.
+        let mut file = OpenOptions::new().append(true).open(&path).expect("append");
+        file.write_all(b"{\"operation\":\"x\"}\n").expect("write");
+        file.write_all(b"{\"operation\":\"y\",\"key\":\"k\",\"minted_ms\":1}\n").expect("write");
+        drop(file);
+        let refused = FileJournal::open(&path, Duration::from_secs(3600)).map(drop).map_err(|e| e.kind());
+        assert_eq!(refused, Err(io::ErrorKind::InvalidData));
+    }
+
+    #[test]
+    fn a_long_running_journal_forgets_expired_keys() {
+        let journal = MemoryJournal::new(Duration::ZERO);
+        let mut mint = counter();
+        for n in 0..5_000 {
+            journal.key(&format!("op-{n}"), &mut mint).expect("key");
+        }
+        assert!(lock(&journal.entries).len() <= 1024, "expired keys are swept as the journal grows");
     }
 
     #[test]

@@ -44,11 +44,12 @@
 //!   429 or 5xx is waited out in full, and one on a `409 in-flight` (when the first attempt's lease ends)
 //!   bounds the backoff: that answer may come any moment.
 //! - **Never retried**: 400, 410 (the stored answer expired), 422 (the key was used with another body),
-//!   409 `indeterminate` (an operator must resolve it) and every other 4xx: [`ClientError::Refused`], with
-//!   the problem document.
+//!   409 `indeterminate` (an operator must resolve it), every other 4xx, and a 5xx that is final (replayed
+//!   from the server's record, or `unreadable-response`): [`ClientError::Refused`], with the body and its
+//!   problem document.
 //! - **Bounded**: at most [`RetryPolicy::max_attempts`] failed sends (polling a request in flight is no
-//!   failure), no attempt after [`RetryPolicy::deadline`] (nor a
-//!   wait that would end past it), and a retry budget per host ([`RetryPolicy::budget`], gRPC's retry
+//!   failure), nothing past [`RetryPolicy::deadline`] (no wait that would end after it, and an attempt
+//!   still unanswered at it is abandoned), and a retry budget per host ([`RetryPolicy::budget`], gRPC's retry
 //!   throttling), so that clients never multiply the load on a server that is down. When retries stop,
 //!   [`ClientError::GaveUp`] says why; the outcome is then unknown, and the same operation sent later
 //!   carries the same key.

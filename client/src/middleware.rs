@@ -95,22 +95,28 @@ impl<J: KeyJournal> IdempotencyMiddleware<J> {
     async fn judge(&self, response: Response) -> Judged {
         let status = response.status();
         let asked = retry_after(response.headers(), SystemTime::now());
-        match verdict(status) {
-            Verdict::Answer => return Judged::Answer(response),
-            Verdict::Retry => {
-                return Judged::Retry(Retryable::Status(status), asked.map_or(Wait::Backoff, Wait::Asked));
-            }
-            Verdict::Refused => {}
+        let replayed = was_replayed(&response);
+        let verdict = verdict(status);
+        // A retryable status without a body worth reading goes straight back out.
+        if verdict == Verdict::Answer {
+            return Judged::Answer(response);
         }
-        // Only a refusal is read: a 409's problem type decides whether to wait for the first attempt,
-        // and any other refusal's problem goes to the caller.
-        let problem = response.bytes().await.ok().and_then(|body| Problem::parse(&body));
-        if status == StatusCode::CONFLICT && problem.as_ref().is_some_and(|p| p.is("in-flight")) {
-            // The first attempt's answer may come at any moment; its `Retry-After` is when its lease ends
-            // at the latest. Polled with the backoff, never past that.
-            return Judged::Retry(Retryable::Status(status), asked.map_or(Wait::Backoff, Wait::AtMost));
+        if verdict == Verdict::Retry && !status.is_server_error() {
+            return Judged::Retry(Retryable::Status(status), asked.map_or(Wait::Backoff, Wait::Asked));
         }
-        Judged::Refused(ClientError::Refused { status, problem })
+        let body = response.bytes().await.map(|body| body.to_vec()).unwrap_or_default();
+        let problem = Problem::parse(&body);
+        let is = |kind: &str| problem.as_ref().is_some_and(|p| p.is(kind));
+        if status == StatusCode::CONFLICT && is("in-flight") {
+            // The first attempt's answer may come at any moment; a `Retry-After` is when its lease ends
+            // at the latest. Polled with the backoff, never waiting past that.
+            return Judged::Retry(Retryable::Status(status), Wait::Poll(asked));
+        }
+        // A 5xx is worth a retry unless it is final: the server's stored answer, or one it cannot read.
+        if verdict == Verdict::Retry && !replayed && !is("unreadable-response") {
+            return Judged::Retry(Retryable::Status(status), asked.map_or(Wait::Backoff, Wait::Asked));
+        }
+        Judged::Refused(ClientError::Refused { status, problem, body })
     }
 }
 
@@ -124,18 +130,19 @@ enum Judged {
 enum Wait {
     /// The policy's backoff.
     Backoff,
-    /// What `Retry-After` asked for (429, 503): the server wants no attempt sooner.
+    /// What `Retry-After` asked for (429, 503): the server wants no attempt sooner. Up to a tenth more,
+    /// drawn at random, so that the clients it told the same do not come back in the same instant.
     Asked(Duration),
-    /// The backoff, but not past this (a `409 in-flight`'s `Retry-After`).
-    AtMost(Duration),
+    /// A request in flight: the backoff, never past its `Retry-After`. Not a failure.
+    Poll(Option<Duration>),
 }
 
 impl Wait {
-    fn duration(self, policy: &RetryPolicy, attempt: u32) -> Duration {
-        match self {
-            Self::Backoff => policy.backoff_after(attempt),
-            Self::Asked(asked) => asked,
-            Self::AtMost(bound) => policy.backoff_after(attempt).min(bound),
+    fn duration(&self, policy: &RetryPolicy, attempt: u32) -> Duration {
+        match *self {
+            Self::Backoff | Self::Poll(None) => policy.backoff_after(attempt),
+            Self::Asked(asked) => asked + asked.mul_f64(rand::random::<f64>() / 10.0),
+            Self::Poll(Some(bound)) => policy.backoff_after(attempt).min(bound),
         }
     }
 }
@@ -150,7 +157,8 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
             let key = self.key(extensions.get::<Operation>().cloned()).await.map_err(Error::middleware)?;
             request.headers_mut().insert(IDEMPOTENCY_KEY, key);
         }
-        let host = request.url().host_str().unwrap_or_default().to_owned();
+        let url = request.url();
+        let host = format!("{}:{}", url.host_str().unwrap_or_default(), url.port_or_known_default().unwrap_or(0));
         let started = Instant::now();
         let mut kept = Some(request);
         // Sends so far; those that failed (no answer, 5xx, 429...); those that met the first attempt in flight.
@@ -168,7 +176,15 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
                 None => original,
             };
             telemetry::attempt();
-            let (last, wait) = match next.clone().run(send, extensions).await {
+            // No attempt outlives the deadline, even against a server that never answers.
+            let left = self.policy.deadline.saturating_sub(started.elapsed());
+            let sent = tokio::time::timeout(left, next.clone().run(send, extensions)).await;
+            let Ok(sent) = sent else {
+                let last = Retryable::Transport("no answer before the deadline".to_owned());
+                telemetry::gave_up(Stop::Deadline);
+                return Err(Error::middleware(ClientError::GaveUp { attempts, last, because: Stop::Deadline }));
+            };
+            let (last, wait) = match sent {
                 Ok(response) => match self.judge(response).await {
                     Judged::Answer(response) => {
                         self.budget.answered(&host);
@@ -190,7 +206,7 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
             };
             // A request in flight is the server at work, not failing: polling it spends neither
             // attempts nor budget, only time.
-            let (wait, stop) = if let Wait::AtMost(_) = wait {
+            let (wait, stop) = if let Wait::Poll(_) = wait {
                 polls += 1;
                 (wait.duration(&self.policy, polls), None)
             } else {
@@ -208,7 +224,9 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
             let stop = if kept.is_none() {
                 Some(Stop::BodyNotReplayable)
             } else {
-                stop.or_else(|| (started.elapsed() + wait > self.policy.deadline).then_some(Stop::Deadline))
+                stop.or_else(|| {
+                    (started.elapsed().saturating_add(wait) > self.policy.deadline).then_some(Stop::Deadline)
+                })
             };
             if let Some(because) = stop {
                 telemetry::gave_up(because);

@@ -111,7 +111,8 @@ pub(crate) fn verdict(status: StatusCode) -> Verdict {
         408 | 425 | 429 => Verdict::Retry,
         400..=499 => Verdict::Refused,
         // An idempotent server releases the key on a 5xx (the work did not complete), or answers 503
-        // while its store is down: the same key is safe to send again.
+        // while its store is down: the same key is safe to send again. (A 5xx it replays from its record
+        // is final; the middleware reads that from the response.)
         _ => Verdict::Retry,
     }
 }

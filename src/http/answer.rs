@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::request::Parts;
 use http::{HeaderMap, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Either, Full};
@@ -13,6 +14,7 @@ use tower::BoxError;
 use super::capture::Stored;
 use super::config::{Config, MismatchStatus};
 use super::problem::{Problem, problem_types as types};
+use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
 use crate::quota::QuotaLimit;
 use crate::record::{Begin, StoredResponse};
@@ -37,13 +39,18 @@ pub(crate) fn with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Boxed 
     }
 }
 
-/// The answer to a claim that did not acquire the key.
+/// The answer to a claim that did not acquire the key: refused with 403 when it would show a stored
+/// response the application's replay check does not let this request see.
 pub(crate) async fn refusal<T>(
     answer: Begin,
     config: &Config<T>,
+    parts: &Parts,
     scope: &Scope,
     key: &IdempotencyKey,
 ) -> Response<Boxed> {
+    if config.reveals(&answer) && !config.allows_replay(parts, scope).await {
+        return replay_refused();
+    }
     match answer {
         Begin::Completed(stored) => replay(&stored, None),
         Begin::InFlight { retry_after } => {
@@ -144,6 +151,15 @@ pub(crate) fn unsupported_encoding(detail: String) -> Response<Boxed> {
 
 pub(crate) fn invalid_body(detail: impl fmt::Display) -> Response<Boxed> {
     Problem::new(StatusCode::BAD_REQUEST, types::INVALID_BODY, "Invalid request", detail.to_string()).into_response()
+}
+
+/// The answer to a claim the store could not make: a response it cannot open (500), or the store
+/// unavailable (503; nothing ran).
+pub(crate) fn store_failed(error: &StoreError) -> Response<Boxed> {
+    match error {
+        StoreError::Encryption(_) => unreadable(),
+        _ => unavailable(),
+    }
 }
 
 pub(crate) fn unavailable() -> Response<Boxed> {

@@ -22,7 +22,7 @@ use super::config::{Config, KeyRequirement};
 use super::key_header::read_key;
 use super::request_fingerprint::{MAX_PARTS, Unreadable, fingerprint};
 use super::transaction;
-use crate::error::{InputError, StoreError};
+use crate::error::InputError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::policy::LeaseExpiry;
@@ -187,12 +187,8 @@ where
     let store = &config.store;
     let owner = match store.begin_with(&scope, &key, &fingerprint, &config.options).await {
         Ok(Begin::Acquired(owner)) => owner,
-        Ok(answer) if config.reveals(&answer) && !config.allows_replay(&parts, &scope).await => {
-            return Ok(answer::replay_refused());
-        }
-        Ok(answer) => return Ok(answer::refusal(answer, config, &scope, &key).await),
-        Err(StoreError::Encryption(_)) => return Ok(answer::unreadable()),
-        Err(_) => return Ok(answer::unavailable()),
+        Ok(answer) => return Ok(answer::refusal(answer, config, &parts, &scope, &key).await),
+        Err(error) => return Ok(answer::store_failed(&error)),
     };
     // Cancelled or panicking, the handler drops the owner, which gives the key up under its rule.
     let request = Request::from_parts(parts, Either::Right(Full::new(body)));

@@ -39,7 +39,6 @@ use super::answer::{self, Boxed};
 use super::capture::{self, Captured, Stored, Withheld};
 use super::config::Config;
 use super::service::Admitted;
-use crate::error::StoreError;
 use crate::record::Begin;
 use crate::store::COMMIT;
 
@@ -165,13 +164,9 @@ where
             {
                 tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
             }
-            if config.reveals(&refused) && !config.allows_replay(&parts, &scope).await {
-                return Ok(answer::replay_refused());
-            }
-            return Ok(answer::refusal(refused, config, &scope, &key).await);
+            return Ok(answer::refusal(refused, config, &parts, &scope, &key).await);
         }
-        Err(StoreError::Encryption(_)) => return Ok(answer::unreadable()),
-        Err(_) => return Ok(answer::unavailable()),
+        Err(error) => return Ok(answer::store_failed(&error)),
     };
     let Some(tx) = tx else { return Ok(answer::unavailable()) };
     let transaction = ClaimTransaction(Arc::new(Mutex::new(Some(tx))));
