@@ -16,6 +16,7 @@ use support::{Harness, Servers, key};
 suite!(
     purge_in_batches_leaves_tombstones_that_refuse_retries,
     recover_stale_spares_live_owners,
+    recover_stale_reports_a_record_it_cannot_read_and_recovers_the_rest,
     resolve_settles_indeterminate_records,
     tier_is_recorded_with_each_record,
     tiers_are_selected_by_operation_from_a_config_file,
@@ -79,6 +80,33 @@ async fn purge_in_batches_leaves_tombstones_that_refuse_retries(mode: Mode) {
     assert!(matches!(other, Ok(RunOutcome::<Value>::Mismatch)), "another payload is still refused: {other:?}");
     assert_eq!(h.store.count_expired().await.expect("count"), 0);
     assert!(support::total("idemstore_purged_records_total") >= 40.0);
+}
+
+/// A stale record whose key the store would refuse (written around it) is counted as unreadable and left
+/// for an operator; the stale record beside it is released (before: the whole batch failed with the
+/// key's InputError, and so did every later run, since the bad row comes first again).
+async fn recover_stale_reports_a_record_it_cannot_read_and_recovers_the_rest(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
+    for (key, lease_ended) in [("bad\u{1}key", "2 seconds"), ("good", "1 second")] {
+        sqlx::query(
+            "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence,
+                 owner, lease_expires_at, tier, on_lease_expiry)
+             VALUES ($1, $2, $3, decode(repeat('00', 32), 'hex'), 'p', nextval('idempotency_fences'), 'gone',
+                     now() - $4::interval, 'standard', 't')",
+        )
+        .bind(scope.tenant())
+        .bind(scope.operation())
+        .bind(key)
+        .bind(lease_ended)
+        .execute(&h.pool)
+        .await
+        .expect("a stale record");
+    }
+    let recovery = h.store.recover_stale(10).await.expect("the readable record is recovered");
+    assert_eq!((recovery.found, recovery.released, recovery.unreadable), (2, 1, 1), "{recovery:?}");
+    let good = h.store.lookup(&scope, &key("good")).await.expect("lookup").expect("a record");
+    assert_eq!(good.state, idemstore::State::Released);
 }
 
 /// A dead owner's stale record is released; a live owner that keeps extending is left alone; a record

@@ -342,13 +342,13 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
         Command::Recover { dry_run: true, .. } => {
             let found = store.count_stale().await?;
             let text = format!("{found} stale records (dry run)");
-            Output { json: json!({ "found": found, "released": 0, "marked_indeterminate": 0 }), text }
+            Output { json: json!({ "found": found, "released": 0, "marked_indeterminate": 0, "unreadable": 0 }), text }
         }
         Command::Recover { batch, .. } => {
             let recovery = store.recover_stale(*batch).await?;
             let text = format!(
-                "{} stale records: {} released, {} marked indeterminate",
-                recovery.found, recovery.released, recovery.marked_indeterminate
+                "{} stale records: {} released, {} marked indeterminate, {} unreadable (left for an operator)",
+                recovery.found, recovery.released, recovery.marked_indeterminate, recovery.unreadable
             );
             Output { json: serde_json::to_value(&recovery).unwrap_or_default(), text }
         }

@@ -163,6 +163,10 @@ pub struct Recovery {
     pub released: u64,
     /// Marked indeterminate (operations under `LeaseExpiry::MarkIndeterminate`).
     pub marked_indeterminate: u64,
+    /// Left as they are because they cannot be read as records (a tenant, operation or key written
+    /// around the store that it would refuse, a fingerprint that is not 32 bytes): each is logged with
+    /// its tenant and operation, for an operator to repair or delete. The others are recovered.
+    pub unreadable: u64,
 }
 
 /// How an operator settles an indeterminate record.
@@ -290,22 +294,12 @@ impl Store {
         let rows = self.bounded(&STALE, rows).await?;
         let mut recovery = Recovery { found: rows.len() as u64, ..Recovery::default() };
         for row in rows {
-            let decode = |e| STALE.failed(e);
-            let scope =
-                Scope::new(row.try_get::<String, _>(0).map_err(decode)?, row.try_get::<String, _>(1).map_err(decode)?)?;
-            let key = IdempotencyKey::new(row.try_get::<String, _>(2).map_err(decode)?)?;
-            let stale = Lease {
-                fingerprint: crate::Fingerprint::from_stored(&row.try_get::<Vec<u8>, _>(3).map_err(decode)?)
-                    .ok_or_else(|| decode(sqlx::Error::Decode("a fingerprint is 32 bytes".into())))?,
-                fence: row.try_get(4).map_err(decode)?,
-                owner: row.try_get::<Option<String>, _>(5).map_err(decode)?.unwrap_or_default(),
-                policy: self.shared_policy(scope.operation()),
-                scope,
-                key,
+            let Ok((stale, rule)) = self.stale_lease(&row) else {
+                let (tenant, operation) = (row.try_get::<String, _>(0), row.try_get::<String, _>(1));
+                tracing::warn!(?tenant, ?operation, "a stale record that cannot be read is left for an operator");
+                recovery.unreadable += 1;
+                continue;
             };
-            // The rule the record was claimed under (a code this version does not know: the safe one).
-            let code: i8 = row.try_get(6).map_err(decode)?;
-            let rule = LeaseExpiry::from_code(code as u8).unwrap_or(LeaseExpiry::MarkIndeterminate);
             let (recovered, action) = match rule {
                 LeaseExpiry::TakeOver => {
                     let released = sqlx::query(RELEASE_STALE.sql)
@@ -331,6 +325,26 @@ impl Store {
         }
         self.indeterminate_gauge().await?;
         Ok(recovery)
+    }
+
+    /// A stale row as the lease its owner held, and the rule it was claimed under (a code this version
+    /// does not know: the safe one).
+    fn stale_lease(&self, row: &sqlx::postgres::PgRow) -> Result<(Lease, LeaseExpiry), StoreError> {
+        let decode = |e| STALE.failed(e);
+        let scope =
+            Scope::new(row.try_get::<String, _>(0).map_err(decode)?, row.try_get::<String, _>(1).map_err(decode)?)?;
+        let key = IdempotencyKey::new(row.try_get::<String, _>(2).map_err(decode)?)?;
+        let stale = Lease {
+            fingerprint: crate::Fingerprint::from_stored(&row.try_get::<Vec<u8>, _>(3).map_err(decode)?)
+                .ok_or_else(|| decode(sqlx::Error::Decode("a fingerprint is 32 bytes".into())))?,
+            fence: row.try_get(4).map_err(decode)?,
+            owner: row.try_get::<Option<String>, _>(5).map_err(decode)?.unwrap_or_default(),
+            policy: self.shared_policy(scope.operation()),
+            scope,
+            key,
+        };
+        let code: i8 = row.try_get(6).map_err(decode)?;
+        Ok((stale, LeaseExpiry::from_code(code as u8).unwrap_or(LeaseExpiry::MarkIndeterminate)))
     }
 
     /// Settles an indeterminate record. Returns `false` if the record is not indeterminate (absent,
