@@ -47,21 +47,26 @@ fn layer(h: &Harness, policy: Policy) -> IdempotencyLayer<fn(&http::request::Par
         .with_policy(policy)
 }
 
-/// A response's trailers (here a checksum) reach the client that ran the handler and every replay
-/// (before: only replays had them).
+/// A response's trailers reach the client that ran the handler, all of them, and every replay, those
+/// the replay allow-list names (here a checksum added to it; before: only replays had trailers, and then
+/// every one of them, a debugging token included).
 async fn trailers_reach_the_first_caller_and_every_replay(mode: Mode) {
     let h = Harness::start(mode).await;
-    let service = layer(&h, Policy::default()).layer(tower::service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+    let layer = layer(&h, Policy::default()).with_replayed_header(http::HeaderName::from_static("x-checksum"));
+    let service = layer.layer(tower::service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
         let mut trailers = HeaderMap::new();
         trailers.insert("x-checksum", HeaderValue::from_static("abc"));
+        trailers.insert("x-debug-token", HeaderValue::from_static("secret"));
         let body = Full::new(Bytes::from_static(b"abc")).with_trailers(async { Some(Ok(trailers)) });
         Ok::<_, Infallible>(Response::new(body))
     }));
     for attempt in ["first", "replay"] {
         let response = service.clone().oneshot(request("with-trailers")).await.expect("infallible");
         let collected = response.into_body().collect().await.expect("body");
-        let checksum = collected.trailers().and_then(|t| t.get("x-checksum")).cloned();
-        assert_eq!(checksum, Some(HeaderValue::from_static("abc")), "{attempt}");
+        let trailer = |name| collected.trailers().and_then(|t| t.get(name)).cloned();
+        assert_eq!(trailer("x-checksum"), Some(HeaderValue::from_static("abc")), "{attempt}");
+        let debug = trailer("x-debug-token");
+        assert_eq!(debug.is_some(), attempt == "first", "{attempt}: only the first caller gets {debug:?}");
         assert_eq!(collected.to_bytes().as_ref(), b"abc", "{attempt}");
     }
 }

@@ -27,6 +27,8 @@ pub(crate) struct Settlement {
     status: StatusCode,
     /// The response's headers that are replayed.
     headers: HeaderMap,
+    /// The names of the header and trailer fields that are replayed.
+    replayed: Vec<HeaderName>,
     /// The body's trailers, once it sent them.
     trailers: Option<HeaderMap>,
     /// Which responses are stored; the others release the key so a retry runs again.
@@ -53,10 +55,10 @@ impl Settlement {
         (limit, replayed): (usize, &[HeaderName]),
     ) -> Self {
         let stored = rule.stores(status) && rule.stores_grpc(headers);
-        let headers = capture::replayed(headers, replayed);
+        let (headers, replayed) = (capture::replayed(headers, replayed), replayed.to_vec());
         let keep_alive = Some(owner.keep_alive());
         let (owner, trailers, body, sent, broken) = (Some(owner), None, Vec::new(), 0, false);
-        Self { owner, status, headers, trailers, rule, stored, limit, body, sent, broken, keep_alive }
+        Self { owner, status, headers, replayed, trailers, rule, stored, limit, body, sent, broken, keep_alive }
     }
 
     /// Keeps a copy of `data` while the body stays within the limit; past it, none (and frees the copy).
@@ -110,7 +112,8 @@ impl Settlement {
             Some(Stored::Withheld(Withheld::new(self.status, self.sent)).encode())
         } else {
             let body = std::mem::take(&mut self.body);
-            let captured = Captured::new(self.status, &self.headers, body, self.trailers.as_ref());
+            let trailers = self.trailers.as_ref().map(|trailers| capture::replayed(trailers, &self.replayed));
+            let captured = Captured::new(self.status, &self.headers, body, trailers.as_ref());
             Some(Stored::Response(captured).encode())
         };
         Some(async move {

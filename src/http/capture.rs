@@ -6,9 +6,10 @@ use serde::{Deserialize, Serialize};
 
 use super::IDEMPOTENT_REPLAYED;
 
-/// Headers replayed by default: those that describe the stored body or the created resource, and a gRPC
-/// call's status and message encoding (in the headers of a trailers-only answer). Never `Set-Cookie` (a
-/// session is not a result), `Date`, hop-by-hop headers or `Content-Length` (recomputed).
+/// Header (and trailer) fields replayed by default: those that describe the stored body or the created
+/// resource, and a gRPC call's status and message encoding (in the trailers, or the headers of a
+/// trailers-only answer). Never `Set-Cookie` (a session is not a result), `Date`, hop-by-hop headers or
+/// `Content-Length` (recomputed).
 pub(crate) const DEFAULT_REPLAYED_HEADERS: [&str; 14] = [
     "content-type",
     "content-encoding",
@@ -82,12 +83,13 @@ pub(crate) struct Captured {
     status: u16,
     headers: Fields,
     body: Vec<u8>,
-    /// All of the response's trailers: they carry the outcome of a gRPC call (`grpc-status`).
+    /// The response's trailers that are replayed (the same allow-list as headers): they carry the
+    /// outcome of a gRPC call (`grpc-status`).
     trailers: Fields,
 }
 
 impl Captured {
-    /// `headers` are the response's headers already filtered to those replayed.
+    /// `headers` and `trailers` are the response's, already filtered to those replayed.
     pub(crate) fn new(status: StatusCode, headers: &HeaderMap, body: Vec<u8>, trailers: Option<&HeaderMap>) -> Self {
         let fields = |map: &HeaderMap| -> Fields {
             map.iter().map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec())).collect()

@@ -225,7 +225,8 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
         self
     }
 
-    /// Adds a response header to those stored and replayed. Never a credential or a session
+    /// Adds a response header (or trailer) field to those stored and replayed: trailers go through the
+    /// same list, so a replay carries only the fields it names. Never a credential or a session
     /// (`Set-Cookie`, `Authorization`, `Proxy-Authorization`, `Cookie`, `Proxy-Authenticate`,
     /// `WWW-Authenticate`): a replay goes to whoever holds the key, so those are not added (and a
     /// warning is logged).

@@ -206,7 +206,8 @@ where
     };
     let (stored, answer_body) = match read {
         BodyRead::Whole(bytes, trailers) if trailers.as_ref().is_none_or(|t| config.stored.stores_grpc(t)) => {
-            let captured = Captured::new(head.status, &headers, bytes.to_vec(), trailers.as_ref());
+            let kept = trailers.as_ref().map(|trailers| capture::replayed(trailers, &config.replayed_headers));
+            let captured = Captured::new(head.status, &headers, bytes.to_vec(), kept.as_ref());
             (Stored::Response(captured).encode(), answer::with_trailers(bytes, trailers))
         }
         // A gRPC status in the trailers that is not stored: as a released status.
