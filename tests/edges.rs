@@ -438,8 +438,11 @@ async fn a_settlement_reaches_redis_while_the_circuit_is_open(mode: Mode) {
     assert!(matches!(seen, Begin::Indeterminate), "{seen:?}");
     // Open the owner's circuit: one call that misses its budget, then Redis is reachable again.
     let proxy = h.redis_proxy.as_ref().expect("proxy");
+    let fallbacks = h.counter("idemstore_redis_fallbacks_total", &[]);
     proxy.set(ProxyMode::Blackhole);
-    let _ = proxied.begin(&scope, &key("elsewhere"), &fingerprint(payload)).await;
+    let opened = proxied.begin(&scope, &key("elsewhere"), &fingerprint(payload)).await;
+    assert!(matches!(opened, Ok(Begin::Acquired(_))), "Postgres answered alone: {opened:?}");
+    assert!(h.counter("idemstore_redis_fallbacks_total", &[]) > fallbacks, "the call fell back: the circuit is open");
     proxy.cut();
     proxy.set(ProxyMode::Pass);
     owner.release().await.expect("the owner releases under its fence");
