@@ -374,14 +374,13 @@ async fn releasing_an_indeterminate_record_clears_its_redis_copy(mode: Mode) {
 /// for the whole test.
 fn proxied_store(h: &Harness, policy: Policy) -> idemstore::Store {
     let proxy = h.redis_proxy.as_ref().expect("a Redis proxy");
-    idemstore::Store::builder()
+    let builder = idemstore::Store::builder()
         .database_url(&h.store_url)
         .redis_url(format!("redis://127.0.0.1:{}/", proxy.port()))
         .key_prefix(&h.prefix)
         .redis_cooldown(Duration::from_secs(10))
-        .policy(&h.operation, policy)
-        .build()
-        .expect("store")
+        .policy(&h.operation, policy);
+    support::sealed(builder).build().expect("store")
 }
 
 /// Found by a 3,000-case model campaign: a store completed while Redis was unreachable to it (its marker

@@ -209,7 +209,8 @@ async fn tiers_are_selected_by_operation_from_a_config_file(mode: Mode) {
     if let Some(url) = &h.redis_url {
         builder = builder.redis_url(url.clone());
     }
-    let store = builder.policies(PolicyConfig::from_toml(&text).expect("valid config")).build().expect("store");
+    let store = support::sealed(builder.policies(PolicyConfig::from_toml(&text).expect("valid config")));
+    let store = store.build().expect("store");
     assert_eq!(
         (store.policy(&h.operation).name(), store.policy(&h.operation).lease()),
         ("ledger", Duration::from_secs(45))
