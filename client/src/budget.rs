@@ -6,6 +6,9 @@ use std::sync::Mutex;
 
 use crate::policy::BudgetConfig;
 
+/// Hosts remembered before the full buckets are forgotten.
+const MAX_HOSTS: usize = 1024;
+
 /// One token bucket per host, all starting full.
 #[derive(Debug)]
 pub(crate) struct RetryBudget {
@@ -33,6 +36,10 @@ impl RetryBudget {
     fn update(&self, host: &str, change: impl FnOnce(f64, BudgetConfig) -> f64) -> f64 {
         // A poisoned lock only means another request panicked mid-update; the counts are still numbers.
         let mut hosts = self.hosts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A full bucket says nothing a new one would not: forgotten once many hosts were seen.
+        if hosts.len() >= MAX_HOSTS {
+            hosts.retain(|_, tokens| *tokens < self.config.tokens);
+        }
         let tokens = hosts.entry(host.to_owned()).or_insert(self.config.tokens);
         *tokens = change(*tokens, self.config);
         *tokens
@@ -59,5 +66,17 @@ mod tests {
             budget.answered("api.example");
         }
         assert!(budget.failed("api.example"));
+    }
+
+    #[test]
+    fn full_buckets_are_forgotten_once_many_hosts_were_seen() {
+        let budget = RetryBudget::new(BudgetConfig { tokens: 10.0, ratio: 0.5 });
+        budget.failed("failing.example");
+        for n in 0..5_000 {
+            budget.answered(&format!("host-{n}.example"));
+        }
+        let hosts = budget.hosts.lock().expect("hosts");
+        assert!(hosts.len() <= MAX_HOSTS);
+        assert!(hosts.contains_key("failing.example"), "a bucket below full is kept");
     }
 }

@@ -150,12 +150,23 @@ impl Wait {
 #[async_trait::async_trait]
 impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
     async fn handle(&self, mut request: Request, extensions: &mut Extensions, next: Next<'_>) -> Result<Response> {
+        let operation = extensions.get::<Operation>().cloned();
         if !self.policy.applies_to(request.method()) {
+            if let Some(Operation(name)) = &operation {
+                let method = request.method();
+                tracing::warn!(operation = %name, %method, "the retry policy does not cover this method: no key");
+            }
             return next.run(request, extensions).await;
         }
-        if !request.headers().contains_key(IDEMPOTENCY_KEY) {
-            let key = self.key(extensions.get::<Operation>().cloned()).await.map_err(Error::middleware)?;
-            request.headers_mut().insert(IDEMPOTENCY_KEY, key);
+        match (request.headers().contains_key(IDEMPOTENCY_KEY), operation) {
+            (true, Some(Operation(name))) => {
+                tracing::warn!(operation = %name, "the request carries its own Idempotency-Key: the journal's is not used");
+            }
+            (true, None) => {}
+            (false, operation) => {
+                let key = self.key(operation).await.map_err(Error::middleware)?;
+                request.headers_mut().insert(IDEMPOTENCY_KEY, key);
+            }
         }
         let url = request.url();
         let host = format!("{}:{}", url.host_str().unwrap_or_default(), url.port_or_known_default().unwrap_or(0));
