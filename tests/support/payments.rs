@@ -58,8 +58,10 @@ pub async fn wait_for_state(h: &Harness, key: &str, state: State) {
 }
 
 /// Polls until the demo's request for `key` is in flight: its record in progress, or (the demo's
-/// transactional path, whose claim commits with the charge) a transaction that wrote a record and has
-/// not ended yet.
+/// transactional path, whose claim commits with the charge) a transaction that wrote and now waits on
+/// its handler ("idle in transaction": its claim statement has finished, so the key is taken). A lock
+/// alone is not enough: the claim takes its table lock when it starts, and a duplicate sent then can
+/// still insert the key first (seen in CI, where the duplicate executed and the first was replayed).
 pub async fn wait_in_flight(h: &Harness, key: &str) {
     let scope = Scope::new("acme", PAYMENTS).expect("scope");
     let key = IdempotencyKey::new(key).expect("key");
@@ -67,16 +69,15 @@ pub async fn wait_in_flight(h: &Harness, key: &str) {
         if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == State::InProgress) {
             return;
         }
-        let uncommitted: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
-             WHERE c.relname LIKE 'idempotency_records%' AND l.mode = 'RowExclusiveLock' AND l.granted
-               AND l.pid <> pg_backend_pid()
-               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
+        let claimed: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()
+               AND state = 'idle in transaction' AND backend_xid IS NOT NULL)",
         )
         .fetch_one(&h.pool)
         .await
-        .expect("pg_locks");
-        if uncommitted {
+        .expect("pg_stat_activity");
+        if claimed {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
