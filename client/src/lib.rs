@@ -22,7 +22,7 @@
 //! match sent {
 //!     Ok(response) => println!("{} (replayed: {})", response.status(), was_replayed(&response)),
 //!     Err(error) => match ClientError::of(&error) {
-//!         Some(ClientError::Refused { status, problem }) => println!("refused: {status} {problem:?}"),
+//!         Some(ClientError::Refused { status, problem, .. }) => println!("refused: {status} {problem:?}"),
 //!         Some(ClientError::GaveUp { .. }) => println!("unknown outcome: send again later, same key"),
 //!         _ => return Err(error.into()),
 //!     },
