@@ -71,29 +71,23 @@ async fn trailers_reach_the_first_caller_and_every_replay(mode: Mode) {
     }
 }
 
-/// A 10-byte body (its length known, so the layer settles it whole before answering) that comes after
-/// `delay`.
-struct Slow(Pin<Box<tokio::time::Sleep>>, bool);
+/// A 10-byte body (its length known, so the layer settles it whole before answering) that never comes;
+/// it tells `reading` when the layer starts to read it.
+struct Unending(Arc<tokio::sync::Notify>);
 
-impl http_body::Body for Slow {
+impl http_body::Body for Unending {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if self.1 {
-            return Poll::Ready(None);
-        }
-        std::task::ready!(self.0.as_mut().poll(cx));
-        self.1 = true;
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"0123456789")))))
+    fn poll_frame(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.notify_one();
+        Poll::Pending
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(if self.1 { 0 } else { 10 })
+        SizeHint::with_exact(10)
     }
 }
-
-use std::future::Future as _;
 
 /// The handler answered, and the request is cancelled while its (known-length) body is still being
 /// read: the work ran, so the retry is told the response is not replayable and the handler does not run
@@ -101,17 +95,23 @@ use std::future::Future as _;
 async fn request_cancelled_while_the_body_is_read_never_runs_again(mode: Mode) {
     let h = Harness::start(mode).await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let counted = Arc::clone(&runs);
+    let reading = Arc::new(tokio::sync::Notify::new());
+    let (counted, body_read) = (Arc::clone(&runs), Arc::clone(&reading));
     let service = layer(&h, Policy::default()).layer(tower::service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
         counted.fetch_add(1, Ordering::SeqCst);
-        async {
-            Ok::<_, Infallible>(Response::new(Slow(Box::pin(tokio::time::sleep(Duration::from_millis(500))), false)))
-        }
+        let body = Unending(Arc::clone(&body_read));
+        async { Ok::<_, Infallible>(Response::new(body)) }
     }));
-    let cancelled = tokio::time::timeout(Duration::from_millis(100), service.clone().oneshot(request("cut"))).await;
-    assert!(cancelled.is_err(), "the request was cancelled while the body was read");
+    // Cancelled once the layer reads the body, whatever the machine's load (a timeout could fire before
+    // the handler was even called).
+    tokio::select! {
+        _ = service.clone().oneshot(request("cut")) => panic!("answered though its body never came"),
+        () = reading.notified() => {}
+    }
     let answer = loop {
-        let response = service.clone().oneshot(request("cut")).await.expect("infallible");
+        // A retry that ran the handler again would read its unending body: bounded, so that fails too.
+        let retry = tokio::time::timeout(Duration::from_secs(10), service.clone().oneshot(request("cut")));
+        let response = retry.await.expect("the retry is answered, not run").expect("infallible");
         let status = response.status();
         let body = response.into_body().collect().await.expect("body").to_bytes();
         let problem: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
