@@ -2,10 +2,8 @@
 //! restarted with its file journal, retries across a Postgres restart and a request in flight, refusals
 //! that are never retried, and the retry budget. Real Redis and Postgres, both modes.
 
-#[macro_use]
-mod support;
-#[path = "support/payments.rs"]
-mod payments;
+use crate::support;
+use support::payments;
 
 use std::io::BufRead as _;
 use std::process::Stdio;
@@ -106,7 +104,7 @@ async fn a_client_killed_mid_request_sends_the_same_key_after_its_restart(mode: 
     let dir = tempfile::tempdir().expect("a directory");
     let journal = dir.path().join("keys.jsonl");
     let process = |delay: &str| {
-        let mut command = support::child(&h, "client_process");
+        let mut command = support::child(&h, module_path!(), "client_process");
         command.env("CLIENT_BASE_URL", &base).env("CLIENT_JOURNAL", &journal).env("CLIENT_DELAY_MS", delay);
         command.stdout(Stdio::piped());
         command

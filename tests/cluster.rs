@@ -3,9 +3,8 @@
 //! SIGKILLed, and a slot migrated mid-load. Each fault: no duplicate execution, no lost completion,
 //! every request answered.
 
-#[path = "support/payments.rs"]
-mod payments;
-mod support;
+use crate::support;
+use support::payments;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,10 +1,8 @@
 //! The payments demo end to end, over a real listener and a real HTTP client, against real Redis and
 //! Postgres, in both modes: concurrent POSTs, tenants, metrics, webhooks.
 
-#[macro_use]
-mod support;
-#[path = "support/payments.rs"]
-mod payments;
+use crate::support;
+use support::payments;
 
 use std::time::{Duration, SystemTime};
 
@@ -169,7 +167,7 @@ async fn tenants_get_their_own_charges_end_to_end(mode: Mode) {
 /// After a known sequence the scraped counters match it, and `promtool check metrics` accepts the page
 /// when promtool is installed.
 async fn metrics_match_a_known_sequence_end_to_end(mode: Mode) {
-    if support::rerun_alone(mode, "metrics_match_a_known_sequence_end_to_end") {
+    if support::rerun_alone(mode, module_path!(), "metrics_match_a_known_sequence_end_to_end") {
         return;
     }
     let h = Harness::start(mode).await;
@@ -209,7 +207,7 @@ async fn metrics_match_a_known_sequence_end_to_end(mode: Mode) {
 /// request and a gauge refresh (the Redis ones in two-tier mode): an alert never watches a name the
 /// library does not emit.
 async fn every_metric_ops_uses_is_emitted(mode: Mode) {
-    if support::rerun_alone(mode, "every_metric_ops_uses_is_emitted") {
+    if support::rerun_alone(mode, module_path!(), "every_metric_ops_uses_is_emitted") {
         return;
     }
     let h = Harness::start(mode).await;

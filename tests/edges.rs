@@ -3,8 +3,7 @@
 //! reproduces a defect found by reading the protocol (and then by the model checker); time moves in the
 //! servers' data, never by sleeping. Real servers, both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

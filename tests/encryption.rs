@@ -2,10 +2,8 @@
 //! modes: no plaintext canary in either tier by any write path, rotation, tampered or moved ciphertext
 //! refused without running the work again.
 
-#[macro_use]
-mod support;
-#[path = "support/payments.rs"]
-mod payments;
+use crate::support;
+use support::payments;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;

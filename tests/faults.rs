@@ -4,8 +4,7 @@
 //!
 //! Each test prints its report as `REPORT <fault> <mode> <json>`; `docs/reliability.md` tabulates them.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
@@ -89,7 +88,7 @@ async fn postgres_restart_between_work_and_completion_costs_latency_not_a_rerun(
 /// nothing behind: no record, no effect; the retry executes exactly once.
 async fn owner_process_killed_mid_transaction_leaves_nothing(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
-    support::kill_child_at(&h, "child_tx_owner", "OWNER IN TRANSACTION");
+    support::kill_child_at(&h, module_path!(), "child_tx_owner", "OWNER IN TRANSACTION");
     let (scope, k, payload) = (h.scope("acme"), key("in-tx"), json!({"amount": 1}));
     assert_eq!(h.store.lookup(&scope, &k).await.expect("lookup"), None, "the claim never committed");
     let executed = loop {
@@ -442,7 +441,7 @@ async fn owner_task_aborted_mid_work_goes_indeterminate(mode: Mode) {
 /// exactly one retry executes.
 async fn owner_process_killed_mid_work_is_taken_over(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
-    support::kill_child_at(&h, "child_owner", "OWNER WORKING");
+    support::kill_child_at(&h, module_path!(), "child_owner", "OWNER WORKING");
     let outcomes = retry_storm(&h, "killed").await;
     let executed = outcomes.iter().filter(|o| matches!(o, RunOutcome::Executed(_))).count();
     assert_eq!(executed, 1, "{outcomes:?}");
@@ -474,8 +473,9 @@ async fn crash_between_postgres_commit_and_redis_write(mode: Mode) {
 /// Three OS processes, each with its own pools, run the retrying load on the same keys.
 async fn three_processes_hammer_the_same_keys(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
-    let children: Vec<_> =
-        (0..3).map(|_| child(&h, "child_load").stdout(Stdio::piped()).spawn().expect("spawn a load process")).collect();
+    let children: Vec<_> = (0..3)
+        .map(|_| child(&h, module_path!(), "child_load").stdout(Stdio::piped()).spawn().expect("spawn a load process"))
+        .collect();
     let mut total = Report::default();
     for child in children {
         let output = child.wait_with_output().expect("load process");
@@ -513,7 +513,7 @@ async fn skewed_clocks_do_not_move_leases(mode: Mode) {
     // libfaketime preloaded into the child itself (the `faketime` wrapper forks, and killing it would
     // leave the child running). Only the wall clock is skewed: that is what disagrees between machines;
     // monotonic clocks are never compared across them.
-    let mut child = child(&h, "child_skewed_clock")
+    let mut child = child(&h, module_path!(), "child_skewed_clock")
         .env("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
         .env("FAKETIME", "+2h")
         .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")

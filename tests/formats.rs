@@ -1,8 +1,7 @@
 //! What a payload's fingerprint holds: exact amounts told apart, numbers JSON cannot hold refused. Real
 //! Redis and Postgres, both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use idemstore::{Mode, RunOutcome};
 use support::{Harness, key};

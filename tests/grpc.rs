@@ -1,8 +1,7 @@
 //! The layer outside axum: the tonic example's gRPC service behind `Server::layer`, called by a real
 //! tonic client over HTTP/2, against real Redis and Postgres, in both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 #[allow(dead_code)]
 #[path = "../examples/grpc.rs"]
 mod example;

@@ -1,10 +1,8 @@
 //! The Idempotency-Key middleware and the payments demo, against real Redis and Postgres, in both modes:
 //! in-process through `tower::ServiceExt::oneshot`, and end to end over a real listener.
 
-#[macro_use]
-mod support;
-#[path = "support/payments.rs"]
-mod payments;
+use crate::support;
+use support::payments;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,8 +1,7 @@
 //! The inbox keyed by event id: re-deliveries with changed bookkeeping, compared fields and the
 //! transactional receive. Real Redis and Postgres, both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use idemstore::{Mode, Received, RunError};
 use serde_json::{Value, json};

@@ -1,8 +1,7 @@
 //! The layer as a plain tower middleware: the transactional path (`transactional.rs`), trailers, a request cancelled while the response body
 //! is read, and an inner service that fails. Real Redis and Postgres, both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 #[path = "layer/transactional.rs"]
 mod transactional;
 

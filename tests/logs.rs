@@ -2,8 +2,7 @@
 //! outcome, fence), and never a key or a payload whole. A `tracing` subscriber at TRACE captures all of
 //! it; real servers, both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -10,13 +10,10 @@
 //! failure names the seed that replays it:
 //!
 //! ```text
-//! MODEL_SEED=<seed> MODEL_CASES=<cases> MODEL_STEPS=<steps> cargo nextest run --test model
+//! MODEL_SEED=<seed> MODEL_CASES=<cases> MODEL_STEPS=<steps> cargo nextest run -E 'test(/^model::/)'
 //! ```
 //!
 //! `tests/model/run` runs a long campaign.
-
-#[macro_use]
-mod support;
 
 #[path = "model/driver.rs"]
 mod driver;
@@ -91,7 +88,7 @@ impl Campaign {
         match found {
             Ok(()) => Ok(()),
             Err(TestError::Fail(reason, sequence)) => Err(format!(
-                "the store did what the model does not allow (replay: {self} cargo nextest run --test model)\n\
+                "the store did what the model does not allow (replay: {self} cargo nextest run -E 'test(/^model::/)')\n\
                  shortest failing sequence found: {sequence:#?}\n\n{reason}"
             )),
             Err(TestError::Abort(reason)) => Err(format!("proptest gave up ({self}): {reason}")),

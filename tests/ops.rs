@@ -1,8 +1,7 @@
 //! Operations: expiry and recovery jobs, resolution of indeterminate records, tiers recorded per record,
 //! and the `idemctl` binary run as a process. Real servers, both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::Duration;
@@ -112,7 +111,7 @@ async fn recover_stale_reports_a_record_it_cannot_read_and_recovers_the_rest(mod
 /// A dead owner's stale record is released; a live owner that keeps extending is left alone; a record
 /// claimed under MarkIndeterminate is marked, whatever the recoverer's own configuration says.
 async fn recover_stale_spares_live_owners(mode: Mode) {
-    if support::rerun_alone(mode, "recover_stale_spares_live_owners") {
+    if support::rerun_alone(mode, module_path!(), "recover_stale_spares_live_owners") {
         return;
     }
     let h = Harness::with(mode, policy(300, 60_000, 600_000, LeaseExpiry::TakeOver), Servers::Any).await;
@@ -404,7 +403,7 @@ async fn http_records_resolve_in_the_layers_format(mode: Mode) {
 /// `refresh_gauges`; the outbox gauges give the oldest pending row's enqueue time (before: the
 /// indeterminate gauge moved only when this process ran `recover_stale` or `resolve`).
 async fn gauges_follow_the_database(mode: Mode) {
-    if support::rerun_alone(mode, "gauges_follow_the_database") {
+    if support::rerun_alone(mode, module_path!(), "gauges_follow_the_database") {
         return;
     }
     let h = Harness::with(mode, policy(200, 400, 800, LeaseExpiry::MarkIndeterminate), Servers::Any).await;

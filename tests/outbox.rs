@@ -1,8 +1,7 @@
 //! The transactional outbox against real Postgres (and Redis in front of `run_once_in_tx`), in both modes,
 //! including its faults: a relay process killed mid-batch, Postgres crashing under a relay.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -143,7 +142,7 @@ async fn two_relays_deliver_each_row_once_in_topic_order(mode: Mode) {
 /// topic back, records why, and is then delivered, before the row behind it; other topics are not held
 /// back. A sink that never answers counts as a failure after the delivery timeout.
 async fn failing_sink_backs_off_then_delivers_in_order(mode: Mode) {
-    if support::rerun_alone(mode, "failing_sink_backs_off_then_delivers_in_order") {
+    if support::rerun_alone(mode, module_path!(), "failing_sink_backs_off_then_delivers_in_order") {
         return;
     }
     let h = Harness::start(mode).await;
@@ -368,7 +367,7 @@ async fn a_drain_ends_though_a_topic_keeps_failing_without_backoff(mode: Mode) {
 async fn relay_killed_mid_batch_redelivers_with_the_same_key(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
     let outbox = outbox_with_receipts(&h).await;
-    support::kill_child_at(&h, "child_relay", "RELAY MID BATCH");
+    support::kill_child_at(&h, module_path!(), "child_relay", "RELAY MID BATCH");
     let still_there: i64 =
         sqlx::query_scalar("SELECT count(*) FROM idempotency_outbox").fetch_one(&h.pool).await.expect("count");
     assert_eq!(still_there, 10, "the killed batch recorded nothing");

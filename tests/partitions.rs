@@ -2,8 +2,7 @@
 //! live owner survive the conversion, names stay as the migrations gave them, tenants spread over the
 //! partitions. (CI also runs the whole suite on this layout: `IDEMSTORE_TEST_PARTITIONS`.)
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use idemstore::{Begin, Fingerprint, Mode, RunOutcome, StoreError};
 use serde_json::json;

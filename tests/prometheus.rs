@@ -3,12 +3,9 @@
 //! Prometheus's HTTP API to the right, non-zero values, and the Redis fallback alert goes pending on the
 //! first Redis outage after start. Skipped, with a message, where `prometheus` is not installed.
 
-#[macro_use]
-mod support;
+use crate::support;
+use support::payments::app;
 // Only the demo's router is used here.
-#[allow(dead_code)]
-#[path = "../examples/payments/app.rs"]
-mod app;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -101,7 +98,7 @@ async fn post(client: &reqwest::Client, base: &str, key: &str, amount: i64, dela
 /// series appeared with its first increment), every rule evaluates, and in two-tier mode the fallback
 /// alert is pending on the first Redis outage (before: only on the second).
 async fn prometheus_sees_the_first_burst_and_the_first_outage(mode: Mode) {
-    if support::rerun_alone(mode, "prometheus_sees_the_first_burst_and_the_first_outage") {
+    if support::rerun_alone(mode, module_path!(), "prometheus_sees_the_first_burst_and_the_first_outage") {
         return;
     }
     let h = Harness::with(mode, Policy::default(), Servers::Owned).await;

@@ -2,8 +2,7 @@
 //! nothing runs and nothing is recorded, answers that need no execution are untouched, other tenants and
 //! operations are not held back, and a place frees when a key leaves the window or a lease ends.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

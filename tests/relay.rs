@@ -2,8 +2,7 @@
 //! timeout, a sink that panics, keys that survive a sequence reset, and the cost of many topics. Real
 //! Postgres (and Redis), both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

@@ -2,8 +2,7 @@
 //! rebuilt with another boundary, a body sent compressed. Through the layer, real Redis and Postgres, both
 //! modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::io::Write as _;

@@ -1,7 +1,6 @@
 //! The behaviour suite of the store, against real Redis and Postgres, run once per mode.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

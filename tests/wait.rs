@@ -2,8 +2,7 @@
 //! `with_wait_in_flight`): woken by the owner's settlement in another store (another process), through
 //! Redis pub/sub or Postgres `NOTIFY`, not by polling. Real Redis and Postgres, both modes.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::time::{Duration, Instant};

@@ -15,9 +15,9 @@ use idemstore::{
 };
 use serde_json::json;
 
-use crate::history::{Effect, History, Span};
-use crate::reference::{Answer, Call, Model, Order, Outcome, Payload, Rule, Seen, SeenRecord, Settle, Stage, Write};
-use crate::steps::{CLIENTS, Step};
+use super::history::{Effect, History, Span};
+use super::reference::{Answer, Call, Model, Order, Outcome, Payload, Rule, Seen, SeenRecord, Settle, Stage, Write};
+use super::steps::{CLIENTS, Step};
 use crate::support::{self, Harness, Servers};
 
 const LEASE: Duration = Duration::from_secs(60);

@@ -5,7 +5,7 @@
 use idemstore::Mode;
 use proptest::prelude::*;
 
-use crate::reference::{Call, Payload, Rule};
+use super::reference::{Call, Payload, Rule};
 
 /// How many clients share the key.
 pub const CLIENTS: usize = 3;

@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod chaos;
+pub mod payments;
 
 use std::process::Command;
 use std::sync::OnceLock;
@@ -431,29 +432,40 @@ pub fn short_lease(expiry: LeaseExpiry) -> Policy {
         .expect("policy")
 }
 
-/// Under `cargo test` every test of a file shares one process, so one metrics recorder: a test that reads
-/// absolute counters runs itself again in a process of its own (nextest gives each test one already).
-/// Returns `true` when this call only supervised that child, which passed; the caller then returns.
-pub fn rerun_alone(mode: Mode, test: &str) -> bool {
+/// Under `cargo test` every test shares one process, so one metrics recorder: a test that reads absolute
+/// counters runs itself again in a process of its own (nextest gives each test one already). `module` is
+/// the caller's `module_path!()`. Returns `true` when this call only supervised that child, which passed;
+/// the caller then returns.
+pub fn rerun_alone(mode: Mode, module: &str, test: &str) -> bool {
     let own_process = std::env::var("NEXTEST_EXECUTION_MODE").is_ok_and(|m| m == "process-per-test");
     if own_process || std::env::var_os("IDEMSTORE_ALONE").is_some() {
         return false;
     }
-    let module = if mode == Mode::TwoTier { "two_tier" } else { "postgres_only" };
+    let suite = if mode == Mode::TwoTier { "two_tier" } else { "postgres_only" };
+    let name = test_name(module, &format!("{suite}::{test}"));
     let status = Command::new(std::env::current_exe().expect("test binary"))
-        .args(["--exact", &format!("{module}::{test}"), "--nocapture"])
+        .args(["--exact", &name, "--nocapture"])
         .env("IDEMSTORE_ALONE", "1")
         .status()
         .expect("run the test in a process of its own");
-    assert!(status.success(), "{module}::{test} failed in its own process");
+    assert!(status.success(), "{name} failed in its own process");
     true
 }
 
-/// This test binary, run again as a child process that joins this test's servers.
-pub fn child(h: &Harness, entry: &str) -> Command {
+/// The name libtest knows a test of `module` (a `module_path!()`) by: its path below the crate root.
+fn test_name(module: &str, test: &str) -> String {
+    match module.split_once("::") {
+        Some((_crate, path)) => format!("{path}::{test}"),
+        None => test.to_owned(),
+    }
+}
+
+/// This test binary, run again as a child process that joins this test's servers: `entry` is an ignored
+/// test of `module` (the caller's `module_path!()`).
+pub fn child(h: &Harness, module: &str, entry: &str) -> Command {
     let mut command = Command::new(std::env::current_exe().expect("test binary"));
     command
-        .args(["--exact", entry, "--ignored", "--nocapture"])
+        .args(["--exact", &test_name(module, entry), "--ignored", "--nocapture"])
         .env("IDEMSTORE_CHILD_DATABASE_URL", &h.database_url)
         .env("IDEMSTORE_CHILD_ID", h.id())
         .env("IDEMSTORE_CHILD_MODE", format!("{:?}", h.mode));
@@ -465,9 +477,9 @@ pub fn child(h: &Harness, entry: &str) -> Command {
 
 /// Runs the child `entry`, waits until it prints a line containing `cue`, then SIGKILLs and reaps it:
 /// a process dying at an exact point of its work.
-pub fn kill_child_at(h: &Harness, entry: &str, cue: &str) {
+pub fn kill_child_at(h: &Harness, module: &str, entry: &str, cue: &str) {
     use std::io::BufRead as _;
-    let mut process = child(h, entry).stdout(std::process::Stdio::piped()).spawn().expect("spawn the child");
+    let mut process = child(h, module, entry).stdout(std::process::Stdio::piped()).spawn().expect("spawn the child");
     let lines = std::io::BufReader::new(process.stdout.take().expect("stdout")).lines();
     let mut cued = false;
     for line in lines {

@@ -9,7 +9,7 @@ use axum::Router;
 use idemstore::{IdempotencyKey, Scope, State};
 use serde_json::{Value, json};
 
-use super::support::Harness;
+use super::Harness;
 
 #[path = "../../examples/payments/app.rs"]
 pub mod app;
@@ -22,7 +22,7 @@ pub async fn demo(h: &Harness) -> Router {
     app::migrate(&h.store).await.expect("migrations");
     app::router(app::App {
         store: h.store.clone(),
-        metrics: super::support::recorder().clone(),
+        metrics: super::recorder().clone(),
         webhook_secret: app::DEMO_WEBHOOK_SECRET.to_owned(),
     })
 }
