@@ -77,6 +77,12 @@ impl Owner {
         &self.lease.policy
     }
 
+    /// Where a settlement that must outlive its caller runs (a shutdown waits for it).
+    #[cfg(feature = "http")]
+    pub(crate) fn background(&self) -> crate::store::Background {
+        self.store.background().clone()
+    }
+
     /// Runs `work`, extending the lease every third of its length until it finishes (unless the options
     /// the key was claimed with turned the heartbeat off).
     pub async fn run<F: Future>(&self, work: F) -> F::Output {
@@ -153,7 +159,9 @@ impl Owner {
     async fn settle(mut self, goal: Goal) -> Result<(), StoreError> {
         self.settled = true;
         let step = goal.step();
-        match tokio::spawn(async move { self.until_landed(&goal).await }.in_current_span()).await {
+        let background = self.store.background().clone();
+        let landed = background.settle(async move { self.until_landed(&goal).await }.in_current_span());
+        match landed.expect("a store runs on a Tokio runtime").await {
             Ok(settled) => settled,
             Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
             // The runtime is shutting down: the lease runs out instead.
@@ -275,9 +283,8 @@ impl Drop for Owner {
         if self.settled || !(in_tx || self.lease.policy.lease_expiry() == LeaseExpiry::TakeOver) {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         let (store, lease) = (self.store.clone(), self.lease.clone());
-        runtime.spawn(async move {
+        self.store.background().settle(async move {
             if in_tx {
                 store.release_marker(&lease).await;
             } else if let Err(error) = store.release(&lease).await {

@@ -24,6 +24,7 @@ use tower::{BoxError, Layer, ServiceExt};
 suite!(
     trailers_reach_the_first_caller_and_every_replay,
     request_cancelled_while_the_body_is_read_never_runs_again,
+    shutdown_waits_for_the_settlement_of_an_abandoned_body,
     inner_errors_follow_the_records_rule,
     a_revoked_caller_cannot_read_a_stored_answer_by_retrying,
     a_tenant_over_its_quota_gets_429_and_nothing_runs,
@@ -120,6 +121,48 @@ async fn request_cancelled_while_the_body_is_read_never_runs_again(mode: Mode) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(answer, (StatusCode::CONFLICT, problem_types::NOT_REPLAYABLE.into()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The client goes away after the head of a streamed response: a task drains the rest of the body and
+/// settles the record. `Store::shutdown` waits for that task, so a process that stops once it returns
+/// leaves the key replayable, not in progress for a lease.
+async fn shutdown_waits_for_the_settlement_of_an_abandoned_body(mode: Mode) {
+    use futures::StreamExt as _;
+
+    let h = Harness::start(mode).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let second_half = Arc::new(tokio::sync::Notify::new());
+    let (counted, released) = (Arc::clone(&runs), Arc::clone(&second_half));
+    let service = layer(&h, Policy::default()).layer(tower::service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        // No length, so the head goes out before the body; its second half comes when the test says.
+        let released = Arc::clone(&released);
+        let halves = futures::stream::iter([&b"first "[..], &b"second"[..]]).then(move |half| {
+            let released = Arc::clone(&released);
+            async move {
+                if half == b"second" {
+                    released.notified().await;
+                }
+                Ok::<_, Infallible>(Frame::data(Bytes::from_static(half)))
+            }
+        });
+        async { Ok::<_, Infallible>(Response::new(http_body_util::StreamBody::new(halves))) }
+    }));
+    let head = service.clone().oneshot(request("abandoned")).await.expect("infallible");
+    assert_eq!(head.status(), StatusCode::OK);
+    drop(head);
+    let store = h.store.clone();
+    let mut shutdown = tokio::spawn(async move { store.shutdown().await });
+    let early = tokio::time::timeout(Duration::from_millis(200), &mut shutdown).await;
+    assert!(early.is_err(), "the shutdown waits for the settlement under way");
+    second_half.notify_one();
+    shutdown.await.expect("the shutdown ends once the body is settled");
+    // A retry is the replay of the whole body.
+    let replay = service.clone().oneshot(request("abandoned")).await.expect("infallible");
+    let status = replay.status();
+    let body = replay.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!((status, body.as_ref()), (StatusCode::OK, &b"first second"[..]));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 

@@ -22,6 +22,7 @@ suite!(
     a_waiter_is_woken_when_the_owner_releases_and_claims_the_key,
     a_waiter_answers_in_flight_at_its_bound,
     an_http_retry_waits_for_the_first_response,
+    shutdown_stops_the_followers_though_redis_is_down,
 );
 
 const WAKEUPS: &str = "idemstore_wait_wakeups_total";
@@ -170,5 +171,60 @@ async fn waiters_do_not_wake_each_other_in_turn() {
     owner.complete(b"the result").await.expect("complete");
     for waiter in [first, second] {
         assert!(matches!(waiter.await.expect("join"), Begin::Completed(_)));
+    }
+}
+
+/// `Store::shutdown` stops the tasks a store runs for its life and returns: the subscription a waiter
+/// opened, and (two-tier) the repair of the Redis copy that a completion could not update, which retries
+/// as long as Redis stays unreachable. The store still answers afterwards.
+async fn shutdown_stops_the_followers_though_redis_is_down(mode: Mode) {
+    let h = Harness::with(mode, long_lease(), Servers::Proxied).await;
+    let (scope, k) = (h.scope("acme"), key("followed"));
+    let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fingerprint()).await.expect("claim") else { panic!() };
+    let waiter = wait_on(&h.store, &scope, &k, Duration::from_secs(30));
+    // The waiter's subscription, on Redis or (if Redis did not open it within its budget) Postgres.
+    subscribed(&h, |(redis, postgres)| redis + postgres > 0).await;
+    if let Some(proxy) = &h.redis_proxy {
+        proxy.set(idemstore::testkit::ProxyMode::Blackhole);
+    }
+    owner.complete(b"the result").await.expect("Postgres completes");
+    let Begin::Completed(_) = waiter.await.expect("join") else { panic!("the waiter replays") };
+    tokio::time::timeout(Duration::from_secs(10), h.store.shutdown()).await.expect("the shutdown ends");
+    if let Some(proxy) = &h.redis_proxy {
+        proxy.set(idemstore::testkit::ProxyMode::Pass);
+    }
+    subscribed(&h, |(redis, postgres)| redis + postgres == 0).await;
+    let again = h.store.begin(&scope, &k, &fingerprint()).await.expect("an answer after the shutdown");
+    assert!(matches!(again, Begin::Completed(ref stored) if stored.as_bytes() == b"the result"), "{again:?}");
+}
+
+/// Waits (at most 10 s) until the store's wake-up subscriptions, counted on the servers (Redis
+/// subscribers of its channel, Postgres sessions that ran `LISTEN`), satisfy `until`.
+async fn subscribed(h: &Harness, until: impl Fn((i64, i64)) -> bool) {
+    let started = Instant::now();
+    loop {
+        let redis = if h.mode == Mode::TwoTier {
+            let channel = format!("{}:settled", h.prefix);
+            let counts: Vec<(String, i64)> = redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg(&channel)
+                .query_async(&mut h.redis_connection().await)
+                .await
+                .expect("PUBSUB NUMSUB");
+            counts.iter().map(|(_, n)| n).sum()
+        } else {
+            0
+        };
+        let postgres: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+        )
+        .fetch_one(&h.pool)
+        .await
+        .expect("count the listeners");
+        if until((redis, postgres)) {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "subscriptions: Redis {redis}, Postgres {postgres}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

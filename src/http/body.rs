@@ -19,6 +19,7 @@ use super::answer::Boxed;
 use super::capture::{self, Captured, Stored, Withheld};
 use super::config::StoredStatuses;
 use crate::owner::{KeepAlive, Owner};
+use crate::store::Background;
 
 /// What an owner's response leaves in the store once its body ended.
 pub(crate) struct Settlement {
@@ -136,10 +137,9 @@ impl Drop for Settlement {
     /// which `Drop` cannot wait for, and nothing else runs after a dropped future: a task does it.
     fn drop(&mut self) {
         self.broken = true;
-        if let Some(settling) = self.settling()
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
-            runtime.spawn(settling);
+        let background = self.owner.as_ref().map(Owner::background);
+        if let (Some(background), Some(settling)) = (background, self.settling()) {
+            background.settle(settling);
         }
     }
 }
@@ -180,6 +180,8 @@ pub(crate) struct SettlingBody {
     expected: Option<u64>,
     settlement: Option<Settlement>,
     settling: Option<Settling>,
+    /// Where the settlement runs if the body is dropped before its end (a shutdown waits for it).
+    background: Option<Background>,
     /// The last frame, held back until the record is settled.
     last: Option<Frame<Bytes>>,
     /// The handler body's error, returned once the record is settled.
@@ -195,7 +197,8 @@ impl SettlingBody {
         let expected = http_body::Body::size_hint(&inner).exact();
         let inner = inner.map_err(Into::into).boxed_unsync();
         let (settling, last, failed) = (None, None, None);
-        Self { inner: Some(inner), expected, settlement: Some(settlement), settling, last, failed }
+        let background = settlement.owner.as_ref().map(Owner::background);
+        Self { inner: Some(inner), expected, settlement: Some(settlement), settling, background, last, failed }
     }
 
     /// The handler's body ended (or failed): settle before the client gets the end.
@@ -273,14 +276,14 @@ impl Drop for SettlingBody {
     /// rest of the body can still change what is stored, the task first drains it, within the capture
     /// limit and one lease: an endless stream (server-sent events) is then settled as not replayable.
     fn drop(&mut self) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let Some(background) = self.background.take() else { return };
         if let Some(settling) = self.settling.take() {
-            runtime.spawn(settling);
+            background.settle(settling);
             return;
         }
         let Some(settlement) = self.settlement.take() else { return };
         let inner = self.inner.take().filter(|_| settlement.needs_the_rest());
-        runtime.spawn(drain_and_settle(inner, settlement));
+        background.settle(drain_and_settle(inner, settlement));
     }
 }
 

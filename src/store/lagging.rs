@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::Background;
 use super::redis_connection::{RedisConnection, RedisSource};
 
 /// How many keys are remembered (about 10 MB at most); beyond it the oldest are forgotten, and their
@@ -23,11 +24,13 @@ const CAPACITY: usize = 100_000;
 /// How many deletions the background task sends at once.
 const REPAIR_BATCH: usize = 1_000;
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(crate) struct LaggingKeys {
     keys: Arc<Mutex<Remembered>>,
     /// Whether a background task is deleting the keys.
     repairing: Arc<AtomicBool>,
+    /// Where that task runs: it follows the store, and ends with its shutdown.
+    background: Background,
 }
 
 /// The remembered keys: each with the number of its latest push (numbers never repeat), and the pushes
@@ -49,6 +52,10 @@ impl Remembered {
 }
 
 impl LaggingKeys {
+    pub(crate) fn new(background: Background) -> Self {
+        Self { keys: Arc::default(), repairing: Arc::default(), background }
+    }
+
     /// Remembers `key`, and starts a task (one at a time) that deletes the remembered keys through
     /// `source` once Redis answers within `budget`, trying every `cooldown`.
     pub(crate) fn push(&self, key: &str, source: &RedisSource, cooldown: Duration, budget: Duration) {
@@ -63,9 +70,11 @@ impl LaggingKeys {
                 }
             }
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        if !self.repairing.swap(true, Ordering::AcqRel) {
-            runtime.spawn(self.clone().repair(source.clone(), cooldown, budget));
+        if !self.repairing.swap(true, Ordering::AcqRel)
+            && self.background.follow(self.clone().repair(source.clone(), cooldown, budget)).is_none()
+        {
+            // No runtime, or the store is shut down: the copies expire with their lease.
+            self.repairing.store(false, Ordering::Release);
         }
     }
 

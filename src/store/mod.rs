@@ -1,5 +1,6 @@
 //! The store: configuration and lifecycle here, the claim protocol in [`protocol`](self) submodules.
 
+mod background;
 mod lagging;
 mod maintenance;
 mod postgres_tier;
@@ -24,6 +25,7 @@ use crate::encryption::Encryption;
 use crate::error::{ConfigError, StoreError};
 use crate::policy::{Policy, millis};
 use crate::telemetry;
+pub(crate) use background::Background;
 pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
 use postgres_tier::PostgresTier;
 use redis_connection::RedisSource;
@@ -68,6 +70,16 @@ struct Inner {
     wakeups: wakeup::Wakeups,
     /// Seals responses before they are stored, and opens them before they are replayed.
     encryption: Option<Encryption>,
+    /// The tasks this store spawned: settlements to wait for, followers to stop.
+    background: Background,
+}
+
+/// The last handle is gone: the followers stop (a repair of Redis copies would otherwise retry for as
+/// long as Redis stays unreachable). Settlements hold a handle, so none is under way here.
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.background.stop();
+    }
 }
 
 impl fmt::Debug for Store {
@@ -114,6 +126,40 @@ impl Store {
     /// The Postgres pool the store uses (to run the embedded migrations elsewhere, or for your own work).
     pub fn pg_pool(&self) -> &PgPool {
         self.inner.postgres.pool()
+    }
+
+    /// Stops the store's background tasks and waits for the settlements under way; call it when the
+    /// process stops taking requests, before it exits.
+    ///
+    /// A store spawns two kinds of task. Settlements record work that already ran, when the call that
+    /// ran it could not wait: the release of an owner dropped unsettled, and the settlement of a
+    /// response whose client went away mid-body (drained first when the rest can still be stored). A
+    /// process that exits before they land leaves those keys in progress until their lease runs out, so
+    /// this waits for them: a body is drained for at most a lease, and a settling write retries within
+    /// the lease it keeps extending, so the wait is bounded by about two of the longest lease in use;
+    /// bound it by the process's grace period if that is shorter. Followers run as long as the store:
+    /// the deletion of Redis copies that may lag behind Postgres after Redis failed (they expire with
+    /// their lease instead) and the subscriptions that wake claims waiting for an in-flight duplicate
+    /// (waiting claims poll instead). This stops them; so does dropping the store's last handle.
+    ///
+    /// The store still answers afterwards, on every clone, without its followers. Owners still held,
+    /// and settlements that start after this returned, are not waited for: settle or drop owners first.
+    ///
+    /// ```no_run
+    /// # async fn serve(store: idemstore::Store) {
+    /// // ... the server stopped accepting requests and finished the ones in flight ...
+    /// let grace = std::time::Duration::from_secs(25);
+    /// if tokio::time::timeout(grace, store.shutdown()).await.is_err() {
+    ///     tracing::warn!("settlements still under way: their keys wait for their lease");
+    /// }
+    /// # }
+    /// ```
+    pub async fn shutdown(&self) {
+        self.inner.background.shutdown().await;
+    }
+
+    pub(crate) fn background(&self) -> &Background {
+        &self.inner.background
     }
 
     /// Applies the embedded migrations (idempotent; safe from several processes at once), on a
@@ -414,7 +460,8 @@ impl StoreBuilder {
             }
             (None, None) => (None, None),
         };
-        let redis = source.map(|source| RedisTier::new(source, prefix, budget, cooldown));
+        let background = Background::default();
+        let redis = source.map(|source| RedisTier::new(source, prefix, budget, cooldown, background.clone()));
         let (mut patterns, policies): (Vec<_>, Vec<_>) =
             self.policies.into_iter().map(|(op, p)| (op, Arc::new(p))).partition(|(op, _)| op.ends_with('*'));
         let policies: HashMap<_, _> = policies.into_iter().collect();
@@ -426,7 +473,7 @@ impl StoreBuilder {
         // store was built would miss them.
         let registered = telemetry::Registered::default();
         let subscriber = subscriber.zip(redis.as_ref().map(|redis| redis.channel().to_owned()));
-        let wakeups = wakeup::Wakeups::new(subscriber, pg_pool.clone());
+        let wakeups = wakeup::Wakeups::new(subscriber, pg_pool.clone(), background.clone());
         Ok(Store {
             inner: Arc::new(Inner {
                 postgres: PostgresTier::new(pg_pool, timeout),
@@ -437,6 +484,7 @@ impl StoreBuilder {
                 registered,
                 wakeups,
                 encryption: self.encryption,
+                background,
             }),
         })
     }

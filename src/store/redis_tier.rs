@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use redis::Value;
 
+use super::Background;
 use super::lagging::LaggingKeys;
 use super::redis_connection::{RedisConnection, RedisSource};
 use super::scripts::{self, LuaScript, RedisBegin};
@@ -126,12 +127,18 @@ pub(crate) struct RedisTier {
 }
 
 impl RedisTier {
-    pub(crate) fn new(source: RedisSource, prefix: String, budget: Duration, cooldown: Duration) -> Self {
+    pub(crate) fn new(
+        source: RedisSource,
+        prefix: String,
+        budget: Duration,
+        cooldown: Duration,
+        background: Background,
+    ) -> Self {
         Self {
             source,
             shared: RwLock::new(None),
             connecting: tokio::sync::Mutex::new(()),
-            lagging: LaggingKeys::default(),
+            lagging: LaggingKeys::new(background),
             channel: format!("{prefix}:settled"),
             prefix,
             budget,

@@ -20,6 +20,7 @@ use futures_util::StreamExt as _;
 use sqlx::postgres::{PgListener, PgPool};
 use tokio::sync::watch;
 
+use super::Background;
 use crate::key::{IdempotencyKey, Scope, key_digest};
 
 /// The Postgres channel settlements are announced on (the payload is the key's digest).
@@ -87,17 +88,19 @@ enum Source {
     Postgres(PgPool),
 }
 
-/// A subscription, opened by the first waiter that needs it and followed by a task for the store's life.
+/// A subscription, opened by the first waiter that needs it and followed by a task until the store is
+/// dropped or shut down.
 struct Feed {
     source: Source,
     /// Whether the subscription is open now.
     open: watch::Sender<bool>,
     task: OnceLock<AbortOnDrop>,
+    background: Background,
 }
 
 impl Feed {
-    fn new(source: Source) -> Self {
-        Self { source, open: watch::Sender::new(false), task: OnceLock::new() }
+    fn new(source: Source, background: Background) -> Self {
+        Self { source, open: watch::Sender::new(false), task: OnceLock::new(), background }
     }
 
     /// Starts following the source (once), and waits up to `within` for the subscription to open;
@@ -105,23 +108,51 @@ impl Feed {
     async fn opened(&self, waiters: &Arc<Waiters>, within: Duration) -> bool {
         self.task.get_or_init(|| {
             let (open, waiters) = (self.open.clone(), Arc::downgrade(waiters));
+            // However the task ends (stopped by a shutdown too), waiters stop counting on it.
+            let closed = Closed(open.clone());
             AbortOnDrop(match &self.source {
                 Source::Redis { client, channel } => {
-                    tokio::spawn(follow_redis(redis::Client::clone(client), channel.clone(), open, waiters))
+                    let (client, channel) = (redis::Client::clone(client), channel.clone());
+                    self.background.follow(async move {
+                        let _closed = closed;
+                        follow_redis(client, channel, open, waiters).await;
+                    })
                 }
-                Source::Postgres(pool) => tokio::spawn(follow_postgres(pool.clone(), open, waiters)),
+                Source::Postgres(pool) => {
+                    let pool = pool.clone();
+                    self.background.follow(async move {
+                        let _closed = closed;
+                        follow_postgres(pool, open, waiters).await;
+                    })
+                }
             })
         });
+        // A follower that could not start, or was stopped with the store, never opens the subscription.
+        if self.background.is_stopped() || self.task.get().is_some_and(|task| task.0.is_none()) {
+            return false;
+        }
         let mut open = self.open.subscribe();
         tokio::time::timeout(within, open.wait_for(|open| *open)).await.is_ok_and(|opened| opened.is_ok())
     }
 }
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// The follower's task, if it could start (not without a runtime, nor after a shutdown).
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        self.0.abort();
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// Marks a subscription closed when dropped.
+struct Closed(watch::Sender<bool>);
+
+impl Drop for Closed {
+    fn drop(&mut self) {
+        self.0.send_replace(false);
     }
 }
 
@@ -134,12 +165,11 @@ pub(crate) struct Wakeups {
 
 impl Wakeups {
     /// `redis`: the client and channel of this store's Redis, when it has one it can subscribe with.
-    pub(crate) fn new(redis: Option<(redis::Client, String)>, pool: PgPool) -> Self {
-        Self {
-            waiters: Arc::default(),
-            redis: redis.map(|(client, channel)| Feed::new(Source::Redis { client: Box::new(client), channel })),
-            postgres: Feed::new(Source::Postgres(pool)),
-        }
+    pub(crate) fn new(redis: Option<(redis::Client, String)>, pool: PgPool, background: Background) -> Self {
+        let redis = redis.map(|(client, channel)| {
+            Feed::new(Source::Redis { client: Box::new(client), channel }, background.clone())
+        });
+        Self { waiters: Arc::default(), redis, postgres: Feed::new(Source::Postgres(pool), background) }
     }
 
     /// Registers a waiter of `key`, before it flags the record: a settlement after the flag wakes it.
