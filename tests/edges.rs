@@ -24,6 +24,7 @@ suite!(
     a_tombstone_takes_at_most_120_bytes,
     a_claim_that_timed_out_never_commits_later,
     redis_never_answers_in_flight_after_postgres_settled,
+    a_dropped_store_stops_repairing_redis,
     a_malformed_redis_record_is_a_miss,
     a_claim_that_lost_a_race_asks_again,
     releasing_an_indeterminate_record_clears_its_redis_copy,
@@ -222,6 +223,34 @@ async fn a_claim_that_timed_out_never_commits_later(mode: Mode) {
     let Begin::Acquired(_) = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin") else {
         panic!("the key is free for a retry")
     };
+}
+
+/// A store whose last handle is dropped while Redis is unreachable stops repairing the copy it left
+/// behind (it expires with its lease): seen on the real Redis, where the stale marker is still there
+/// a second (twenty cool-downs) after Redis came back. Before, the repair task outlived every handle,
+/// and retried for as long as Redis stayed down.
+async fn a_dropped_store_stops_repairing_redis(mode: Mode) {
+    if mode == Mode::PostgresOnly {
+        return;
+    }
+    let mut h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let proxy = h.redis_proxy.take().expect("a proxy in front of Redis");
+    // The store that reaches Redis through the proxy, its only handle; the harness keeps another.
+    let replacement = h.new_store(policy(LeaseExpiry::TakeOver));
+    let store = std::mem::replace(&mut h.store, replacement);
+    let (scope, k) = (h.scope("acme"), key("left-behind"));
+    let Begin::Acquired(owner) = store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin") else {
+        panic!("a fresh key is acquired")
+    };
+    proxy.set(ProxyMode::Blackhole);
+    owner.complete(b"\"done\"").await.expect("Postgres completes");
+    drop(store);
+    proxy.cut();
+    proxy.set(ProxyMode::Pass);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut conn = h.redis_connection().await;
+    let left: bool = redis::cmd("EXISTS").arg(h.redis_key(&scope, &k)).query_async(&mut conn).await.expect("EXISTS");
+    assert!(left, "no task of the dropped store deleted the stale marker");
 }
 
 /// The owner completes while Redis cannot be reached (its marker stays behind in Redis); once Redis is
