@@ -226,31 +226,48 @@ async fn a_claim_that_timed_out_never_commits_later(mode: Mode) {
 }
 
 /// A store whose last handle is dropped while Redis is unreachable stops repairing the copy it left
-/// behind (it expires with its lease): seen on the real Redis, where the stale marker is still there
-/// a second (twenty cool-downs) after Redis came back. Before, the repair task outlived every handle,
-/// and retried for as long as Redis stayed down.
+/// behind (it expires with its lease), where a store still held repairs its own: seen on the real
+/// Redis once it is reachable again. Before, the repair task outlived every handle, and retried for as
+/// long as Redis stayed down.
 async fn a_dropped_store_stops_repairing_redis(mode: Mode) {
     if mode == Mode::PostgresOnly {
         return;
     }
-    let mut h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
-    let proxy = h.redis_proxy.take().expect("a proxy in front of Redis");
-    // The store that reaches Redis through the proxy, its only handle; the harness keeps another.
-    let replacement = h.new_store(policy(LeaseExpiry::TakeOver));
-    let store = std::mem::replace(&mut h.store, replacement);
-    let (scope, k) = (h.scope("acme"), key("left-behind"));
-    let Begin::Acquired(owner) = store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin") else {
-        panic!("a fresh key is acquired")
-    };
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let proxy = h.redis_proxy.as_ref().expect("a proxy in front of Redis");
+    let proxied = format!("redis://127.0.0.1:{}/", proxy.port());
+    let through_proxy =
+        || support::build_store(&h.store_url, &h.prefix, &h.operation, Some(&proxied), policy(LeaseExpiry::TakeOver));
+    let (dropped, held) = (through_proxy(), through_proxy());
+    let scope = h.scope("acme");
+    let (gone, kept) = (key("left-behind"), key("repaired"));
+    let mut owners = Vec::new();
+    for (store, k) in [(&dropped, &gone), (&held, &kept)] {
+        let Begin::Acquired(owner) = store.begin(&scope, k, &fingerprint(r#"{"a":1}"#)).await.expect("begin") else {
+            panic!("a fresh key is acquired")
+        };
+        owners.push(owner);
+    }
     proxy.set(ProxyMode::Blackhole);
-    owner.complete(b"\"done\"").await.expect("Postgres completes");
-    drop(store);
+    for owner in owners {
+        owner.complete(b"\"done\"").await.expect("Postgres completes");
+    }
+    drop(dropped);
     proxy.cut();
     proxy.set(ProxyMode::Pass);
-    tokio::time::sleep(Duration::from_secs(1)).await;
     let mut conn = h.redis_connection().await;
-    let left: bool = redis::cmd("EXISTS").arg(h.redis_key(&scope, &k)).query_async(&mut conn).await.expect("EXISTS");
-    assert!(left, "no task of the dropped store deleted the stale marker");
+    let exists = |k: &IdempotencyKey| redis::cmd("EXISTS").arg(h.redis_key(&scope, k)).to_owned();
+    // The held store's repair deletes its stale marker once Redis answers again.
+    let started = std::time::Instant::now();
+    while exists(&kept).query_async::<bool>(&mut conn).await.expect("EXISTS") {
+        assert!(started.elapsed() < Duration::from_secs(10), "the held store repaired its copy");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // By then (and a few more cool-downs), a repair of the dropped store's would have run too.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let left: bool = exists(&gone).query_async(&mut conn).await.expect("EXISTS");
+    assert!(left, "no task of the dropped store deleted its stale marker");
+    drop(held);
 }
 
 /// The owner completes while Redis cannot be reached (its marker stays behind in Redis); once Redis is

@@ -47,6 +47,10 @@ impl Write for Capture {
 /// A run that executes, a replay, a mismatch and a stale owner's failed completion: the spans say which
 /// operation, outcome and fence, and the key and the payload never appear (only an 8-digit key tag).
 async fn logs_carry_spans_and_never_a_key_or_a_payload(mode: Mode) {
+    // Its subscriber is the process's: under `cargo test`, not every other test's logs too.
+    if support::rerun_alone(mode, module_path!(), "logs_carry_spans_and_never_a_key_or_a_payload") {
+        return;
+    }
     let logs = captured();
     let h = Harness::with(mode, Policy::default(), Servers::Any).await;
     let (scope, secret) = (h.scope("acme"), format!("key-SECRET-{}", h.id()));

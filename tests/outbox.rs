@@ -178,6 +178,7 @@ async fn failing_sink_backs_off_then_delivers_in_order(mode: Mode) {
         }
     };
 
+    let first_drain = std::time::Instant::now();
     let drained = outbox.drain(sink()).await.expect("drain");
     assert_eq!((drained.delivered, drained.failed), (1, 2), "steady delivered; flaky and silent failed");
     assert_eq!(support::total("idemstore_outbox_pending_rows"), 3.0, "the drain refreshed the gauges");
@@ -191,7 +192,11 @@ async fn failing_sink_backs_off_then_delivers_in_order(mode: Mode) {
     assert!(silent_backlog.head_error.as_deref().is_some_and(|e| e.contains("no answer")), "{silent_backlog:?}");
 
     let early = outbox.drain(sink()).await.expect("drain");
-    assert_eq!((early.delivered, early.failed), (0, 0), "nothing is retried before its backoff");
+    // Only meaningful if it ended before any backoff could have run out (the failures came after
+    // `first_drain`); a machine that slow skips it.
+    if first_drain.elapsed() < backoff {
+        assert_eq!((early.delivered, early.failed), (0, 0), "nothing is retried before its backoff");
+    }
 
     // The backoff itself is under test: wait it out, then drain again until the topic is through.
     let mut rounds = 0;

@@ -367,7 +367,13 @@ pub fn labelled(name: &str, labels: &[(&str, &str)]) -> f64 {
 
 /// A store connecting to `database_url` (directly or through the test's proxy) with pool connections of
 /// its own, as an application's store would, carrying the server-side bounds.
-fn build_store(database_url: &str, prefix: &str, operation: &str, redis_url: Option<&str>, policy: Policy) -> Store {
+pub fn build_store(
+    database_url: &str,
+    prefix: &str,
+    operation: &str,
+    redis_url: Option<&str>,
+    policy: Policy,
+) -> Store {
     let mut builder = Store::builder()
         .database_url(database_url)
         .key_prefix(prefix)
