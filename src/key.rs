@@ -128,9 +128,9 @@ pub(crate) fn validate_name(field: &'static str, name: &str) -> Result<(), Input
     Err(InputError::InvalidScope { field, reason })
 }
 
-/// Names a key in Redis (its record's name) and in notifications: 32 hex digits (128 bits) of SHA-256 over
-/// its length-prefixed tenant, operation and key, as `idempotency_key_digest` in Postgres (in a UTF8
-/// database, where `octet_length` counts the same bytes). No tenant can
+/// Names a key in Redis (its record's name), its tombstone in Postgres and notifications: 32 hex digits
+/// (128 bits) of SHA-256 over its length-prefixed tenant, operation and key, as `idempotency_key_digest`
+/// in Postgres (in a UTF8 database, where `octet_length` counts the same bytes). No tenant can
 /// name another tenant's key: that takes a second preimage (2^128 work), and even an accidental collision
 /// replays only to a request with the same payload fingerprint.
 pub(crate) fn key_digest(scope: &Scope, key: &IdempotencyKey) -> String {

@@ -122,7 +122,8 @@ pub use quota::{Quota, QuotaLimit};
 pub use record::{Begin, Record, State, StoredResponse};
 pub use run_once::{RunError, RunOutcome, TxFuture};
 pub use store::{
-    Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder, server_bounded,
+    Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder, pool_options,
+    server_bounded,
 };
 
 /// Compiles the README's examples as doc tests.

@@ -14,6 +14,7 @@ use support::{Harness, Servers, key};
 
 suite!(
     purge_in_batches_leaves_tombstones_that_refuse_retries,
+    a_tombstone_under_a_multibyte_tenant_refuses_its_retry,
     recover_stale_spares_live_owners,
     recover_stale_reports_a_record_it_cannot_read_and_recovers_the_rest,
     resolve_settles_indeterminate_records,
@@ -79,6 +80,24 @@ async fn purge_in_batches_leaves_tombstones_that_refuse_retries(mode: Mode) {
     assert!(matches!(other, Ok(RunOutcome::<Value>::Mismatch)), "another payload is still refused: {other:?}");
     assert_eq!(h.store.count_expired().await.expect("count"), 0);
     assert!(support::total("idemstore_purged_records_total") >= 40.0);
+}
+
+/// The claim finds a tombstone by the digest the application computes, and the purge writes it with
+/// Postgres's `idempotency_key_digest`: the two agree for names of several bytes per character too
+/// (`octet_length` and `str::len` count bytes), so a purged key stays refused.
+async fn a_tombstone_under_a_multibyte_tenant_refuses_its_retry(mode: Mode) {
+    let h = Harness::with(mode, policy(100, 200, 300, LeaseExpiry::TakeOver), Servers::Any).await;
+    let (tenant, retried, payload) = ("café-Ω-東京", key("multibyte"), json!({"n": 1}));
+    let scope = h.scope(tenant);
+    let first = h.store.run_once(&scope, &retried, &payload, || h.charge(tenant, &retried)).await;
+    assert!(matches!(first, Ok(RunOutcome::<Value>::Executed(_))), "{first:?}");
+    eventually("the record expired", async || h.store.count_expired().await.expect("count") == 1).await;
+    assert_eq!(h.store.purge_expired(10).await.expect("purge"), 1);
+    let tombstone = h.store.lookup(&scope, &retried).await.expect("lookup");
+    assert_eq!(tombstone.map(|t| t.state), Some(State::Expired), "the lookup finds the tombstone");
+    let retry = h.store.run_once(&scope, &retried, &payload, || h.charge(tenant, &retried)).await;
+    assert!(matches!(retry, Ok(RunOutcome::<Value>::Expired)), "the claim finds the tombstone: {retry:?}");
+    assert_eq!(h.effects(tenant, &retried).await, 1, "the retry did not run the work again");
 }
 
 /// A stale record whose key the store would refuse (written around it) is counted as unreadable and left

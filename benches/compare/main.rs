@@ -11,6 +11,8 @@
 //! The two modes alternate within each round (A B, then B A) so that machine drift hits both. Results go
 //! to `target/bench/compare.{json,md,svg}`; the table is printed too.
 
+#[path = "../common/cost.rs"]
+mod cost;
 mod report;
 #[path = "../common/spread.rs"]
 mod spread;
@@ -24,8 +26,12 @@ use hdrhistogram::Histogram;
 use idemstore::Store;
 use idemstore::testkit::{PostgresServer, RedisCluster, RedisServer};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use sqlx::postgres::PgPoolOptions;
+use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
 use workload::{Fixture, NewKeyPath, Subject, Workload};
+
+#[global_allocator]
+static ALLOCATOR: cost::CountingAllocator = cost::CountingAllocator;
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -109,7 +115,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let plan: Plan = serde_json::from_value(saved["plan"].clone())?;
         let cells: Vec<Cell> = serde_json::from_value(saved["cells"].clone())?;
         let relay: Vec<RelayCell> = serde_json::from_value(saved["relay"].clone()).unwrap_or_default();
-        return report::write(&plan, &cells, &relay);
+        let costs: Vec<CostCell> = serde_json::from_value(saved["costs"].clone()).unwrap_or_default();
+        return report::write(&plan, &cells, &relay, &costs);
     }
     let plan = Plan::from(args);
     let metrics = PrometheusBuilder::new().install_recorder()?;
@@ -124,34 +131,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(url) => url,
         Err(_) => owned.1.insert(RedisServer::start_with(&["--maxmemory-policy", "noeviction"])?).url(),
     };
-    // About 16 connections suit this machine (more lose throughput to the 2 vCPUs).
-    let pg = PgPoolOptions::new().max_connections(16).connect(&database_url).await?;
-    let redis_client = redis::Client::open(redis_url.as_str())?;
-    let redis = deadpool_redis::Config::from_url(redis_url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
-    let two_tier = Store::builder().postgres(pg.clone()).redis(redis.clone()).key_prefix("bench").build()?;
-    let postgres_only = Store::builder().postgres(pg.clone()).build()?;
     let mut owned_cluster = None;
     let seeds: Vec<String> = match std::env::var("IDEMSTORE_BENCH_REDIS_CLUSTER") {
         Ok(seeds) => seeds.split(',').map(str::to_owned).collect(),
         Err(_) => owned_cluster.insert(RedisCluster::start()?).seed_urls(),
     };
-    let cluster = Store::builder().postgres(pg.clone()).redis_cluster(seeds).key_prefix("bench").build()?;
-    // A fixed key: the bench measures the cost of sealing, not key management.
-    let encryption = idemstore::Encryption::new([[0x5e; 32]])?;
-    let encrypted = Store::builder()
-        .postgres(pg.clone())
-        .redis(redis.clone())
-        .key_prefix("bench")
-        .encryption(encryption)
-        .build()?;
-    // Limits the load never reaches: every new key pays for the counting, none is refused.
-    let quota = idemstore::Quota::default().new_keys(1_000_000_000, Duration::from_secs(60)).live_keys(100_000);
-    let quoted = Store::builder()
-        .postgres(pg.clone())
-        .redis(redis.clone())
-        .key_prefix("bench")
-        .default_policy(idemstore::Policy::builder().quota(quota).build()?)
-        .build()?;
+    let redis_client = redis::Client::open(redis_url.as_str())?;
+    let redis = deadpool_redis::Config::from_url(&redis_url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+    let pg = pool(database_url.parse()?).await?;
+    let stores = Stores::build(&pg, &redis, &seeds)?;
+    let two_tier = &stores.two_tier;
     two_tier.migrate().await?;
     sqlx::raw_sql(workload::SCHEMA).execute(&pg).await?;
 
@@ -160,14 +149,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // that whichever mode runs first does not pay for it.
     let warm_up = Plan { seconds: 0.5, ..plan.clone() };
     let widest = plan.concurrency.iter().copied().max().unwrap_or(1);
-    let subjects = [
-        (Subject::TwoTier, &two_tier),
-        (Subject::TwoTierCluster, &cluster),
-        (Subject::TwoTierEncrypted, &encrypted),
-        (Subject::TwoTierQuota, &quoted),
-        (Subject::PostgresOnly, &postgres_only),
-    ];
-    for (subject, store) in subjects {
+    for subject in [
+        Subject::TwoTier,
+        Subject::TwoTierCluster,
+        Subject::TwoTierEncrypted,
+        Subject::TwoTierQuota,
+        Subject::PostgresOnly,
+    ] {
+        let store = stores.of(subject);
         for workload in [Workload::New, Workload::Replay] {
             let cell = format!("r{run_id}-warm-{}", subject.name().replace(' ', "_"));
             let fixture = Fixture::library(store.clone(), pg.clone(), workload, NewKeyPath::Separate, cell).await;
@@ -179,25 +168,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                // A (Q K S) B (C D E) in even rounds, (E D C) B (S K Q) A in odd ones; replays and new keys
-                // also run on the Redis Cluster (K) and with responses encrypted (S), new keys also under a
-                // quota (Q), transactionally in both modes (C, D), and with an outbox row (E).
-                let mut order = vec![(Subject::TwoTier, &two_tier), (Subject::PostgresOnly, &postgres_only)];
-                if matches!(workload, Workload::New | Workload::Replay) {
-                    order.splice(1..1, [(Subject::TwoTierCluster, &cluster), (Subject::TwoTierEncrypted, &encrypted)]);
-                }
-                if workload == Workload::New {
-                    order.insert(1, (Subject::TwoTierQuota, &quoted));
-                    order.extend([
-                        (Subject::TwoTierInTx, &two_tier),
-                        (Subject::PostgresOnlyInTx, &postgres_only),
-                        (Subject::TwoTierInTxOutbox, &two_tier),
-                    ]);
-                }
+                let mut order = subjects_of(workload);
                 if round % 2 == 1 {
                     order.reverse();
                 }
-                for (subject, store) in order {
+                for subject in order {
+                    let store = stores.of(subject);
                     let cell_id = format!("r{run_id}-{round}-{concurrency}-{}", subject.name().replace(' ', "_"));
                     let new_keys = subject.new_key_path();
                     let fixture = Fixture::library(store.clone(), pg.clone(), workload, new_keys, cell_id).await;
@@ -214,10 +190,152 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             eprintln!("round {} concurrency {concurrency}: done", round + 1);
         }
     }
-    let relay = relay_throughput(&plan, &two_tier).await?;
-    report::write(&plan, &cells, &relay)?;
+    let costs = count_costs(&plan, &database_url, &redis, &redis_url, &seeds, &pg).await?;
+    let relay = relay_throughput(&plan, two_tier).await?;
+    report::write(&plan, &cells, &relay, &costs)?;
     drop((owned, owned_cluster));
     Ok(spread::refuse_unexpected(cells.iter().map(|cell| cell.unexpected).sum())?)
+}
+
+/// About 16 connections suit this machine (more lose throughput to the 2 vCPUs).
+async fn pool(options: PgConnectOptions) -> Result<PgPool, sqlx::Error> {
+    idemstore::pool_options().max_connections(16).connect_with(options).await
+}
+
+/// The stores the subjects use, on one Postgres pool.
+struct Stores {
+    two_tier: Store,
+    postgres_only: Store,
+    /// On the Redis Cluster instead of one Redis.
+    cluster: Store,
+    /// Every response sealed, under a fixed key: the bench measures the cost of sealing, not key
+    /// management.
+    encrypted: Store,
+    /// Under a quota the load never reaches: every new key pays for the counting, none is refused.
+    quoted: Store,
+}
+
+impl Stores {
+    fn build(pg: &PgPool, redis: &deadpool_redis::Pool, seeds: &[String]) -> Result<Self, Box<dyn std::error::Error>> {
+        let two_tier = || Store::builder().postgres(pg.clone()).redis(redis.clone()).key_prefix("bench");
+        let quota = idemstore::Quota::default().new_keys(1_000_000_000, Duration::from_secs(60)).live_keys(100_000);
+        Ok(Self {
+            two_tier: two_tier().build()?,
+            postgres_only: Store::builder().postgres(pg.clone()).build()?,
+            cluster: Store::builder().postgres(pg.clone()).redis_cluster(seeds.to_vec()).key_prefix("bench").build()?,
+            encrypted: two_tier().encryption(idemstore::Encryption::new([[0x5e; 32]])?).build()?,
+            quoted: two_tier().default_policy(idemstore::Policy::builder().quota(quota).build()?).build()?,
+        })
+    }
+
+    /// The store a library subject runs on (the transactional subjects share the plain ones' stores).
+    fn of(&self, subject: Subject) -> &Store {
+        match subject {
+            Subject::TwoTierCluster => &self.cluster,
+            Subject::TwoTierEncrypted => &self.encrypted,
+            Subject::TwoTierQuota => &self.quoted,
+            Subject::PostgresOnly | Subject::PostgresOnlyInTx => &self.postgres_only,
+            _ => &self.two_tier,
+        }
+    }
+}
+
+/// The library subjects a workload runs, in a round's order: A (Q K S) B (C D E). Replays and new keys
+/// also run on the Redis Cluster (K) and with responses encrypted (S), new keys also under a quota (Q),
+/// transactionally in both modes (C, D), and with an outbox row (E).
+fn subjects_of(workload: Workload) -> Vec<Subject> {
+    let mut order = vec![Subject::TwoTier, Subject::PostgresOnly];
+    if matches!(workload, Workload::New | Workload::Replay) {
+        order.splice(1..1, [Subject::TwoTierCluster, Subject::TwoTierEncrypted]);
+    }
+    if workload == Workload::New {
+        order.insert(1, Subject::TwoTierQuota);
+        order.extend([Subject::TwoTierInTx, Subject::PostgresOnlyInTx, Subject::TwoTierInTxOutbox]);
+    }
+    order
+}
+
+/// What a request of one workload cost one subject, from a counted pass.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct CostCell {
+    workload: Option<Workload>,
+    subject: Subject,
+    concurrency: usize,
+    requests: u64,
+    cost: cost::Cost,
+}
+
+/// A pass apart from the timed cells, its Postgres connections through a proxy that counts round trips:
+/// each subject (the Redis Cluster left out: only the single Redis is counted) after a warm-up, a fixed
+/// number of requests at 16 in flight.
+async fn count_costs(
+    plan: &Plan,
+    database_url: &str,
+    redis: &deadpool_redis::Pool,
+    redis_url: &str,
+    seeds: &[String],
+    direct: &PgPool,
+) -> Result<Vec<CostCell>, Box<dyn std::error::Error>> {
+    let options: PgConnectOptions = database_url.parse()?;
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await?
+        .next()
+        .ok_or("the Postgres host has no address")?;
+    let proxy = cost::RoundTripCounter::start(upstream).await?;
+    let pg = pool(proxy.options(database_url)?).await?;
+    let stores = Stores::build(&pg, redis, seeds)?;
+    let (concurrency, requests) = (16, if plan.quick { 160 } else { 1_600 });
+    let redis_urls = [redis_url.to_owned()];
+    let run_id = std::process::id();
+    let mut costs = Vec::new();
+    for workload in &plan.workloads {
+        let subjects = subjects_of(*workload).into_iter().filter(|s| *s != Subject::TwoTierCluster);
+        for subject in subjects {
+            let cell = format!("r{run_id}-cost-{}", subject.name().replace(' ', "_"));
+            let fixture =
+                Fixture::library(stores.of(subject).clone(), pg.clone(), *workload, subject.new_key_path(), cell).await;
+            send(&fixture, concurrency, requests / 4).await;
+            let before = cost::Counters::read(&proxy, direct, &redis_urls).await?;
+            send(&fixture, concurrency, requests).await;
+            let after = cost::Counters::read(&proxy, direct, &redis_urls).await?;
+            let cost = before.per_request(&after, requests);
+            costs.push(CostCell { workload: Some(*workload), subject, concurrency, requests, cost });
+        }
+    }
+    let floors = [
+        (Subject::EvalshaFloor, Fixture::evalsha(&redis::Client::open(redis_url)?).await),
+        (Subject::SqlFloor, Fixture::sql(pg.clone(), format!("r{run_id}-cost"))),
+    ];
+    for (subject, fixture) in floors {
+        send(&fixture, concurrency, requests / 4).await;
+        let before = cost::Counters::read(&proxy, direct, &redis_urls).await?;
+        send(&fixture, concurrency, requests).await;
+        let after = cost::Counters::read(&proxy, direct, &redis_urls).await?;
+        costs.push(CostCell {
+            workload: None,
+            subject,
+            concurrency,
+            requests,
+            cost: before.per_request(&after, requests),
+        });
+    }
+    Ok(costs)
+}
+
+/// `requests` requests, `concurrency` at a time.
+async fn send(fixture: &Arc<Fixture>, concurrency: usize, requests: u64) {
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let workers = (0..concurrency).map(|_| {
+        let (fixture, next) = (fixture.clone(), next.clone());
+        tokio::spawn(async move {
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < requests {
+                assert!(fixture.request().await, "a counted request got an answer its workload does not expect");
+            }
+        })
+    });
+    for worker in futures::future::join_all(workers).await {
+        worker.expect("worker panicked");
+    }
 }
 
 /// One relay draining a backlog of outbox rows (over 10 topics) with a sink that accepts at once.

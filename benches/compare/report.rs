@@ -8,7 +8,7 @@ use plotters::prelude::*;
 
 use crate::spread::Spread;
 use crate::workload::{Subject, Workload};
-use crate::{Cell, Plan, RelayCell};
+use crate::{Cell, CostCell, Plan, RelayCell};
 
 /// One row of the table: a workload (or floor) x subject x concurrency, summarized over rounds.
 #[derive(Debug, serde::Serialize)]
@@ -258,16 +258,53 @@ fn relay_markdown(relay: &[RelayCell]) -> String {
     md
 }
 
-pub fn write(plan: &Plan, cells: &[Cell], relay: &[RelayCell]) -> Result<(), Box<dyn std::error::Error>> {
+/// The counted pass's table: what one request paid, by workload and subject.
+fn cost_markdown(costs: &[CostCell]) -> String {
+    let Some(first) = costs.first() else { return String::new() };
+    let mut md = format!(
+        "\nWhat a request pays, counted in a pass of its own ({} requests per row after a warm-up, {} in flight, \
+         not timed): Postgres round trips through a counting proxy (every Sync and simple Query, so pings, BEGIN \
+         and COMMIT included), write transactions (transaction ids Postgres assigned: each commit of one is \
+         durable), Redis commands (INFO commandstats: the scripts' own commands included), heap allocations \
+         and CPU time (the Postgres backends', this process's: the store, its clients and the workers), per \
+         request. The \
+         work's own insert is in every library row (one round trip, one write transaction in `run_once`; in the \
+         claim's transaction in-tx).\n\n| workload | subject | PG round trips | PG write transactions | Redis commands | allocations | PG CPU µs | process CPU µs |\n|---|---|---:|---:|---:|---:|---:|---:|\n",
+        first.requests, first.concurrency
+    );
+    for c in costs {
+        let workload = c.workload.map_or("—".to_owned(), |w| format!("{w:?}").to_lowercase());
+        let _ = writeln!(
+            md,
+            "| {workload} | {} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} | {:.0} |",
+            c.subject.name(),
+            c.cost.postgres_round_trips,
+            c.cost.write_transactions,
+            c.cost.redis_commands,
+            c.cost.allocations,
+            c.cost.postgres_cpu_us,
+            c.cost.process_cpu_us,
+        );
+    }
+    md
+}
+
+pub fn write(
+    plan: &Plan,
+    cells: &[Cell],
+    relay: &[RelayCell],
+    costs: &[CostCell],
+) -> Result<(), Box<dyn std::error::Error>> {
     let rows = summarize(cells);
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&dir)?;
     let relay_summary = relay_summary(relay);
     let json = serde_json::json!({
         "plan": plan, "cells": cells, "summary": rows, "relay": relay, "relay_summary": relay_summary,
+        "costs": costs,
     });
     std::fs::write(dir.join("compare.json"), serde_json::to_vec_pretty(&json)?)?;
-    let table = markdown(plan, &rows) + &relay_markdown(relay);
+    let table = markdown(plan, &rows) + &cost_markdown(costs) + &relay_markdown(relay);
     std::fs::write(dir.join("compare.md"), &table)?;
     plot(&rows, &dir.join("compare.svg"))?;
     println!("{table}");

@@ -33,7 +33,6 @@ use idemstore::Store;
 use idemstore::http::{ClaimTx, IdempotencyLayer};
 use idemstore::testkit::{PostgresServer, RedisServer};
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use wrk::{Keys, Load, Summary};
 
 #[derive(Parser, Debug)]
@@ -277,7 +276,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let plan = Plan::from(Args::parse());
     let postgres = PostgresServer::start_durable()?;
     let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"])?;
-    let pg = PgPoolOptions::new().max_connections(16).connect(&postgres.url()).await?;
+    let pg = idemstore::pool_options().max_connections(16).connect(&postgres.url()).await?;
     let redis_pool =
         deadpool_redis::Config::from_url(redis.url()).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
     let two_tier = Store::builder().postgres(pg.clone()).redis(redis_pool).key_prefix("bench").build()?;

@@ -31,7 +31,6 @@ use std::process::Command;
 
 use clap::Parser;
 use idemstore::testkit::{PostgresServer, RedisServer};
-use sqlx::postgres::PgPoolOptions;
 
 use crate::subjects::Subject;
 
@@ -91,7 +90,7 @@ async fn main() -> Result<(), Error> {
     let redis =
         RedisServer::start_program(redis_program()?, &["--appendonly", "yes", "--maxmemory-policy", "noeviction"])?;
     let server = check_hash_field_expiry(&redis.url()).await?;
-    let pg = PgPoolOptions::new().max_connections(16).connect(&postgres.url()).await?;
+    let pg = idemstore::pool_options().max_connections(16).connect(&postgres.url()).await?;
     sqlx::raw_sql(subjects::SCHEMA).execute(&pg).await?;
 
     let mut apps = Vec::new();

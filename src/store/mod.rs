@@ -3,6 +3,7 @@
 mod background;
 mod lagging;
 mod maintenance;
+mod pool;
 mod postgres_tier;
 mod protocol;
 mod redis_connection;
@@ -18,15 +19,16 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool};
 
 use crate::config::PolicyConfig;
 use crate::encryption::Encryption;
 use crate::error::{ConfigError, StoreError};
-use crate::policy::{Policy, millis};
+use crate::policy::Policy;
 use crate::telemetry;
 pub(crate) use background::Background;
 pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
+pub use pool::{pool_options, server_bounded};
 use postgres_tier::PostgresTier;
 use redis_connection::RedisSource;
 use redis_tier::RedisTier;
@@ -212,31 +214,6 @@ impl Store {
     }
 }
 
-/// `options` with the server-side bounds of a store whose Postgres timeout is `timeout`: a
-/// `statement_timeout` of four fifths of it and a `lock_timeout` of half of it, so the server cancels what
-/// the store gave up on. For a pool you build yourself and pass to [`StoreBuilder::postgres`]; the
-/// application's own queries on that pool get the same bounds.
-///
-/// ```no_run
-/// # use std::time::Duration;
-/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// let options: sqlx::postgres::PgConnectOptions = "postgres://localhost/app".parse()?;
-/// let timeout = Duration::from_secs(5);
-/// let pool = sqlx::postgres::PgPoolOptions::new()
-///     .max_connections(8)
-///     .connect_with(idemstore::server_bounded(options, timeout))
-///     .await?;
-/// let store = idemstore::Store::builder().postgres(pool).postgres_timeout(timeout).build()?;
-/// # drop(store);
-/// # Ok(())
-/// # }
-/// ```
-pub fn server_bounded(options: PgConnectOptions, timeout: Duration) -> PgConnectOptions {
-    // Postgres takes at most 2^31 - 1 ms here; `timeout - timeout / 5` never overflows as `4 / 5` would.
-    let ms = |d: Duration| format!("{}ms", millis(d).clamp(1, i64::from(i32::MAX)));
-    options.options([("statement_timeout", ms(timeout - timeout / 5)), ("lock_timeout", ms(timeout / 2))])
-}
-
 /// The longest [`StoreBuilder::postgres_timeout`]: one hour.
 const MAX_POSTGRES_TIMEOUT: Duration = Duration::from_secs(3600);
 /// The longest [`StoreBuilder::redis_budget`]: one minute (the budget is per call, on the request path).
@@ -291,7 +268,8 @@ impl StoreBuilder {
         self
     }
 
-    /// Connects lazily to Postgres at `url` with a pool of 16 connections, a 5 s acquire timeout and the
+    /// Connects lazily to Postgres at `url` with a pool of [`pool_options`](crate::pool_options) (16
+    /// connections, a 5 s acquire timeout, no ping for a connection in use a moment ago) and the
     /// server-side bounds of [`StoreBuilder::postgres_timeout`].
     pub fn database_url(mut self, url: impl Into<String>) -> Self {
         self.database_url = Some(url.into());
@@ -435,10 +413,7 @@ impl StoreBuilder {
                 let connect: PgConnectOptions = url.parse().map_err(ConfigError::DatabaseUrl)?;
                 let connect =
                     if self.server_timeouts.unwrap_or(true) { server_bounded(connect, timeout) } else { connect };
-                PgPoolOptions::new()
-                    .max_connections(16)
-                    .acquire_timeout(Duration::from_secs(5))
-                    .connect_lazy_with(connect)
+                pool_options().connect_lazy_with(connect)
             }
             (None, None) => return Err(ConfigError::MissingPostgres),
         };

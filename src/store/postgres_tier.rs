@@ -8,7 +8,7 @@ use sqlx::postgres::{PgConnection, PgPool, PgRow};
 
 use super::statement::{self, ACQUIRE, Statement};
 use crate::error::StoreError;
-use crate::key::{IdempotencyKey, Scope};
+use crate::key::{IdempotencyKey, Scope, key_digest};
 use crate::policy::{LeaseExpiry, millis};
 use crate::quota::QuotaLimit;
 use crate::record::{Lease, Record, State, StoredResponse};
@@ -36,15 +36,22 @@ macro_rules! record_columns {
     };
 }
 
-/// A key's live tombstone (`$1`..`$3`), shaped like a record in state `expired`: its fingerprint is the
-/// first 8 bytes of the one that completed, its expiry the end of the tombstone's horizon.
+/// A key's live tombstone, found by the key's digest (`$digest`, the application's
+/// [`key_digest`](crate::key::key_digest): the same value as `idempotency_key_digest($1, $2, $3)`, which
+/// Postgres cannot inline and parses again on every call), shaped like a record in state `expired`: its
+/// fingerprint is the first 8 bytes of the one that completed, its expiry the end of the tombstone's
+/// horizon.
 macro_rules! tombstone {
-    () => {
-        "SELECT 'e'::\"char\" AS state, int8send(fingerprint) AS fingerprint, fence,
+    ($digest:expr) => {
+        concat!(
+            "SELECT 'e'::\"char\" AS state, int8send(fingerprint) AS fingerprint, fence,
                 NULL::text AS owner, NULL::bytea AS response, NULL::text AS tier, NULL::\"char\" AS on_lease_expiry,
                 NULL::timestamptz AS lease_expires_at, expires_at
          FROM idempotency_tombstones
-         WHERE digest = idempotency_key_digest($1, $2, $3) AND (expires_at IS NULL OR expires_at > now())"
+         WHERE digest = ",
+            $digest,
+            "::uuid AND (expires_at IS NULL OR expires_at > now())"
+        )
     };
 }
 
@@ -63,7 +70,7 @@ macro_rules! in_progress_expiry {
     };
 }
 
-/// The tenant's quota (`$11` new keys per window of `$12` milliseconds, `$13` live keys; NULL for no
+/// The tenant's quota (`$12` new keys per window of `$13` milliseconds, `$14` live keys; NULL for no
 /// limit), as CTEs of the claim: `over_new_keys` and `over_live_keys` hold a row (the limit, and when a
 /// place should free if nothing else starts: the estimate falls below the limit, the soonest live lease
 /// ends) when the limit is reached. `now_in_windows` is the time in windows since the epoch.
@@ -73,33 +80,33 @@ macro_rules! in_progress_expiry {
 /// a sliding window: the previous window's count, weighted by how much of it the sliding window still
 /// covers, plus the current one's. Reading it costs a row per connection that counted in those two
 /// windows, whatever the limit. Live keys are counted from the in-progress records (a partial index),
-/// at most `$13` entries.
+/// at most `$14` entries.
 macro_rules! quota_ctes {
     () => {
         "new_keys_used AS (
         SELECT now_in_windows,
                coalesce(sum(claims) FILTER (WHERE window_index = floor(now_in_windows)), 0)::float8 AS current,
                coalesce(sum(claims) FILTER (WHERE window_index = floor(now_in_windows) - 1), 0)::float8 AS previous
-        FROM (SELECT extract(epoch FROM now()) * 1000 / $12::float8 AS now_in_windows) AS clock
+        FROM (SELECT extract(epoch FROM now()) * 1000 / $13::float8 AS now_in_windows) AS clock
         LEFT JOIN idempotency_quota_usage
-               ON tenant = $1 AND operation = $2 AND window_ms = $12::float8::bigint
+               ON tenant = $1 AND operation = $2 AND window_ms = $13::float8::bigint
               AND window_index IN (floor(now_in_windows)::bigint - 1, floor(now_in_windows)::bigint)
-        WHERE $11::int4 IS NOT NULL
+        WHERE $12::int4 IS NOT NULL
         GROUP BY now_in_windows
     ), over_new_keys AS (
         SELECT 'n'::\"char\" AS quota_limit,
-               to_timestamp($12::float8 / 1000 * CASE
-                   WHEN current + 1 <= $11::int4 THEN floor(now_in_windows) + 1 - ($11::int4 - 1 - current) / previous
-                   ELSE floor(now_in_windows) + 2 - ($11::int4 - 1) / current END) AS frees_at
+               to_timestamp($13::float8 / 1000 * CASE
+                   WHEN current + 1 <= $12::int4 THEN floor(now_in_windows) + 1 - ($12::int4 - 1 - current) / previous
+                   ELSE floor(now_in_windows) + 2 - ($12::int4 - 1) / current END) AS frees_at
         FROM new_keys_used
-        WHERE previous * (1 - (now_in_windows - floor(now_in_windows))) + current + 1 > $11::int4
+        WHERE previous * (1 - (now_in_windows - floor(now_in_windows))) + current + 1 > $12::int4
     ), over_live_keys AS (
         SELECT 'l'::\"char\" AS quota_limit, min(lease_expires_at) AS frees_at FROM (
             SELECT lease_expires_at FROM idempotency_records
-            WHERE $13::int4 IS NOT NULL AND tenant = $1 AND operation = $2
+            WHERE $14::int4 IS NOT NULL AND tenant = $1 AND operation = $2
               AND state = 'p' AND lease_expires_at > now()
-            ORDER BY lease_expires_at LIMIT $13::int4) AS live
-        HAVING count(*) >= $13::int4
+            ORDER BY lease_expires_at LIMIT $14::int4) AS live
+        HAVING count(*) >= $14::int4
     ), "
     };
 }
@@ -115,7 +122,7 @@ macro_rules! claim_sql {
             FROM idempotency_records
             WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
         ), buried AS (",
-            tombstone!(),
+            tombstone!("$11"),
             " AND NOT EXISTS (SELECT 1 FROM prior)
         ), ",
             $quota_ctes,
@@ -185,7 +192,7 @@ const CLAIM: Statement = Statement::new(
     claim_sql!(quota_ctes: "", held_back: "", counted: "", prior_quota: "NULL, NULL, ", refused: ""),
 );
 
-/// [`CLAIM`] under the tenant's quota (`$11`..`$13`, see [`quota_ctes`]): it holds back a new record
+/// [`CLAIM`] under the tenant's quota (`$12`..`$14`, see [`quota_ctes`]): it holds back a new record
 /// while either limit is reached, and a re-acquisition while the live-key limit is; a new record is
 /// counted (`counted`). The quota is read only where the claim would write: a key answered from its
 /// record costs nothing more. A refusal comes back as `quota_limit` and `quota_retry_ms`, with `prior`'s
@@ -200,8 +207,8 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
         counted: "    ), counted AS (
         INSERT INTO idempotency_quota_usage AS u
             (tenant, operation, window_ms, window_index, backend, claims, expires_at)
-        SELECT $1, $2, $12::float8::bigint, floor(now_in_windows)::bigint, pg_backend_pid(), 1,
-               to_timestamp($12::float8 / 1000 * (floor(now_in_windows) + 2))
+        SELECT $1, $2, $13::float8::bigint, floor(now_in_windows)::bigint, pg_backend_pid(), 1,
+               to_timestamp($13::float8 / 1000 * (floor(now_in_windows) + 2))
         FROM new_keys_used WHERE EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
         ON CONFLICT (tenant, operation, window_ms, window_index, backend) DO UPDATE SET claims = u.claims + 1",
         prior_quota: concat!(
@@ -245,7 +252,7 @@ const LOOKUP: Statement = Statement::new(
     SELECT ",
         record_columns!(),
         " FROM (",
-        tombstone!(),
+        tombstone!("$4"),
         ") AS buried WHERE NOT EXISTS (SELECT 1 FROM found)"
     ),
 );
@@ -407,6 +414,7 @@ impl PostgresTier {
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
         // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
         // record this claim would have re-acquired). The next attempt sees the winner.
+        let digest = key_digest(&lease.scope, &lease.key);
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -420,7 +428,8 @@ impl PostgresTier {
                 .bind(policy.retention.map(|r| millis(r) as f64))
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                 .bind(policy.name())
-                .bind(policy.tombstone.map(|t| millis(t) as f64));
+                .bind(policy.tombstone.map(|t| millis(t) as f64))
+                .bind(&digest);
             if !quota.is_off() {
                 let new_keys = quota.new_key_limit();
                 claim = claim
@@ -448,6 +457,7 @@ impl PostgresTier {
             .bind(scope.tenant())
             .bind(scope.operation())
             .bind(key.as_str())
+            .bind(key_digest(scope, key))
             .fetch_optional(&self.pool);
         let row = self.bounded(&LOOKUP, lookup).await?;
         row.as_ref().map(decode_record).transpose().map_err(|e| LOOKUP.failed(e))
