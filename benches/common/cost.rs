@@ -259,3 +259,27 @@ impl Counters {
         }
     }
 }
+
+/// The counted pass's table: `intro`, then one row per (workload, subject) with what a request paid.
+pub fn markdown(intro: &str, rows: &[(String, String, Cost)]) -> String {
+    let mut md = format!(
+        "\n{intro} Postgres round trips are counted by a proxy (every Sync and simple Query, so pings, BEGIN and \
+         COMMIT included); write transactions are the transaction ids Postgres assigned (each commit of one is \
+         durable); Redis commands come from INFO commandstats (the scripts' own commands included); \
+         allocations and CPU time are this process's (the store, its clients and the counting proxy) and the \
+         Postgres backends'.\n\n| workload | subject | PG round trips | PG write transactions | Redis commands | \
+         allocations | PG CPU µs | process CPU µs |\n|---|---|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for (workload, subject, c) in rows {
+        md.push_str(&format!(
+            "| {workload} | {subject} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} | {:.0} |\n",
+            c.postgres_round_trips,
+            c.write_transactions,
+            c.redis_commands,
+            c.allocations,
+            c.postgres_cpu_us,
+            c.process_cpu_us,
+        ));
+    }
+    md
+}

@@ -261,32 +261,23 @@ fn relay_markdown(relay: &[RelayCell]) -> String {
 /// The counted pass's table: what one request paid, by workload and subject.
 fn cost_markdown(costs: &[CostCell]) -> String {
     let Some(first) = costs.first() else { return String::new() };
-    let mut md = format!(
-        "\nWhat a request pays, counted in a pass of its own ({} requests per row after a warm-up, {} in flight, \
-         not timed): Postgres round trips through a counting proxy (every Sync and simple Query, so pings, BEGIN \
-         and COMMIT included), write transactions (transaction ids Postgres assigned: each commit of one is \
-         durable), Redis commands (INFO commandstats: the scripts' own commands included), heap allocations \
-         and CPU time (the Postgres backends', this process's: the store, its clients and the workers), per \
-         request. The \
-         work's own insert is in every library row (one round trip, one write transaction in `run_once`; in the \
-         claim's transaction in-tx).\n\n| workload | subject | PG round trips | PG write transactions | Redis commands | allocations | PG CPU µs | process CPU µs |\n|---|---|---:|---:|---:|---:|---:|---:|\n",
+    let intro = format!(
+        "What a request pays, counted in a pass of its own ({} requests per row after a warm-up, {} in flight, \
+         not timed). The work's own insert is in every library row (one round trip and one write transaction \
+         in `run_once`; inside the claim's transaction in-tx).",
         first.requests, first.concurrency
     );
-    for c in costs {
-        let workload = c.workload.map_or("—".to_owned(), |w| format!("{w:?}").to_lowercase());
-        let _ = writeln!(
-            md,
-            "| {workload} | {} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} | {:.0} |",
-            c.subject.name(),
-            c.cost.postgres_round_trips,
-            c.cost.write_transactions,
-            c.cost.redis_commands,
-            c.cost.allocations,
-            c.cost.postgres_cpu_us,
-            c.cost.process_cpu_us,
-        );
-    }
-    md
+    let rows: Vec<_> = costs
+        .iter()
+        .map(|c| {
+            (
+                c.workload.map_or("—".to_owned(), |w| format!("{w:?}").to_lowercase()),
+                c.subject.name().to_owned(),
+                c.cost,
+            )
+        })
+        .collect();
+    crate::cost::markdown(&intro, &rows)
 }
 
 pub fn write(

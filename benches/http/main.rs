@@ -14,6 +14,8 @@
 //! cost at best. Then the bytes per completed record in each tier (`footprint`). Durable servers (fsync and synchronous commit on), as in `compare`. Subjects alternate
 //! within each round (A B C, then C B A). Results: `target/bench/http.{json,md}`.
 
+#[path = "../common/cost.rs"]
+mod cost;
 mod footprint;
 mod report;
 #[path = "../common/spread.rs"]
@@ -34,6 +36,9 @@ use idemstore::http::{ClaimTx, IdempotencyLayer};
 use idemstore::testkit::{PostgresServer, RedisServer};
 use sqlx::PgPool;
 use wrk::{Keys, Load, Summary};
+
+#[global_allocator]
+static ALLOCATOR: cost::CountingAllocator = cost::CountingAllocator;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -202,9 +207,88 @@ fn app(pg: PgPool, store: Option<Store>, transactional: bool) -> Router {
     Router::new().route("/charges", charges).route("/static", post(static_charge)).with_state(pg)
 }
 
-async fn serve(app: Router) -> std::io::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+/// The plan's subjects, each an app on a port of its own over `pg`.
+fn serve_subjects(
+    plan: &Plan,
+    pg: &PgPool,
+    redis_url: &str,
+) -> Result<Vec<(Subject, SocketAddr)>, Box<dyn std::error::Error>> {
+    let redis_pool = deadpool_redis::Config::from_url(redis_url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+    let two_tier = Store::builder().postgres(pg.clone()).redis(redis_pool).key_prefix("bench").build()?;
+    let postgres_only = Store::builder().postgres(pg.clone()).build()?;
+    let apps = [
+        (Subject::Bare, app(pg.clone(), None, false)),
+        (Subject::TwoTier, app(pg.clone(), Some(two_tier.clone()), false)),
+        (Subject::PostgresOnly, app(pg.clone(), Some(postgres_only.clone()), false)),
+        (Subject::TwoTierTx, app(pg.clone(), Some(two_tier), true)),
+        (Subject::PostgresOnlyTx, app(pg.clone(), Some(postgres_only), true)),
+    ];
+    let mut subjects = Vec::new();
+    for (subject, app) in apps.into_iter().filter(|(subject, _)| plan.subjects.contains(subject)) {
+        subjects.push((subject, serve(app)?));
+    }
+    Ok(subjects)
+}
+
+/// What a request cost one subject, from the counted pass.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct CostCell {
+    workload: Workload,
+    subject: Subject,
+    requests: u64,
+    cost: cost::Cost,
+}
+
+/// Connections per counted cell.
+const COUNTED_CONCURRENCY: usize = 16;
+
+/// A pass apart from the timed cells, through apps whose Postgres connections go through a proxy that
+/// counts round trips: each subject and workload for one second at 16 connections, after a warm-up (a
+/// smoke run: new keys only, not warmed up). Per
+/// request over the requests wrk saw answered (those still in flight at the end add under 2% here).
+async fn count_costs(
+    plan: &Plan,
+    database_url: &str,
+    redis_url: &str,
+    direct: &PgPool,
+) -> Result<Vec<CostCell>, Box<dyn std::error::Error>> {
+    let options: sqlx::postgres::PgConnectOptions = database_url.parse()?;
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await?
+        .next()
+        .ok_or("the Postgres host has no address")?;
+    let proxy = cost::RoundTripCounter::start(upstream).await?;
+    let pg = idemstore::pool_options().max_connections(16).connect_with(proxy.options(database_url)?).await?;
+    let counted = Plan { seconds: 1, ..plan.clone() };
+    let redis_urls = [redis_url.to_owned()];
+    let run_id = std::process::id();
+    let mut costs = Vec::new();
+    // A smoke run counts new keys only, without a warm-up: the cost table's columns are checked, not read.
+    let workloads = if plan.quick { vec![Workload::New] } else { plan.workloads.clone() };
+    for (subject, address) in serve_subjects(plan, &pg, redis_url)? {
+        if let Some(request) = request_of(Workload::New, subject).filter(|_| !plan.quick) {
+            wrk(&counted, address, request, COUNTED_CONCURRENCY, &format!("r{run_id}-cost-warm-{subject:?}"));
+        }
+        for &workload in &workloads {
+            let Some(request) = request_of(workload, subject) else { continue };
+            let prefix = format!("r{run_id}-cost-{workload:?}-{subject:?}");
+            let held = prepare(address, workload, &prefix).await?;
+            let before = cost::Counters::read(&proxy, direct, &redis_urls).await?;
+            let summary = wrk(&counted, address, request, COUNTED_CONCURRENCY, &prefix);
+            let after = cost::Counters::read(&proxy, direct, &redis_urls).await?;
+            held.iter().for_each(|request| request.abort());
+            let cost = before.per_request(&after, summary.requests);
+            costs.push(CostCell { workload, subject, requests: summary.requests, cost });
+        }
+    }
+    Ok(costs)
+}
+
+fn serve(app: Router) -> std::io::Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
     let address = listener.local_addr()?;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(address)
 }
@@ -277,21 +361,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let postgres = PostgresServer::start_durable()?;
     let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"])?;
     let pg = idemstore::pool_options().max_connections(16).connect(&postgres.url()).await?;
-    let redis_pool =
-        deadpool_redis::Config::from_url(redis.url()).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
-    let two_tier = Store::builder().postgres(pg.clone()).redis(redis_pool).key_prefix("bench").build()?;
-    let postgres_only = Store::builder().postgres(pg.clone()).build()?;
-    two_tier.migrate().await?;
+    Store::builder().postgres(pg.clone()).build()?.migrate().await?;
     sqlx::raw_sql(SCHEMA).execute(&pg).await?;
-
-    let addresses = [
-        (Subject::Bare, serve(app(pg.clone(), None, false)).await?),
-        (Subject::TwoTier, serve(app(pg.clone(), Some(two_tier.clone()), false)).await?),
-        (Subject::PostgresOnly, serve(app(pg.clone(), Some(postgres_only.clone()), false)).await?),
-        (Subject::TwoTierTx, serve(app(pg.clone(), Some(two_tier), true)).await?),
-        (Subject::PostgresOnlyTx, serve(app(pg.clone(), Some(postgres_only), true)).await?),
-    ];
-    let subjects: Vec<_> = addresses.into_iter().filter(|(subject, _)| plan.subjects.contains(subject)).collect();
+    let subjects = serve_subjects(&plan, &pg, &redis.url())?;
 
     // Warm-up, not recorded: every connection opened and statement prepared in every subject.
     let warm_up = Plan { seconds: 1, ..plan.clone() };
@@ -334,7 +406,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             eprintln!("round {} concurrency {concurrency}: done", round + 1);
         }
     }
+    let costs = count_costs(&plan, &postgres.url(), &redis.url(), &pg).await?;
     let footprint = footprint::measure(&pg, &redis.url(), "bench").await?;
-    report::write(&plan, &cells, &footprint)?;
+    report::write(&plan, &cells, &footprint, &costs)?;
     Ok(spread::refuse_unexpected(cells.iter().map(|cell| cell.unexpected).sum())?)
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use crate::footprint::Footprint;
 use crate::spread::Spread;
-use crate::{Cell, Plan, Subject, Workload};
+use crate::{Cell, CostCell, Plan, Subject, Workload};
 
 #[derive(Debug, serde::Serialize)]
 struct Row {
@@ -93,13 +93,31 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
     out
 }
 
-pub fn write(plan: &Plan, cells: &[Cell], footprint: &Footprint) -> Result<(), Box<dyn std::error::Error>> {
+/// The counted pass's table.
+fn cost_markdown(costs: &[CostCell]) -> String {
+    let intro = "What a request pays, counted in a pass of its own (wrk, one second per row at 16 connections \
+                 after a warm-up, not timed; per request answered). The handler's insert is in every row, in the \
+                 claim's transaction on the transactional paths.";
+    let rows: Vec<_> = costs
+        .iter()
+        .map(|c| (format!("{:?}", c.workload).to_lowercase(), format!("{:?}", c.subject), c.cost))
+        .collect();
+    if rows.is_empty() { String::new() } else { crate::cost::markdown(intro, &rows) }
+}
+
+pub fn write(
+    plan: &Plan,
+    cells: &[Cell],
+    footprint: &Footprint,
+    costs: &[CostCell],
+) -> Result<(), Box<dyn std::error::Error>> {
     let rows = summarize(cells);
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&dir)?;
-    let json = serde_json::json!({ "plan": plan, "cells": cells, "summary": rows, "footprint": footprint });
+    let json =
+        serde_json::json!({ "plan": plan, "cells": cells, "summary": rows, "footprint": footprint, "costs": costs });
     std::fs::write(dir.join("http.json"), serde_json::to_vec_pretty(&json)?)?;
-    let table = markdown(plan, &rows) + &footprint.markdown();
+    let table = markdown(plan, &rows) + &cost_markdown(costs) + &footprint.markdown();
     std::fs::write(dir.join("http.md"), &table)?;
     println!("{table}");
     println!("written: target/bench/http.json, http.md");
