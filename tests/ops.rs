@@ -7,7 +7,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use idemstore::{
-    Begin, Fingerprint, LeaseExpiry, Mode, Policy, PolicyConfig, Resolution, RunOptions, RunOutcome, State, Store, Tier,
+    Begin, Fingerprint, LeaseExpiry, Mode, Policy, PolicyConfig, Resolution, RunOptions, RunOutcome, Scope, State,
+    Store, Tier,
 };
 use serde_json::{Value, json};
 use support::{Harness, Servers, key};
@@ -15,6 +16,7 @@ use support::{Harness, Servers, key};
 suite!(
     purge_in_batches_leaves_tombstones_that_refuse_retries,
     a_tombstone_under_a_multibyte_tenant_refuses_its_retry,
+    a_tombstone_in_a_latin1_database_refuses_its_retry,
     recover_stale_spares_live_owners,
     recover_stale_reports_a_record_it_cannot_read_and_recovers_the_rest,
     resolve_settles_indeterminate_records,
@@ -98,6 +100,40 @@ async fn a_tombstone_under_a_multibyte_tenant_refuses_its_retry(mode: Mode) {
     let retry = h.store.run_once(&scope, &retried, &payload, || h.charge(tenant, &retried)).await;
     assert!(matches!(retry, Ok(RunOutcome::<Value>::Expired)), "the claim finds the tombstone: {retry:?}");
     assert_eq!(h.effects(tenant, &retried).await, 1, "the retry did not run the work again");
+}
+
+/// The same in a database that is not UTF8 (here LATIN1, where "café" is 4 bytes, not 5): the purge's
+/// digest counts UTF-8 bytes as the application's does (before: `octet_length` counted LATIN1 bytes, the
+/// claim never found the tombstone, and the retry ran the work again).
+async fn a_tombstone_in_a_latin1_database_refuses_its_retry(mode: Mode) {
+    let h = Harness::with(mode, policy(100, 200, 300, LeaseExpiry::TakeOver), Servers::Any).await;
+    let database = format!("latin1_{}", h.prefix);
+    let create = format!("CREATE DATABASE {database} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0");
+    sqlx::query(sqlx::AssertSqlSafe(create)).execute(&h.pool).await.expect("a LATIN1 database");
+    let url = h.database_url.parse::<sqlx::postgres::PgConnectOptions>().expect("the URL").database(&database);
+    let pool = sqlx::PgPool::connect_with(url).await.expect("connect to the LATIN1 database");
+    let mut builder = Store::builder()
+        .postgres(pool)
+        .key_prefix(format!("{}-latin1", h.prefix))
+        .default_policy(policy(100, 200, 300, LeaseExpiry::TakeOver));
+    if let Some(redis_url) = &h.redis_url {
+        builder = builder.redis_url(redis_url);
+    }
+    let store = support::sealed(builder).build().expect("store");
+    store.migrate().await.expect("migrate");
+    let (scope, retried, payload) = (Scope::new("café", "charge").expect("scope"), key("latin1"), json!({"n": 1}));
+    let runs = std::sync::atomic::AtomicU32::new(0);
+    let work = || async {
+        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<_, std::io::Error>(json!({"charged": true}))
+    };
+    let first = store.run_once(&scope, &retried, &payload, work).await;
+    assert!(matches!(first, Ok(RunOutcome::<Value>::Executed(_))), "{first:?}");
+    eventually("the record expired", async || store.count_expired().await.expect("count") == 1).await;
+    assert_eq!(store.purge_expired(10).await.expect("purge"), 1);
+    let retry = store.run_once(&scope, &retried, &payload, work).await;
+    assert!(matches!(retry, Ok(RunOutcome::<Value>::Expired)), "the claim finds the tombstone: {retry:?}");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1, "the retry did not run the work again");
 }
 
 /// A stale record whose key the store would refuse (written around it) is counted as unreadable and left

@@ -19,7 +19,7 @@ const PING_IF_IDLE_FOR: Duration = Duration::from_millis(100);
 /// [`StoreBuilder::postgres`](crate::StoreBuilder::postgres), and raise or lower what suits you.
 ///
 /// What the ping costs and buys: sqlx's default pings every connection it hands out, one round trip per
-/// statement (a new key makes three statements). Without it, a connection that broke within the last
+/// statement (a new key costs the store two: its claim and its completion). Without it, a connection that broke within the last
 /// 100 ms (a Postgres restart, a cut connection) fails its next statement instead of being replaced
 /// silently: the store fails that call closed ([`StoreError::StoreUnavailable`](crate::StoreError)),
 /// which a client retries. sqlx 0.9 also pings every connection it takes back, whatever the options;
@@ -53,13 +53,12 @@ pub fn pool_options() -> PgPoolOptions {
 /// the store gave up on. For a pool you build yourself and pass to [`StoreBuilder::postgres`]; the
 /// application's own queries on that pool get the same bounds.
 ///
-///
 /// ```no_run
 /// # use std::time::Duration;
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// let options: sqlx::postgres::PgConnectOptions = "postgres://localhost/app".parse()?;
 /// let timeout = Duration::from_secs(5);
-/// let pool = sqlx::postgres::PgPoolOptions::new()
+/// let pool = idemstore::pool_options()
 ///     .max_connections(8)
 ///     .connect_with(idemstore::server_bounded(options, timeout))
 ///     .await?;

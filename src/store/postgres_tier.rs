@@ -111,6 +111,25 @@ macro_rules! quota_ctes {
     };
 }
 
+/// A new in-progress record from the claim's parameters (`$1`..`$10`): the caller's policy (its tier, rule,
+/// retention and horizon stay with the record) and the next fence.
+macro_rules! insert_new_record {
+    () => {
+        concat!(
+            "INSERT INTO idempotency_records AS r
+                (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
+                 tier, on_lease_expiry, retention_ms, tombstone_ms)
+            SELECT $1, $2, $3, $4, 'p'::\"char\", nextval('idempotency_fences'), $5,
+                   now() + $6::float8 * interval '1 millisecond',
+                   ",
+            in_progress_expiry!("$7::float8"),
+            ",
+                   $9, CASE WHEN $8 THEN 't' ELSE 'm' END::\"char\", $7::float8::bigint,
+                   $10::float8::bigint"
+        )
+    };
+}
+
 /// The claim statement's text, with or without the quota's parts: a policy without a quota sends the
 /// statement without them, which neither reads nor locks anything of the quota's.
 macro_rules! claim_sql {
@@ -127,16 +146,9 @@ macro_rules! claim_sql {
         ), ",
             $quota_ctes,
             "claimed AS (
-            INSERT INTO idempotency_records AS r
-                (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
-                 tier, on_lease_expiry, retention_ms, tombstone_ms)
-            SELECT $1, $2, $3, $4, 'p'::\"char\", nextval('idempotency_fences'), $5,
-                   now() + $6::float8 * interval '1 millisecond',
-                   ",
-            in_progress_expiry!("$7::float8"),
             ",
-                   $9, CASE WHEN $8 THEN 't' ELSE 'm' END::\"char\", $7::float8::bigint,
-                   $10::float8::bigint
+            insert_new_record!(),
+            "
             WHERE NOT EXISTS (SELECT 1 FROM buried)
               AND NOT EXISTS (SELECT 1 FROM prior WHERE state IN ('c', 'i')
                                                      OR (state = 'p' AND (lease_expires_at > now()
@@ -234,6 +246,31 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
     WHERE NOT EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
       AND NOT EXISTS (SELECT 1 FROM buried)"
         ),
+    ),
+);
+
+/// The claim of a key that is most likely new (Redis had nothing of it), without a quota: the new record,
+/// unless the key has a record or a live tombstone, and then no row, and [`CLAIM`] answers. Same
+/// parameters and row as [`CLAIM`]. A new key is the common case, and Postgres runs this statement about
+/// 1.5 times as fast as [`CLAIM`] (benches/pgbench): no takeover, no answer from a record, one branch, and
+/// Postgres builds every part of a statement's plan on every execution. The record is looked for in the
+/// statement's snapshot as well as by the insert's conflict check: a purge that commits in between (the
+/// record gone, its tombstone too new for the snapshot) leaves the record in the snapshot, so the key is
+/// not claimed again past its tombstone.
+const CLAIM_NEW: Statement = Statement::new(
+    "claim",
+    concat!(
+        insert_new_record!(),
+        "
+    WHERE NOT EXISTS (SELECT 1 FROM idempotency_records
+                      WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3)
+      AND NOT EXISTS (",
+        tombstone!("$11"),
+        ")
+    ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING
+    RETURNING true AS acquired, NULL::\"char\" AS prior_state, NULL::\"char\" AS quota_limit,
+              NULL::bigint AS quota_retry_ms, ",
+        record_columns!()
     ),
 );
 
@@ -393,9 +430,11 @@ impl PostgresTier {
     }
 
     /// The claim on a pooled connection, or on `conn` (inside the caller's transaction) when given.
+    /// `likely_new`: Redis had nothing of the key, so [`CLAIM_NEW`] is tried first (without a quota).
     pub(crate) async fn claim(
         &self,
         lease: &Lease,
+        likely_new: bool,
         conn: Option<&mut PgConnection>,
     ) -> Result<ClaimAnswer, StoreError> {
         let mut pooled;
@@ -408,16 +447,17 @@ impl PostgresTier {
         };
         let policy = &lease.policy;
         let quota = &policy.quota;
-        let statement = if quota.is_off() { &CLAIM } else { &CLAIM_UNDER_QUOTA };
+        let full = if quota.is_off() { &CLAIM } else { &CLAIM_UNDER_QUOTA };
         // Limits fit an int4: `Quota::check` refused larger ones.
         let limit = |limit: u32| i32::try_from(limit).unwrap_or(i32::MAX);
+        let digest = key_digest(&lease.scope, &lease.key);
+        let mut new_key_first = likely_new && quota.is_off();
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
         // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
         // record this claim would have re-acquired). The next attempt sees the winner.
-        let digest = key_digest(&lease.scope, &lease.key);
         let mut attempt = 0;
         loop {
-            attempt += 1;
+            let statement = if new_key_first { &CLAIM_NEW } else { full };
             let mut claim = sqlx::query(statement.sql)
                 .bind(lease.scope.tenant())
                 .bind(lease.scope.operation())
@@ -438,6 +478,14 @@ impl PostgresTier {
                     .bind(quota.live_key_limit().map(limit));
             }
             let row = self.bounded(statement, claim.fetch_optional(&mut *conn)).await?;
+            if std::mem::take(&mut new_key_first) {
+                if row.is_none() {
+                    // Not new after all (a record, a live tombstone): the full claim answers.
+                    continue;
+                }
+            } else {
+                attempt += 1;
+            }
             if let Some(row) = row {
                 let claimed = decode_claim(&row, lease).map_err(|e| statement.failed(e))?;
                 if let ClaimAnswer::Claim(claim) = &claimed

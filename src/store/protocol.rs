@@ -383,7 +383,7 @@ impl Store {
                     lazy.as_deref_mut()
                 }
             };
-            let claim = match self.inner.postgres.claim(&candidate, tx.as_deref_mut()).await {
+            let claim = match self.inner.postgres.claim(&candidate, marked.is_some(), tx.as_deref_mut()).await {
                 Ok(ClaimAnswer::Claim(claim)) => claim,
                 // Nothing runs and nothing is recorded: the marker goes too, so that a retry is not told
                 // "in flight".
