@@ -64,9 +64,10 @@ impl RoundTripCounter {
         Ok(Self { addr, round_trips, listener: accepting.abort_handle() })
     }
 
-    /// The options of `url`, connecting through the proxy instead.
+    /// The options of `url`, connecting through the proxy instead, in clear: the proxy reads the messages.
     pub fn options(&self, url: &str) -> Result<sqlx::postgres::PgConnectOptions, sqlx::Error> {
-        Ok(url.parse::<sqlx::postgres::PgConnectOptions>()?.host("127.0.0.1").port(self.addr.port()))
+        let options = url.parse::<sqlx::postgres::PgConnectOptions>()?;
+        Ok(options.host("127.0.0.1").port(self.addr.port()).ssl_mode(sqlx::postgres::PgSslMode::Disable))
     }
 
     pub fn round_trips(&self) -> u64 {
@@ -267,7 +268,7 @@ pub fn markdown(intro: &str, rows: &[(String, String, Cost)]) -> String {
          COMMIT included); write transactions are the transaction ids Postgres assigned (each commit of one is \
          durable); Redis commands come from INFO commandstats (the scripts' own commands included); \
          allocations and CPU time are this process's (the store, its clients and the counting proxy) and the \
-         Postgres backends'.\n\n| workload | subject | PG round trips | PG write transactions | Redis commands | \
+         Postgres backends' (read from /proc: only for a server on this machine).\n\n| workload | subject | PG round trips | PG write transactions | Redis commands | \
          allocations | PG CPU µs | process CPU µs |\n|---|---|---:|---:|---:|---:|---:|---:|\n"
     );
     for (workload, subject, c) in rows {

@@ -1,0 +1,45 @@
+-- Mirrors src/store/postgres_tier.rs as of 2026-12-02 (see README.md in this directory).
+-- The transactional path's statements: claim, the handler's insert, completion, one commit.
+\set k random(1, 2000000000)
+BEGIN;
+WITH prior AS (
+SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
+FROM idempotency_records
+WHERE tenant = 'bench'::text AND operation = 'New'::text AND idempotency_key = ('k-' || :k)::text
+), buried AS (SELECT 'e'::"char" AS state, int8send(fingerprint) AS fingerprint, fence, NULL::text AS owner, NULL::bytea AS response, NULL::text AS tier, NULL::"char" AS on_lease_expiry, NULL::timestamptz AS lease_expires_at, expires_at
+FROM idempotency_tombstones
+WHERE digest = md5('k-' || :k)::uuid AND (expires_at IS NULL OR expires_at > now()) AND NOT EXISTS (SELECT 1
+FROM prior)
+), claimed AS (
+INSERT INTO idempotency_records AS r (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at, tier, on_lease_expiry, retention_ms, tombstone_ms)
+SELECT 'bench'::text, 'New'::text, ('k-' || :k)::text, '\x235a2fc965e95da766b78d4046bd29afbc73c90555bb3f8667fc9ed80c9255c8'::bytea, 'p'::"char", nextval('idempotency_fences'), 'd380a9403f008efb2d7d4bf4b159f555'::text, now() + '30000'::float8::float8 * interval '1 millisecond', CASE WHEN '86400000'::float8::float8 IS NOT NULL THEN now() + GREATEST('30000'::float8::float8, '86400000'::float8::float8) * interval '1 millisecond' END, 'standard'::text, CASE WHEN true THEN 't' ELSE 'm' END::"char", '86400000'::float8::float8::bigint, '604800000'::float8::float8::bigint
+WHERE NOT EXISTS (SELECT 1
+FROM buried) AND NOT EXISTS (SELECT 1
+FROM prior
+WHERE state IN ('c', 'i') OR (state = 'p' AND (lease_expires_at > now() OR on_lease_expiry = 'm')))
+ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
+SET fingerprint = EXCLUDED.fingerprint, state = 'p', fence = GREATEST(nextval('idempotency_fences'), r.fence + 1), owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL, expires_at = CASE WHEN r.retention_ms::float8 IS NOT NULL THEN now() + GREATEST('30000'::float8::float8, r.retention_ms::float8) * interval '1 millisecond' END, waited = false, updated_at = now()
+WHERE (r.state = 'r' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now())) OR (r.state = 'p' AND r.lease_expires_at <= now() AND r.on_lease_expiry = 't' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
+RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at )
+SELECT true AS acquired, (SELECT state
+FROM prior) AS prior_state, NULL::"char" AS quota_limit, NULL::bigint AS quota_retry_ms, state, fingerprint, fence, response, tier, on_lease_expiry, CASE WHEN lease_expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH
+FROM lease_expires_at - now()) * 1000))::bigint END AS lease_ms, CASE WHEN expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH
+FROM expires_at - now()) * 1000))::bigint END AS expires_ms
+FROM claimed UNION ALL
+SELECT false, NULL, NULL, NULL, state, fingerprint, fence, response, tier, on_lease_expiry, CASE WHEN lease_expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH
+FROM lease_expires_at - now()) * 1000))::bigint END AS lease_ms, CASE WHEN expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH
+FROM expires_at - now()) * 1000))::bigint END AS expires_ms
+FROM prior
+WHERE NOT EXISTS (SELECT 1
+FROM claimed) UNION ALL
+SELECT false, NULL, NULL, NULL, state, fingerprint, fence, response, tier, on_lease_expiry, CASE WHEN lease_expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH
+FROM lease_expires_at - now()) * 1000))::bigint END AS lease_ms, CASE WHEN expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH
+FROM expires_at - now()) * 1000))::bigint END AS expires_ms
+FROM buried;
+INSERT INTO bench_charges (tenant, amount) VALUES ('bench', 1200) RETURNING id;
+UPDATE idempotency_records
+SET state = 'c', response = '\x7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d'::bytea, owner = NULL, lease_expires_at = NULL, expires_at = now() + retention_ms::float8 * interval '1 millisecond', updated_at = now()
+WHERE tenant = 'bench' AND operation = 'New' AND idempotency_key = 'k-' || :k AND state IN ('p', 'i')
+RETURNING waited, CASE WHEN expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH
+FROM expires_at - now()) * 1000))::bigint END AS expires_ms;
+COMMIT;

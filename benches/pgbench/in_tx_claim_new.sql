@@ -1,0 +1,32 @@
+-- Mirrors src/store/postgres_tier.rs as of 2026-12-02 (see README.md in this directory).
+-- As in_tx.sql, the claim of a key Redis had nothing of (two-tier): CLAIM_NEW.
+\set k random(1, 2000000000)
+BEGIN;
+INSERT INTO idempotency_records AS r
+(tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
+tier, on_lease_expiry, retention_ms, tombstone_ms)
+SELECT 'bench'::text, 'New'::text, ('k-' || :k)::text, '\x235a2fc965e95da766b78d4046bd29afbc73c90555bb3f8667fc9ed80c9255c8'::bytea, 'p'::"char", nextval('idempotency_fences'), '158a0a2e0c7cdcfc36f7e45c9a502e04'::text,
+now() + '30000'::float8::float8 * interval '1 millisecond',
+CASE WHEN '86400000'::float8::float8 IS NOT NULL
+THEN now() + GREATEST('30000'::float8::float8, '86400000'::float8::float8) * interval '1 millisecond' END,
+'standard'::text, CASE WHEN true THEN 't' ELSE 'm' END::"char", '86400000'::float8::float8::bigint,
+'604800000'::float8::float8::bigint
+WHERE NOT EXISTS (SELECT 1 FROM idempotency_records
+WHERE tenant = 'bench'::text AND operation = 'New'::text AND idempotency_key = ('k-' || :k)::text)
+AND NOT EXISTS (SELECT 'e'::"char" AS state, int8send(fingerprint) AS fingerprint, fence,
+NULL::text AS owner, NULL::bytea AS response, NULL::text AS tier, NULL::"char" AS on_lease_expiry,
+NULL::timestamptz AS lease_expires_at, expires_at
+FROM idempotency_tombstones
+WHERE digest = md5('k-' || :k)::uuid AND (expires_at IS NULL OR expires_at > now()))
+ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING
+RETURNING true AS acquired, NULL::"char" AS prior_state, NULL::"char" AS quota_limit,
+NULL::bigint AS quota_retry_ms, state, fingerprint, fence, response, tier, on_lease_expiry,
+CASE WHEN lease_expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM lease_expires_at - now()) * 1000))::bigint END AS lease_ms,
+CASE WHEN expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms;
+INSERT INTO bench_charges (tenant, amount) VALUES ('bench', 1200) RETURNING id;
+UPDATE idempotency_records
+SET state = 'c', response = '\x7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d7b22636861726765223a31327d'::bytea, owner = NULL, lease_expires_at = NULL, expires_at = now() + retention_ms::float8 * interval '1 millisecond', updated_at = now()
+WHERE tenant = 'bench' AND operation = 'New' AND idempotency_key = 'k-' || :k AND state IN ('p', 'i')
+RETURNING waited, CASE WHEN expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH
+FROM expires_at - now()) * 1000))::bigint END AS expires_ms;
+COMMIT;
