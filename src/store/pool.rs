@@ -50,8 +50,9 @@ pub fn pool_options() -> PgPoolOptions {
 
 /// `options` with the server-side bounds of a store whose Postgres timeout is `timeout`: a
 /// `statement_timeout` of four fifths of it and a `lock_timeout` of half of it, so the server cancels what
-/// the store gave up on. For a pool you build yourself and pass to [`StoreBuilder::postgres`]; the
-/// application's own queries on that pool get the same bounds.
+/// the store gave up on. For a pool you build yourself and pass to
+/// [`StoreBuilder::postgres`](crate::StoreBuilder::postgres); the application's own queries on that pool
+/// get the same bounds.
 ///
 /// ```no_run
 /// # use std::time::Duration;
