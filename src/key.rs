@@ -130,16 +130,58 @@ pub(crate) fn validate_name(field: &'static str, name: &str) -> Result<(), Input
 
 /// Names a key in Redis (its record's name), its tombstone in Postgres and notifications: 32 hex digits
 /// (128 bits) of SHA-256 over its length-prefixed tenant, operation and key, as `idempotency_key_digest`
-/// in Postgres (in a UTF8 database, where `octet_length` counts the same bytes). No tenant can
+/// in Postgres (whose length prefixes count UTF-8 bytes, as `str::len` does). No tenant can
 /// name another tenant's key: that takes a second preimage (2^128 work), and even an accidental collision
 /// replays only to a request with the same payload fingerprint.
-pub(crate) fn key_digest(scope: &Scope, key: &IdempotencyKey) -> String {
+pub(crate) fn key_digest(scope: &Scope, key: &IdempotencyKey) -> KeyDigest {
     let (tenant, operation) = (scope.tenant(), scope.operation());
-    let prefixed = format!("{}:{tenant}:{}:{operation}:{key}", tenant.len(), operation.len());
-    let hasher = Sha256::new_with_prefix(prefixed);
+    let mut hasher = Sha256::new();
+    for (name, separator) in [(tenant, ":"), (operation, ":")] {
+        hasher.update(decimal(name.len(), &mut [0; 20]));
+        hasher.update(b":");
+        hasher.update(name);
+        hasher.update(separator);
+    }
+    hasher.update(key.as_str());
     let mut digits = [0; 32];
     crate::fingerprint::write_hex(&hasher.finalize()[..16], &mut digits);
-    String::from_utf8(digits.to_vec()).expect("hex digits are ASCII")
+    KeyDigest(digits)
+}
+
+/// A key's digest ([`key_digest`]), on the stack: the hot path formats it into a Redis name or binds it
+/// as it is, without an allocation of its own.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyDigest([u8; 32]);
+
+impl std::fmt::Debug for KeyDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KeyDigest({})", self.as_str())
+    }
+}
+
+impl KeyDigest {
+    pub(crate) fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).expect("hex digits are ASCII")
+    }
+}
+
+impl std::fmt::Display for KeyDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `n` in decimal digits, written at the end of `buffer`.
+fn decimal(mut n: usize, buffer: &mut [u8; 20]) -> &[u8] {
+    let mut start = buffer.len();
+    loop {
+        start -= 1;
+        buffer[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buffer[start..];
+        }
+    }
 }
 
 #[cfg(test)]
@@ -148,6 +190,19 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
+        /// The digest hashes the same bytes as the length-prefixed name written out (which Postgres's
+        /// `idempotency_key_digest` hashes).
+        #[test]
+        fn digests_the_length_prefixed_name(tenant in "\\PC{1,40}", operation in "\\PC{1,40}") {
+            let scope = Scope::new(tenant.clone(), operation.clone()).expect("scope");
+            let key = IdempotencyKey::new("key-1").expect("key");
+            let prefixed = format!("{}:{tenant}:{}:{operation}:key-1", tenant.len(), operation.len());
+            let mut digits = [0; 32];
+            crate::fingerprint::write_hex(&Sha256::digest(prefixed)[..16], &mut digits);
+            let digest = key_digest(&scope, &key);
+            prop_assert_eq!(digest.as_str(), std::str::from_utf8(&digits).expect("hex"));
+        }
+
         /// A key is accepted exactly when it is 1 to 255 bytes of visible ASCII.
         #[test]
         fn accepts_exactly_visible_ascii_up_to_255_bytes(key in "(\\PC|[ \t\x00-\x1f\x7f]){0,300}") {

@@ -469,7 +469,7 @@ impl PostgresTier {
                 .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                 .bind(policy.name())
                 .bind(policy.tombstone.map(|t| millis(t) as f64))
-                .bind(&digest);
+                .bind(digest.as_str());
             if !quota.is_off() {
                 let new_keys = quota.new_key_limit();
                 claim = claim
@@ -501,11 +501,12 @@ impl PostgresTier {
     }
 
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let digest = key_digest(scope, key);
         let lookup = sqlx::query(LOOKUP.sql)
             .bind(scope.tenant())
             .bind(scope.operation())
             .bind(key.as_str())
-            .bind(key_digest(scope, key))
+            .bind(digest.as_str())
             .fetch_optional(&self.pool);
         let row = self.bounded(&LOOKUP, lookup).await?;
         row.as_ref().map(decode_record).transpose().map_err(|e| LOOKUP.failed(e))

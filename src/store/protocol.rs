@@ -142,7 +142,8 @@ impl Store {
     /// Tells the claims that asked Postgres to hear of this lease's settlement (see [`wakeup`]). Best
     /// effort: a waiter that misses it asks again within [`wakeup::RECHECK_EVERY`].
     async fn announce(&self, lease: &Lease) {
-        if let Err(error) = self.inner.postgres.notify(&crate::key::key_digest(&lease.scope, &lease.key)).await {
+        if let Err(error) = self.inner.postgres.notify(crate::key::key_digest(&lease.scope, &lease.key).as_str()).await
+        {
             tracing::debug!(%error, "could not announce a settlement; waiters ask again");
         }
     }

@@ -160,7 +160,7 @@ impl RedisTier {
     /// key, as Postgres's `idempotency_key_digest`) names it in a fixed length however long the key,
     /// and no tenant can forge another tenant's name. The braces are the Redis Cluster hash tag.
     pub(crate) fn record_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
-        format!("{}:{{{}}}", self.prefix, key_digest(scope, key))
+        format!("{}:{{{}}}", self.prefix, key_digest(scope, key).as_str())
     }
 
     pub(crate) async fn begin(
