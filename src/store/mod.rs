@@ -126,10 +126,11 @@ impl Store {
     }
 
     /// The Postgres pool the store uses (to run the embedded migrations elsewhere, or for your own work).
-    /// Built from [`StoreBuilder::database_url`], its connections carry the store's server-side bounds
-    /// ([`server_bounded`](crate::server_bounded)): your queries on it are cancelled by the server after the
-    /// same `statement_timeout` (4/5 of [`StoreBuilder::postgres_timeout`]); `SET LOCAL statement_timeout`
-    /// in a transaction gives one longer.
+    /// Built from [`StoreBuilder::database_url`] (unless [`StoreBuilder::server_timeouts`] is off), its
+    /// connections carry the store's server-side bounds ([`server_bounded`](crate::server_bounded)): the
+    /// server cancels your queries on it after the same `statement_timeout` (4/5 of
+    /// [`StoreBuilder::postgres_timeout`]) and their lock waits after `lock_timeout` (1/2 of it); set both
+    /// with `SET LOCAL` in a transaction that needs longer, as [`Store::migrate`] does.
     pub fn pg_pool(&self) -> &PgPool {
         self.inner.postgres.pool()
     }
