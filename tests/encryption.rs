@@ -18,6 +18,7 @@ suite!(
     rotated_keys_open_old_responses_until_retired,
     tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again,
     responses_in_clear_are_refused_unless_accepted,
+    an_operator_replaces_a_response_written_in_clear,
     the_demo_with_an_encryption_key_stores_no_charge_in_clear,
     a_store_without_the_key_never_hands_out_ciphertext,
 );
@@ -336,6 +337,33 @@ async fn responses_in_clear_are_refused_unless_accepted(mode: Mode) {
     let lenient = sealing(&h, keys(&[KEY_A]).accept_unsealed());
     let replay = run(&lenient, &scope, "from-before", 1, json!(0)).await;
     assert_eq!(replay.expect("replay"), RunOutcome::Replayed(json!("before")));
+}
+
+/// A response written in clear into an encrypted deployment (an operator's `resolve` without the key, a
+/// store built without `.encryption()`) is refused on every retry; the encrypted store's `resolve`
+/// replaces it, as it replaces tampered ciphertext (before: it matched nothing, and the key stayed
+/// unreadable until its retention ended; forever on the ledger tier).
+async fn an_operator_replaces_a_response_written_in_clear(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
+    let clear = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
+    let clear = match &h.redis_url {
+        Some(url) => clear.redis_url(url),
+        None => clear,
+    };
+    let clear = clear.build().expect("store");
+    assert!(matches!(run(&clear, &scope, "in-clear", 1, json!("clear")).await, Ok(RunOutcome::Executed(_))));
+    let encrypted = sealing(&h, keys(&[KEY_A]));
+    let refused = run(&encrypted, &scope, "in-clear", 1, json!(0)).await;
+    assert!(matches!(refused, Err(RunError::Store(StoreError::Encryption(EncryptionError::Unsealed)))), "{refused:?}");
+    let repaired = Resolution::Completed(json!("sealed now").to_string().into_bytes());
+    assert!(
+        encrypted.resolve(&scope, &key("in-clear"), repaired).await.expect("resolve"),
+        "the clear response is replaced"
+    );
+    let replay = run(&encrypted, &scope, "in-clear", 1, json!(0)).await;
+    assert_eq!(replay.expect("replay"), RunOutcome::Replayed(json!("sealed now")));
+    assert_eq!(postgres_rows_holding(&h, "sealed now").await, 0, "the replacement is sealed");
 }
 
 /// The demo's charges through the HTTP layer, with an encrypting store: the customer id of the charge

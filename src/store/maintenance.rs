@@ -352,8 +352,9 @@ impl Store {
     ///
     /// With [`Encryption`](crate::Encryption), [`Resolution::Completed`] also replaces the response of a
     /// completed record whose stored bytes were changed ([`EncryptionError::Tampered`]: nothing can read
-    /// them again), so that retries are answered again. A response sealed with a key this store lacks is
-    /// left alone: configure that key again instead.
+    /// them again) or were written in clear ([`EncryptionError::Unsealed`]: by a store or an operator
+    /// without the key), so that retries are answered again. A response sealed with a key this store
+    /// lacks is left alone: configure that key again instead.
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
@@ -370,7 +371,10 @@ impl Store {
                 let tampered = match (&record.response, record.state) {
                     (Some(stored), State::Completed) => {
                         let opened = self.opened(scope, key, &record.fingerprint, stored.clone(), true);
-                        matches!(opened, Err(EncryptionError::Tampered)).then(|| stored.as_bytes().to_vec())
+                        // Bytes this store cannot open but may replace: tampered ciphertext, or a response
+                        // written in clear into an encrypted deployment (an operator without the key).
+                        let replaceable = matches!(opened, Err(EncryptionError::Tampered | EncryptionError::Unsealed));
+                        replaceable.then(|| stored.as_bytes().to_vec())
                     }
                     _ => None,
                 };
