@@ -30,11 +30,7 @@ suite!(
 async fn a_store_without_the_key_never_hands_out_ciphertext(mode: Mode) {
     let h = Harness::start(mode).await;
     let encrypted = sealing(&h, keys(&[KEY_A]));
-    let mut builder = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
-    if let Some(url) = &h.redis_url {
-        builder = builder.redis_url(url);
-    }
-    let plain = builder.build().expect("store");
+    let plain = without_encryption(&h);
     let (scope, k, payload) = (h.scope("acme"), key("sealed-elsewhere"), json!({"amount": 1}));
     let result = || async { Ok::<_, std::io::Error>(json!({ "canary": CANARY })) };
     let first = encrypted.run_once(&scope, &k, &payload, result).await;
@@ -71,6 +67,16 @@ fn sealing(h: &Harness, encryption: Encryption) -> Store {
         .key_prefix(&h.prefix)
         .redis_cooldown(std::time::Duration::from_millis(50))
         .encryption(encryption);
+    if let Some(url) = &h.redis_url {
+        builder = builder.redis_url(url);
+    }
+    builder.build().expect("store")
+}
+
+/// Another store on the harness's servers that seals nothing (encryption off, a rollback, a second
+/// service).
+fn without_encryption(h: &Harness) -> Store {
+    let mut builder = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
     if let Some(url) = &h.redis_url {
         builder = builder.redis_url(url);
     }
@@ -325,12 +331,7 @@ async fn tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again(mode: Mo
 async fn responses_in_clear_are_refused_unless_accepted(mode: Mode) {
     let h = Harness::start(mode).await;
     let scope = h.scope("acme");
-    let clear = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
-    let clear = match &h.redis_url {
-        Some(url) => clear.redis_url(url),
-        None => clear,
-    };
-    let clear = clear.build().expect("store");
+    let clear = without_encryption(&h);
     assert!(matches!(run(&clear, &scope, "from-before", 1, json!("before")).await, Ok(RunOutcome::Executed(_))));
     let strict = run(&sealing(&h, keys(&[KEY_A])), &scope, "from-before", 1, json!(0)).await;
     assert!(matches!(strict, Err(RunError::Store(StoreError::Encryption(EncryptionError::Unsealed)))), "{strict:?}");
@@ -346,12 +347,7 @@ async fn responses_in_clear_are_refused_unless_accepted(mode: Mode) {
 async fn an_operator_replaces_a_response_written_in_clear(mode: Mode) {
     let h = Harness::start(mode).await;
     let scope = h.scope("acme");
-    let clear = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
-    let clear = match &h.redis_url {
-        Some(url) => clear.redis_url(url),
-        None => clear,
-    };
-    let clear = clear.build().expect("store");
+    let clear = without_encryption(&h);
     assert!(matches!(run(&clear, &scope, "in-clear", 1, json!("clear")).await, Ok(RunOutcome::Executed(_))));
     let encrypted = sealing(&h, keys(&[KEY_A]));
     let refused = run(&encrypted, &scope, "in-clear", 1, json!(0)).await;

@@ -1,6 +1,6 @@
 -- Mirrors src/store/postgres_tier.rs as of 2026-12-02 (see README.md in this directory).
+-- A part: run.sh adds the key variable and composes the transactions.
 -- The claim statement (no quota) for a new key; md5 stands in for the key's digest.
-\set k random(1, 2000000000)
 WITH prior AS (
 SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
 FROM idempotency_records

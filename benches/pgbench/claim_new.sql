@@ -1,7 +1,7 @@
 -- Mirrors src/store/postgres_tier.rs as of 2026-12-02 (see README.md in this directory).
+-- A part: run.sh adds the key variable and composes the transactions.
 -- The claim of a key Redis had nothing of (CLAIM_NEW), as sent, the parameters inlined; md5 stands in
 -- for the key's digest.
-\set k random(1, 2000000000)
 INSERT INTO idempotency_records AS r
 (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
 tier, on_lease_expiry, retention_ms, tombstone_ms)

@@ -10,16 +10,43 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 : "${DATABASE_URL:?set DATABASE_URL to a throwaway database migrated by idemctl}"
 psql "$DATABASE_URL" -qc "CREATE TABLE IF NOT EXISTS bench_charges (id BIGSERIAL PRIMARY KEY, tenant TEXT NOT NULL, amount BIGINT NOT NULL)"
-scripts=(bare records_insert claim_new claim records_insert_complete plain in_tx in_tx_claim_new)
+# The statements are parts; a script is a sequence of them, composed here so that each statement is
+# written once: `name=part part ...`, with BEGIN and COMMIT as parts of their own.
+scripts=(
+    bare=bare
+    records_insert=records_insert
+    claim_new=claim_new
+    claim=claim
+    records_insert_complete="records_insert complete"
+    plain="claim bare complete"
+    in_tx="BEGIN claim bare complete COMMIT"
+    in_tx_claim_new="BEGIN claim_new bare complete COMMIT"
+)
+composed="$(mktemp -d)"
+trap 'rm -rf "$composed"' EXIT
+for entry in "${scripts[@]}"; do
+    name="${entry%%=*}"
+    {
+        echo '\set k random(1, 2000000000)'
+        for part in ${entry#*=}; do
+            case "$part" in
+                BEGIN | COMMIT) echo "$part;" ;;
+                *) grep -v '^--' "$here/$part.sql" ;;
+            esac
+        done
+    } > "$composed/$name.sql"
+done
 declare -A runs
 for round in 1 2 3; do
-    for script in "${scripts[@]}"; do
-        tps=$(pgbench "$DATABASE_URL" -n -M prepared -c 16 -j 2 -T 5 -f "$here/$script.sql" 2>&1 \
+    for entry in "${scripts[@]}"; do
+        script="${entry%%=*}"
+        tps=$(pgbench "$DATABASE_URL" -n -M prepared -c 16 -j 2 -T 5 -f "$composed/$script.sql" 2>&1 \
             | awk '/^tps/ { printf "%.0f", $3 }')
         runs[$script]="${runs[$script]:-} $tps"
     done
 done
-for script in "${scripts[@]}"; do
+for entry in "${scripts[@]}"; do
+    script="${entry%%=*}"
     median=$(tr ' ' '\n' <<<"${runs[$script]}" | grep . | sort -n | sed -n 2p)
     printf '%-24s %6s tps  (runs:%s)\n' "$script" "$median" "${runs[$script]}"
 done
