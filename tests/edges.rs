@@ -24,10 +24,11 @@ suite!(
     a_tombstone_takes_at_most_120_bytes,
     a_claim_that_timed_out_never_commits_later,
     redis_never_answers_in_flight_after_postgres_settled,
+    a_claim_that_lost_a_race_asks_again,
+    releasing_an_indeterminate_record_clears_its_redis_copy;
+    two_tier only:
     a_dropped_store_stops_repairing_redis,
     a_malformed_redis_record_is_a_miss,
-    a_claim_that_lost_a_race_asks_again,
-    releasing_an_indeterminate_record_clears_its_redis_copy,
     another_process_stops_reading_a_stale_marker_once_redis_is_back,
     a_settlement_reaches_redis_while_the_circuit_is_open,
 );
@@ -229,11 +230,8 @@ async fn a_claim_that_timed_out_never_commits_later(mode: Mode) {
 /// behind (it expires with its lease), where a store still held repairs its own: seen on the real
 /// Redis once it is reachable again. Before, the repair task outlived every handle, and retried for as
 /// long as Redis stayed down.
-async fn a_dropped_store_stops_repairing_redis(mode: Mode) {
-    if mode == Mode::PostgresOnly {
-        return;
-    }
-    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
+async fn a_dropped_store_stops_repairing_redis() {
+    let h = Harness::with(Mode::TwoTier, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
     let proxy = h.redis_proxy.as_ref().expect("a proxy in front of Redis");
     let proxied = format!("redis://127.0.0.1:{}/", proxy.port());
     let through_proxy =
@@ -282,6 +280,7 @@ async fn redis_never_answers_in_flight_after_postgres_settled(mode: Mode) {
     }
     owner.complete(b"\"done\"").await.expect("Postgres completes");
     if let Some(proxy) = &h.redis_proxy {
+        assert_stale_marker(&h, &scope, &k).await;
         proxy.cut();
         proxy.set(ProxyMode::Pass);
     }
@@ -304,13 +303,21 @@ async fn redis_never_answers_in_flight_after_postgres_settled(mode: Mode) {
     assert!(matches!(again, Begin::Completed(_)), "Redis was repaired: {again:?}");
 }
 
+/// The window the stale-marker tests are about: Redis (read directly, not through the store's proxy)
+/// still holds the owner's in-progress marker for a key that Postgres holds completed.
+async fn assert_stale_marker(h: &Harness, scope: &Scope, k: &IdempotencyKey) {
+    let mut direct = h.redis_connection().await;
+    let state: Option<String> =
+        redis::cmd("HGET").arg(h.redis_key(scope, k)).arg("s").query_async(&mut direct).await.expect("HGET");
+    assert_eq!(state.as_deref(), Some("p"), "the completion left its in-progress marker behind");
+    let completed = h.store.lookup(scope, k).await.expect("lookup").is_some_and(|r| r.state == State::Completed);
+    assert!(completed, "Postgres holds the key completed");
+}
+
 /// A Redis marker that lost fields (or a hash written by something else) is a miss that Postgres answers
 /// and repairs (before: a marker without its fingerprint answered "mismatch" to every payload).
-async fn a_malformed_redis_record_is_a_miss(mode: Mode) {
-    if mode == Mode::PostgresOnly {
-        return;
-    }
-    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
+async fn a_malformed_redis_record_is_a_miss() {
+    let h = Harness::with(Mode::TwoTier, policy(LeaseExpiry::TakeOver), Servers::Any).await;
     let scope = h.scope("acme");
     let mut conn = h.redis_connection().await;
     for (name, fields) in
@@ -432,11 +439,8 @@ fn proxied_store(h: &Harness, policy: Policy) -> idemstore::Store {
 /// stayed behind), and another process on the same Redis read that marker as "in flight" once Redis was
 /// back, for up to a lease, because only the first store's next call would delete it. Now a background
 /// task deletes it as soon as Redis answers: the other process replays within a bound.
-async fn another_process_stops_reading_a_stale_marker_once_redis_is_back(mode: Mode) {
-    if mode == Mode::PostgresOnly {
-        return;
-    }
-    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
+async fn another_process_stops_reading_a_stale_marker_once_redis_is_back() {
+    let h = Harness::with(Mode::TwoTier, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
     let (scope, k, payload) = (h.scope("acme"), key("partitioned"), r#"{"a":1}"#);
     let (proxied, other) =
         (proxied_store(&h, policy(LeaseExpiry::TakeOver)), h.new_store(policy(LeaseExpiry::TakeOver)));
@@ -446,6 +450,7 @@ async fn another_process_stops_reading_a_stale_marker_once_redis_is_back(mode: M
     let proxy = h.redis_proxy.as_ref().expect("proxy");
     proxy.set(ProxyMode::Blackhole);
     owner.complete(b"\"done\"").await.expect("Postgres completes while Redis is unreachable");
+    assert_stale_marker(&h, &scope, &k).await;
     proxy.cut();
     proxy.set(ProxyMode::Pass);
     let started = std::time::Instant::now();
@@ -466,12 +471,9 @@ async fn another_process_stops_reading_a_stale_marker_once_redis_is_back(mode: M
 /// was open (Redis reachable again, the cool-down not over); the release's Redis write was skipped, and
 /// another process kept reading "indeterminate" for a key Postgres had released. Settling writes are
 /// now tried whatever the circuit says.
-async fn a_settlement_reaches_redis_while_the_circuit_is_open(mode: Mode) {
-    if mode == Mode::PostgresOnly {
-        return;
-    }
+async fn a_settlement_reaches_redis_while_the_circuit_is_open() {
     let strict = policy(LeaseExpiry::MarkIndeterminate);
-    let h = Harness::with(mode, strict.clone(), Servers::Proxied).await;
+    let h = Harness::with(Mode::TwoTier, strict.clone(), Servers::Proxied).await;
     let (scope, k, payload) = (h.scope("acme"), key("released-late"), r#"{"a":1}"#);
     let (proxied, other) = (proxied_store(&h, strict.clone()), h.new_store(strict));
     let Begin::Acquired(owner) = proxied.begin(&scope, &k, &fingerprint(payload)).await.expect("begin") else {

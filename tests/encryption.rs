@@ -330,6 +330,8 @@ async fn tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again(mode: Mo
 /// who can write a tier can plant a replay), replayed with `accept_unsealed`.
 async fn responses_in_clear_are_refused_unless_accepted(mode: Mode) {
     let h = Harness::start(mode).await;
+    // The response stays in clear: that is this test's subject.
+    h.clear_allowed.store(true, std::sync::atomic::Ordering::Relaxed);
     let scope = h.scope("acme");
     let clear = without_encryption(&h);
     assert!(matches!(run(&clear, &scope, "from-before", 1, json!("before")).await, Ok(RunOutcome::Executed(_))));

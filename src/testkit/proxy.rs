@@ -65,11 +65,14 @@ impl Proxy {
     }
 
     /// Closes every open connection at once (as a reset or a crashed peer would); new connections are
-    /// still accepted.
-    pub fn cut(&self) {
+    /// still accepted. Returns how many were open: a cut of none would prove nothing about a cut.
+    pub fn cut(&self) -> usize {
+        let mut open = 0;
         for connection in lock(&self.connections).drain(..) {
+            open += usize::from(!connection.is_finished());
             connection.abort();
         }
+        open
     }
 }
 

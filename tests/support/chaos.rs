@@ -189,38 +189,42 @@ async fn request(
     record(&|t| t.report.unanswered += 1);
 }
 
-/// Runs the default load, injecting `fault` once a third of the requests are answered.
+/// Runs the default load across `fault`, injected once a third of the requests are answered.
 pub async fn load_with_fault<F: std::future::Future<Output = ()>>(h: &Harness, fault: impl FnOnce() -> F) -> Report {
     load_with_fault_at(h, 3, fault).await
 }
 
-/// Runs the default load, injecting `fault` once 1/`fraction` of the requests are answered.
+/// Runs the default load across `fault`, injected once 1/`fraction` of the requests are answered.
 pub async fn load_with_fault_at<F: std::future::Future<Output = ()>>(
     h: &Harness,
     fraction: u64,
     fault: impl FnOnce() -> F,
 ) -> Report {
-    let (load, progress) = (Load::default(), Progress::new());
-    let total = (load.clients * load.keys * load.passes) as u64;
-    let injected = async {
-        progress.reached(total / fraction).await;
-        fault().await;
-    };
-    tokio::join!(run(h, &h.store, "acme", load, &progress), injected).0
+    load_across(h, Load::default(), fraction, fault).await
 }
 
-/// Runs `load`, injecting `fault` once a quarter of its requests are answered, and goes on until every
-/// client made one whole pass that started after the fault's last step (a load that ended before the
-/// fault did would prove nothing about it); checks that those requests were answered.
+/// Runs `load` across `fault`, injected once a quarter of its requests are answered.
 pub async fn load_across_fault<F: std::future::Future<Output = ()>>(
     h: &Harness,
     load: Load,
     fault: impl FnOnce() -> F,
 ) -> Report {
+    load_across(h, load, 4, fault).await
+}
+
+/// Runs `load`, injecting `fault` once 1/`fraction` of its requests are answered, and goes on until
+/// every client made one whole pass that started after the fault's last step (a load that ended before
+/// the fault did would prove nothing about it); checks that those requests were answered.
+async fn load_across<F: std::future::Future<Output = ()>>(
+    h: &Harness,
+    load: Load,
+    fraction: u64,
+    fault: impl FnOnce() -> F,
+) -> Report {
     let (progress, fault_over) = (Progress::new(), AtomicBool::new(false));
     let total = (load.clients * load.keys * load.passes) as u64;
     let injected = async {
-        progress.reached(total / 4).await;
+        progress.reached(total / fraction).await;
         fault().await;
         fault_over.store(true, Ordering::Release);
         *progress.0.borrow()

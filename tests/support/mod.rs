@@ -5,10 +5,11 @@
 
 pub mod chaos;
 pub mod payments;
+mod sealing;
 
 use std::process::Command;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use idemstore::testkit::{PostgresServer, Proxy, RedisServer};
@@ -17,13 +18,17 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 /// Instantiates each `async fn name(mode: Mode)` of the calling file once per mode, as
-/// `two_tier::name` and `postgres_only::name`.
+/// `two_tier::name` and `postgres_only::name`. The tests listed after `two_tier only:` are about Redis
+/// itself (a marker, the circuit, the repair task) and are instantiated in two-tier mode alone: a test
+/// that returned early in Postgres-only mode would be listed as passing there.
 #[allow(unused_macros)]
 macro_rules! suite {
-    ($($test:ident),* $(,)?) => {
+    ($($test:ident),* $(,)? $(; two_tier only: $($redis:ident),* $(,)?)?) => {
         mod two_tier {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $test() { super::$test(idemstore::Mode::TwoTier).await })*
+            $($(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $redis() { super::$redis().await })*)?
         }
         mod postgres_only {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -60,6 +65,9 @@ pub struct Harness {
     pub store_url: String,
     pub prefix: String,
     pub operation: String,
+    /// Set by the tests that store a response in clear on purpose; in the encrypted pass every other
+    /// test's responses are checked sealed as its harness is dropped (`sealing.rs`).
+    pub clear_allowed: AtomicBool,
 }
 
 impl Harness {
@@ -140,6 +148,7 @@ impl Harness {
             store_url,
             prefix,
             operation,
+            clear_allowed: AtomicBool::new(false),
         }
     }
 
@@ -187,6 +196,7 @@ impl Harness {
             database_url,
             prefix,
             operation,
+            clear_allowed: AtomicBool::new(false),
         }
     }
 
