@@ -38,7 +38,7 @@ use crate::error::{ConfigError, EncryptionError};
 use crate::key::{IdempotencyKey, Scope};
 
 /// The first bytes of a sealed response (a format version).
-const SEALED: [u8; 2] = [0xE5, 0x1D];
+pub(crate) const SEALED: [u8; 2] = [0xE5, 0x1D];
 const KEY_ID: usize = 4;
 const NONCE: usize = 24;
 const TAG: usize = 16;

@@ -8,7 +8,10 @@ use support::payments;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use idemstore::http::problem_types;
-use idemstore::{Begin, Encryption, EncryptionError, Mode, Resolution, RunError, RunOutcome, Scope, Store, StoreError};
+use idemstore::{
+    Begin, Encryption, EncryptionError, Fingerprint, LeaseExpiry, Mode, Policy, Resolution, RunError, RunOutcome,
+    Scope, State, Store, StoreError,
+};
 use serde_json::{Value, json};
 use support::{Harness, key};
 
@@ -19,6 +22,7 @@ suite!(
     tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again,
     responses_in_clear_are_refused_unless_accepted,
     an_operator_replaces_a_response_written_in_clear,
+    an_operator_without_the_key_cannot_resolve_in_clear,
     the_demo_with_an_encryption_key_stores_no_charge_in_clear,
     a_store_without_the_key_never_hands_out_ciphertext,
 );
@@ -362,6 +366,49 @@ async fn an_operator_replaces_a_response_written_in_clear(mode: Mode) {
     let replay = run(&encrypted, &scope, "in-clear", 1, json!(0)).await;
     assert_eq!(replay.expect("replay"), RunOutcome::Replayed(json!("sealed now")));
     assert_eq!(postgres_rows_holding(&h, "sealed now").await, 0, "the replacement is sealed");
+}
+
+/// An operator without the key (`idemctl resolve` without `IDEMSTORE_ENCRYPTION_KEY`, or any store built
+/// without `.encryption()`) cannot settle a key in clear where the operation's responses are sealed: it
+/// is refused with `WouldWriteClear` and the record is untouched (before: the clear response was stored,
+/// and every store with the key answered each retry `unreadable-response`). Where nothing is sealed, the
+/// same store resolves as before.
+async fn an_operator_without_the_key_cannot_resolve_in_clear(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
+    let strict = Policy::builder().lease_expiry(LeaseExpiry::MarkIndeterminate).build().expect("policy");
+    let mut builder = Store::builder()
+        .database_url(&h.store_url)
+        .key_prefix(&h.prefix)
+        .encryption(keys(&[KEY_A]))
+        .policy(&h.operation, strict);
+    if let Some(url) = &h.redis_url {
+        builder = builder.redis_url(url);
+    }
+    let encrypted = builder.build().expect("store");
+    assert!(matches!(run(&encrypted, &scope, "paid", 1, json!("sealed")).await, Ok(RunOutcome::Executed(_))));
+    // A key whose owner's lease ran out under `MarkIndeterminate`: it awaits an operator.
+    let stuck = key("stuck");
+    let fingerprint = Fingerprint::of_serialize(&json!({ "n": 1 }), encrypted.policy(&h.operation).fingerprint());
+    let fingerprint = fingerprint.expect("fingerprint");
+    let Ok(Begin::Acquired(owner)) = encrypted.begin(&scope, &stuck, &fingerprint).await else { panic!("claim") };
+    owner.abandon();
+    h.pass_lease(&scope, &stuck).await;
+    assert!(matches!(encrypted.begin(&scope, &stuck, &fingerprint).await, Ok(Begin::Indeterminate)));
+
+    let settled = || Resolution::Completed(json!("by hand").to_string().into_bytes());
+    let keyless = without_encryption(&h);
+    let refused = keyless.resolve(&scope, &stuck, settled()).await;
+    assert!(matches!(refused, Err(StoreError::Encryption(EncryptionError::WouldWriteClear))), "{refused:?}");
+    let record = encrypted.lookup(&scope, &stuck).await.expect("lookup").expect("record");
+    assert_eq!(record.state, State::Indeterminate, "the refused resolve changed nothing");
+    assert!(encrypted.resolve(&scope, &stuck, settled()).await.expect("resolve"), "the key's holder resolves it");
+    assert_eq!(
+        run(&encrypted, &scope, "stuck", 1, json!(0)).await.expect("replay"),
+        RunOutcome::Replayed(json!("by hand"))
+    );
+    let unsealed = Scope::new("acme", "nothing-sealed").expect("scope");
+    assert!(!keyless.resolve(&unsealed, &stuck, settled()).await.expect("not refused"), "no such record");
 }
 
 /// The demo's charges through the HTTP layer, with an encrypting store: the customer id of the charge

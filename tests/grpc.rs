@@ -46,7 +46,11 @@ async fn grpc_statuses_are_stored_or_released_by_code(mode: Mode) {
     assert!(!replayed && charge.amount == 1200);
     for attempt in 0..2 {
         let refused = example::create_failing(address, &account, "refused", 7, Some("invalid")).await;
-        assert_eq!(refused.map_err(|status| status.code()).err(), Some(Code::InvalidArgument), "attempt {attempt}");
+        let status = refused.expect_err("INVALID_ARGUMENT");
+        assert_eq!(status.code(), Code::InvalidArgument, "attempt {attempt}");
+        // A handler run again would answer the same code: only the replay header tells a replay.
+        let replayed = status.metadata().get("idempotent-replayed").is_some_and(|v| v == "true");
+        assert_eq!(replayed, attempt > 0, "attempt {attempt} replayed: {status:?}");
     }
     assert_eq!(example::charges_of(&h.store, &account).await.expect("count"), 1);
 }

@@ -15,6 +15,7 @@
 //! `X-Demo-Fail: 500|400` makes it fail (to see what is stored and what is released).
 
 use std::error::Error;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use axum::extract::{Path, State};
@@ -29,11 +30,22 @@ use idemstore::{
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use sqlx::migrate::Migrator;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::{PgConnection, PgPool};
 
-/// The demo's tables (`charges`, `webhook_events`, `receipts`), separate from the store's own schema.
-pub static CHARGES: Migrator = sqlx::migrate!("examples/payments/migrations");
+/// The demo's tables (`charges`, `webhook_events`, `receipts`), separate from the store's own schema
+/// (bookkept in sqlx's default `_sqlx_migrations`).
+pub static CHARGES: LazyLock<Migrator> = LazyLock::new(|| {
+    let embedded = [
+        (20261130000002, "charges", include_str!("migrations/20261130000002_charges.sql")),
+        (20261130000003, "webhook events", include_str!("migrations/20261130000003_webhook_events.sql")),
+        (20261130000004, "receipts", include_str!("migrations/20261130000004_receipts.sql")),
+    ];
+    let migration = |(version, description, sql): (i64, &'static str, &'static str)| {
+        Migration::new(version, description.into(), MigrationType::Simple, sqlx::SqlStr::from_static(sql), false)
+    };
+    Migrator::with_migrations(embedded.into_iter().map(migration).collect())
+});
 
 /// The webhook secret when `IDEMSTORE_DEMO_WEBHOOK_SECRET` is unset: `whsec_` and base64, which both
 /// schemes accept. Public, so never use it outside the demo.
@@ -107,13 +119,22 @@ struct NewPayment {
     customer: String,
 }
 
-#[derive(Serialize, sqlx::FromRow)]
+#[derive(Serialize)]
 struct Charge {
     id: i64,
     amount: i64,
     currency: String,
     customer: String,
     created_at: String,
+}
+
+/// A row of `CHARGE_COLUMNS`, in their order.
+type ChargeRow = (i64, i64, String, String, String);
+
+impl From<ChargeRow> for Charge {
+    fn from((id, amount, currency, customer, created_at): ChargeRow) -> Self {
+        Self { id, amount, currency, customer, created_at }
+    }
 }
 
 const CHARGE_COLUMNS: &str = "id, amount, currency, customer, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS created_at";
@@ -175,13 +196,14 @@ async fn insert_charge(
     let insert = format!(
         "INSERT INTO charges (tenant, amount, currency, customer) VALUES ($1, $2, $3, $4) RETURNING {CHARGE_COLUMNS}"
     );
-    let charge = sqlx::query_as::<_, Charge>(sqlx::AssertSqlSafe(insert))
+    let charge: Charge = sqlx::query_as::<_, ChargeRow>(sqlx::AssertSqlSafe(insert))
         .bind(tenant)
         .bind(payment.amount)
         .bind(&payment.currency)
         .bind(&payment.customer)
         .fetch_one(&mut *tx)
-        .await?;
+        .await?
+        .into();
     let receipt = Receipt { charge: charge.id, customer: charge.customer.clone(), amount: charge.amount };
     store.outbox().enqueue(tx, RECEIPTS, &receipt).await?;
     Ok(charge)
@@ -222,13 +244,13 @@ async fn send_receipt(pool: PgPool, message: Message) -> Result<(), Box<dyn Erro
 async fn show_payment(State(app): State<App>, headers: HeaderMap, Path(id): Path<i64>) -> Response {
     let Some(tenant) = bearer_tenant(&headers) else { return error(StatusCode::UNAUTHORIZED, "missing bearer token") };
     let select = format!("SELECT {CHARGE_COLUMNS} FROM charges WHERE id = $1 AND tenant = $2");
-    let charge = sqlx::query_as::<_, Charge>(sqlx::AssertSqlSafe(select))
+    let charge = sqlx::query_as::<_, ChargeRow>(sqlx::AssertSqlSafe(select))
         .bind(id)
         .bind(&tenant)
         .fetch_optional(app.store.pg_pool())
         .await;
     match charge {
-        Ok(Some(charge)) => Json(charge).into_response(),
+        Ok(Some(row)) => Json(Charge::from(row)).into_response(),
         Ok(None) => error(StatusCode::NOT_FOUND, "no such payment"),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
     }

@@ -180,6 +180,11 @@ pub enum EncryptionError {
     /// ([`crate::Encryption::accept_unsealed`]).
     #[error("the stored response is not encrypted")]
     Unsealed,
+    /// A store without [`crate::Encryption`] was asked to write a response for an operation whose
+    /// stored responses are sealed: every store with the key would refuse to replay it. Build the store
+    /// with the deployment's key (`IDEMSTORE_ENCRYPTION_KEY` for `idemctl`).
+    #[error("this store has no encryption key, and the operation's stored responses are encrypted")]
+    WouldWriteClear,
 }
 
 impl EncryptionError {
@@ -189,6 +194,7 @@ impl EncryptionError {
             EncryptionError::UnknownKey { .. } => "unknown_key",
             EncryptionError::Tampered => "tampered",
             EncryptionError::Unsealed => "unsealed",
+            EncryptionError::WouldWriteClear => "would_write_clear",
         }
     }
 }

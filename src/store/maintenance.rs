@@ -115,6 +115,19 @@ const RESOLVE_COMPLETED: Statement = Statement::new(
       AND (state = 'i' OR (state = 'c' AND response = $6))",
 );
 
+/// Whether any of a few stored responses of the operation is sealed (`$3`, the format's first bytes):
+/// in an encrypted deployment nearly all are, and the sample stops the scan of a large operation early.
+const SEALED_SAMPLE: Statement = Statement::new(
+    "resolve_sealed_sample",
+    "
+    SELECT EXISTS (
+        SELECT 1 FROM (
+            SELECT response FROM idempotency_records
+            WHERE tenant = $1 AND operation = $2 AND response IS NOT NULL LIMIT 16
+        ) sample
+        WHERE substring(response FROM 1 FOR 2) = $3)",
+);
+
 const RESOLVE_RELEASED: Statement = Statement::new(
     "resolve",
     "
@@ -356,8 +369,12 @@ impl Store {
     /// without the key), so that retries are answered again. A response sealed with a key this store
     /// lacks is left alone: configure that key again instead.
     ///
+    /// Without encryption, [`Resolution::Completed`] is refused for an operation whose stored responses
+    /// are sealed (a sample of them): an operator who forgot the key would otherwise store a response
+    /// that no store of the deployment replays.
+    ///
     /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed.
+    /// [`EncryptionError::WouldWriteClear`] as above; [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn resolve(
         &self,
         scope: &Scope,
@@ -366,6 +383,9 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let (statement, query) = match &resolution {
             Resolution::Completed(response) => {
+                if self.inner.encryption.is_none() && self.holds_sealed_responses(scope).await? {
+                    return Err(EncryptionError::WouldWriteClear.into());
+                }
                 // The sealed response is bound to the fingerprint the record holds.
                 let Some(record) = self.lookup_stored(scope, key).await? else { return Ok(false) };
                 let tampered = match (&record.response, record.state) {
@@ -402,6 +422,16 @@ impl Store {
             self.indeterminate_gauge().await?;
         }
         Ok(resolved)
+    }
+
+    /// Whether the operation of `scope` holds sealed responses (a sample of its records).
+    async fn holds_sealed_responses(&self, scope: &Scope) -> Result<bool, StoreError> {
+        let query = sqlx::query_scalar(SEALED_SAMPLE.sql)
+            .bind(scope.tenant())
+            .bind(scope.operation())
+            .bind(&crate::encryption::SEALED[..])
+            .fetch_one(self.pg_pool());
+        self.bounded(&SEALED_SAMPLE, query).await
     }
 
     /// Sets the gauges from what Postgres holds now: records awaiting an operator

@@ -18,7 +18,7 @@ use std::fmt;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use sqlx::migrate::Migrator;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool};
 
 use crate::config::PolicyConfig;
@@ -35,13 +35,27 @@ use redis_tier::RedisTier;
 pub use redis_tier::RedisView;
 pub(crate) use statement::{COMMIT, Statement};
 
-/// The migrations in `migrations/`, embedded at build time. Their bookkeeping lives in its own table,
+/// The migrations in `migrations/`, embedded at build time (by `include_str!`, not sqlx's `migrate!`:
+/// a dependent then builds no sqlx proc macro). Their bookkeeping lives in its own table,
 /// `_idemstore_migrations`, so they never clash with the application's own sqlx migrations.
 pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
-    let mut migrator = sqlx::migrate!();
+    let mut migrator = Migrator::with_migrations(EMBEDDED_MIGRATIONS.iter().map(embedded_migration).collect());
     migrator.dangerous_set_table_name("_idemstore_migrations");
     migrator
 });
+
+/// Version, description (the file name's rest, as sqlx reads it) and SQL of each file in `migrations/`
+/// (a unit test holds this list to the directory).
+const EMBEDDED_MIGRATIONS: [(i64, &str, &str); 2] = [
+    (20261205000001, "idempotency store", include_str!("../../migrations/20261205000001_idempotency_store.sql")),
+    (20261206000001, "key digest in utf8", include_str!("../../migrations/20261206000001_key_digest_in_utf8.sql")),
+];
+
+/// A migration as sqlx's `migrate!` builds it (the same checksum: a database migrated before keeps
+/// validating).
+fn embedded_migration(&(version, description, sql): &(i64, &'static str, &'static str)) -> Migration {
+    Migration::new(version, description.into(), MigrationType::Simple, sqlx::SqlStr::from_static(sql), false)
+}
 
 /// Which tiers a [`Store`] runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -474,6 +488,27 @@ impl StoreBuilder {
 mod tests {
     use super::*;
     use crate::options::RunOptions;
+
+    /// Every file in `migrations/` is embedded, under the version and description sqlx reads from its
+    /// name: a file added without its line would never run.
+    #[test]
+    fn every_migration_file_is_embedded() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        let mut files: Vec<(i64, String, String)> = std::fs::read_dir(dir)
+            .expect("migrations/")
+            .map(|entry| {
+                let path = entry.expect("entry").path();
+                let name = path.file_stem().expect("name").to_string_lossy().into_owned();
+                let (version, rest) = name.split_once('_').expect("<version>_<description>.sql");
+                let sql = std::fs::read_to_string(&path).expect("read");
+                (version.parse().expect("version"), rest.replace('_', " "), sql)
+            })
+            .collect();
+        files.sort();
+        let embedded: Vec<(i64, String, String)> =
+            EMBEDDED_MIGRATIONS.iter().map(|&(v, d, sql)| (v, d.to_owned(), sql.to_owned())).collect();
+        assert_eq!(embedded, files);
+    }
 
     /// Extreme durations are refused by `build` with a typed error, never a panic (before:
     /// `postgres_timeout(Duration::MAX)` overflowed in `server_bounded`; a huge budget killed the
