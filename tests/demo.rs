@@ -19,6 +19,7 @@ suite!(
     metrics_match_a_known_sequence_end_to_end,
     webhook_redelivered_five_times_is_handled_once_end_to_end,
     unsigned_forged_or_stale_webhooks_are_refused_and_record_nothing,
+    a_delivery_from_one_sender_is_refused_under_another,
     every_metric_ops_uses_is_emitted,
 );
 
@@ -28,10 +29,10 @@ async fn webhook_redelivered_five_times_is_handled_once_end_to_end(mode: Mode) {
     let h = Harness::start(mode).await;
     let base = serve(&h).await;
     let client = reqwest::Client::new();
-    let provider = format!("stripe-{}", h.id());
+    let provider = "stripe";
     let body = json!({"id": "evt_42", "type": "charge.succeeded"}).to_string();
     let deliver = || {
-        let signed = sign_webhook(&provider, "evt_42", SystemTime::now(), &body);
+        let signed = sign_webhook(provider, "evt_42", SystemTime::now(), &body);
         signed
             .iter()
             .fold(client.post(format!("{base}/webhooks/{provider}")), |request, (name, value)| {
@@ -44,7 +45,7 @@ async fn webhook_redelivered_five_times_is_handled_once_end_to_end(mode: Mode) {
     let statuses: Vec<u16> =
         join_all((0..5).map(|_| deliver())).await.iter().map(|r| r.as_ref().expect("HTTP").status().as_u16()).collect();
     assert!(statuses.iter().all(|s| [200, 409].contains(s)), "{statuses:?}");
-    assert_eq!(webhook_events(&h, &provider).await, 1);
+    assert_eq!(webhook_events(&h, provider).await, 1);
     let late: Value = deliver().await.expect("HTTP").json().await.expect("json");
     assert_eq!(late["status"], "duplicate");
 }
@@ -58,28 +59,24 @@ async fn unsigned_forged_or_stale_webhooks_are_refused_and_record_nothing(mode: 
     let h = Harness::start(mode).await;
     let base = serve(&h).await;
     let client = reqwest::Client::new();
-    for provider in [format!("stripe-{}", h.id()), format!("partner-{}", h.id())] {
+    for provider in ["stripe", "partner"] {
         let body = json!({"id": "evt_7", "type": "charge.succeeded"}).to_string();
         let send = |headers: Headers, body: String| {
             let request = client.post(format!("{base}/webhooks/{provider}"));
             headers.iter().fold(request, |request, (name, value)| request.header(*name, value)).body(body).send()
         };
         let now = SystemTime::now();
-        let signed = sign_webhook(&provider, "evt_7", now, &body);
-        let other = app::webhook_verifier(&provider, "whsec_b3RoZXItc2VjcmV0").expect("verifier");
+        let signed = sign_webhook(provider, "evt_7", now, &body);
+        let other = app::WebhookSenders::parse(&format!("{provider}=whsec_b3RoZXItc2VjcmV0")).expect("senders");
+        let other = other.verifier(provider).expect("the other secret");
         let cases: Vec<(&str, Headers, String, u16)> = vec![
             ("unsigned", vec![("x-event-id", "evt_7".into())], body.clone(), 400),
             ("another body", signed.clone(), body.replace("succeeded", "refunded"), 401),
             ("another secret", other.sign("evt_7", now, body.as_bytes()), body.clone(), 401),
-            (
-                "an hour old",
-                sign_webhook(&provider, "evt_7", now - Duration::from_secs(3600), &body),
-                body.clone(),
-                401,
-            ),
+            ("an hour old", sign_webhook(provider, "evt_7", now - Duration::from_secs(3600), &body), body.clone(), 401),
             (
                 "an hour ahead",
-                sign_webhook(&provider, "evt_7", now + Duration::from_secs(3600), &body),
+                sign_webhook(provider, "evt_7", now + Duration::from_secs(3600), &body),
                 body.clone(),
                 401,
             ),
@@ -88,22 +85,52 @@ async fn unsigned_forged_or_stale_webhooks_are_refused_and_record_nothing(mode: 
             let response = send(headers, body).await.expect("HTTP");
             assert_eq!(response.status().as_u16(), status, "{provider}: {case}");
         }
-        assert_eq!(webhook_events(&h, &provider).await, 0, "{provider}: nothing handled");
-        let scope = Scope::new(provider.clone(), "inbox").expect("scope");
+        assert_eq!(webhook_events(&h, provider).await, 0, "{provider}: nothing handled");
+        let scope = Scope::new(provider, "inbox").expect("scope");
         let key = IdempotencyKey::new("evt_7").expect("key");
         assert_eq!(h.store.lookup(&scope, &key).await.expect("lookup"), None, "{provider}: nothing recorded");
         let real: Value = send(signed, body).await.expect("HTTP").json().await.expect("json");
         assert_eq!(real["status"], "processed", "{provider}: the real delivery is handled");
-        assert_eq!(webhook_events(&h, &provider).await, 1);
+        assert_eq!(webhook_events(&h, provider).await, 1);
     }
 }
 
 type Headers = Vec<(&'static str, String)>;
 
-/// The headers the provider would sign `body` with (the demo's secret, the provider's scheme).
+/// The headers the provider would sign `body` with (its demo secret, its scheme).
 fn sign_webhook(provider: &str, event_id: &str, at: SystemTime, body: &str) -> Headers {
-    let verifier = app::webhook_verifier(provider, app::DEMO_WEBHOOK_SECRET).expect("the demo's verifier");
-    verifier.sign(event_id, at, body.as_bytes())
+    let senders = app::WebhookSenders::demo();
+    senders.verifier(provider).expect("one of the demo's senders").sign(event_id, at, body.as_bytes())
+}
+
+/// A delivery captured from one sender (`carrier`), sent again under another sender's name (`partner`,
+/// the same scheme) within the tolerance, is refused 401 and records nothing, and an unknown sender has
+/// no inbox (404); the event id stays free for partner's own delivery (before: every provider was
+/// verified with one secret, so the captured delivery was handled again in partner's inbox).
+async fn a_delivery_from_one_sender_is_refused_under_another(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let base = serve(&h).await;
+    let client = reqwest::Client::new();
+    let body = json!({"id": "evt_9", "type": "shipment.delivered"}).to_string();
+    let send = |provider: &str, headers: Headers| {
+        let request = client.post(format!("{base}/webhooks/{provider}"));
+        headers.iter().fold(request, |request, (name, value)| request.header(*name, value)).body(body.clone()).send()
+    };
+    let captured = sign_webhook("carrier", "evt_9", SystemTime::now(), &body);
+    let handled: Value = send("carrier", captured.clone()).await.expect("HTTP").json().await.expect("json");
+    assert_eq!(handled["status"], "processed", "the sender's own inbox handles it");
+    assert_eq!(send("partner", captured.clone()).await.expect("HTTP").status().as_u16(), 401);
+    assert_eq!(send("nobody", captured).await.expect("HTTP").status().as_u16(), 404);
+    assert_eq!(webhook_events(&h, "partner").await, 0, "nothing handled under partner's name");
+    let scope = Scope::new("partner", "inbox").expect("scope");
+    assert_eq!(h.store.lookup(&scope, &IdempotencyKey::new("evt_9").expect("key")).await.expect("lookup"), None);
+    let own: Value = send("partner", sign_webhook("partner", "evt_9", SystemTime::now(), &body))
+        .await
+        .expect("HTTP")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(own["status"], "processed", "partner's own event of that id is handled");
 }
 
 async fn webhook_events(h: &Harness, provider: &str) -> i64 {

@@ -420,7 +420,7 @@ async fn the_demo_with_an_encryption_key_stores_no_charge_in_clear(mode: Mode) {
         let router = payments::app::router(payments::app::App {
             store,
             metrics: support::recorder().clone(),
-            webhook_secret: payments::app::DEMO_WEBHOOK_SECRET.to_owned(),
+            webhook_senders: payments::app::WebhookSenders::demo(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("address"));

@@ -109,7 +109,7 @@ async fn prometheus_sees_the_first_burst_and_the_first_outage(mode: Mode) {
     let app = app::App {
         store: h.store.clone(),
         metrics: support::recorder().clone(),
-        webhook_secret: app::DEMO_WEBHOOK_SECRET.to_owned(),
+        webhook_senders: app::WebhookSenders::demo(),
     };
     let router = app::router_with(app, app::PaymentsPath::Plain(idemstore::LeaseExpiry::TakeOver));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");

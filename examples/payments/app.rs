@@ -7,15 +7,16 @@
 //! [`send_receipts`] relays the receipts to the "mail provider" (the `receipts` table).
 //! `POST /webhooks/{provider}` is an inbox for signed deliveries: providers whose name starts with `stripe`
 //! sign the Stripe way (`Stripe-Signature`), others the Standard Webhooks way (`webhook-id`,
-//! `webhook-timestamp`, `webhook-signature`), both with the demo's secret; the event id comes from the
-//! signed material, an unsigned, forged or stale delivery gets 400/401 and nothing is recorded. An optional
+//! `webhook-timestamp`, `webhook-signature`), each sender with its own secret (an unknown sender gets
+//! 404); the event id comes from the signed material, an unsigned, forged or stale delivery gets 400/401 and nothing is recorded. An optional
 //! `X-Event-Sequence` is recorded, and a re-delivered event (whatever bookkeeping changed in its body) is
 //! acknowledged without re-running; the handler's insert commits with the inbox record.
 //! Demo-only knobs: `X-Demo-Delay-Ms` slows the handler (to see a 409 for a concurrent retry) and
 //! `X-Demo-Fail: 500|400` makes it fail (to see what is stored and what is released).
 
+use std::collections::HashMap;
 use std::error::Error;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use axum::extract::{Path, State};
@@ -47,23 +48,52 @@ pub static CHARGES: LazyLock<Migrator> = LazyLock::new(|| {
     Migrator::with_migrations(embedded.into_iter().map(migration).collect())
 });
 
-/// The webhook secret when `IDEMSTORE_DEMO_WEBHOOK_SECRET` is unset: `whsec_` and base64, which both
-/// schemes accept. Public, so never use it outside the demo.
-pub const DEMO_WEBHOOK_SECRET: &str = "whsec_ZGVtby1vbmx5LXdlYmhvb2stc2VjcmV0LTMyLWJ5dGVz";
+/// The senders of webhooks when `IDEMSTORE_DEMO_WEBHOOK_SECRETS` is unset, each with its own secret
+/// (`whsec_` and base64, which both schemes accept). Public, so never use them outside the demo.
+pub const DEMO_WEBHOOK_SECRETS: &str = "stripe=whsec_ZGVtby1vbmx5LXdlYmhvb2stc2VjcmV0LXN0cmlwZS0=,\
+    partner=whsec_ZGVtby1vbmx5LXdlYmhvb2stc2VjcmV0LXBhcnRuZXI=,\
+    carrier=whsec_ZGVtby1vbmx5LXdlYmhvb2stc2VjcmV0LWNhcnJpZXI=";
 
 #[derive(Clone)]
 pub struct App {
     pub store: Store,
     pub metrics: PrometheusHandle,
-    /// The secret providers sign deliveries with (`whsec_` and base64).
-    pub webhook_secret: String,
+    pub webhook_senders: WebhookSenders,
 }
 
-/// The signature check of `provider`'s deliveries.
-pub fn webhook_verifier(provider: &str, secret: &str) -> Result<WebhookVerifier, idemstore::ConfigError> {
-    let scheme =
-        if provider.starts_with("stripe") { SignatureScheme::Stripe } else { SignatureScheme::StandardWebhooks };
-    WebhookVerifier::new(scheme, [secret])
+/// Each webhook sender's signature check, by the name in `/webhooks/{provider}`. A delivery verifies
+/// only with its own sender's secret, so a delivery captured from one sender is refused under another's
+/// name (with one secret for all, it would be handled again in the other's inbox), and an unknown
+/// sender has no inbox.
+#[derive(Clone)]
+pub struct WebhookSenders(Arc<HashMap<String, WebhookVerifier>>);
+
+impl WebhookSenders {
+    /// `provider=secret` pairs, comma-separated: providers named `stripe...` sign the Stripe way, others
+    /// the Standard Webhooks way.
+    pub fn parse(list: &str) -> Result<Self, Box<dyn Error>> {
+        let mut senders = HashMap::new();
+        for pair in list.split(',').map(str::trim).filter(|pair| !pair.is_empty()) {
+            let (provider, secret) = pair.split_once('=').ok_or(format!("{pair:?} is not provider=secret"))?;
+            let scheme = if provider.starts_with("stripe") {
+                SignatureScheme::Stripe
+            } else {
+                SignatureScheme::StandardWebhooks
+            };
+            senders.insert(provider.to_owned(), WebhookVerifier::new(scheme, [secret])?);
+        }
+        Ok(Self(Arc::new(senders)))
+    }
+
+    /// The demo's senders ([`DEMO_WEBHOOK_SECRETS`]).
+    pub fn demo() -> Self {
+        Self::parse(DEMO_WEBHOOK_SECRETS).expect("the demo's secrets")
+    }
+
+    /// `provider`'s signature check, if it is a sender.
+    pub fn verifier(&self, provider: &str) -> Option<&WebhookVerifier> {
+        self.0.get(provider)
+    }
 }
 
 /// Applies the store's migrations, then the demo's.
@@ -262,10 +292,12 @@ async fn receive_webhook(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let inbox = match (app.store.inbox(provider.clone()), webhook_verifier(&provider, &app.webhook_secret)) {
-        (Ok(inbox), Ok(verifier)) => inbox.verified_by(verifier),
-        (Err(e), _) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
-        (_, Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    let Some(verifier) = app.webhook_senders.verifier(&provider) else {
+        return error(StatusCode::NOT_FOUND, "no such webhook sender");
+    };
+    let inbox = match app.store.inbox(provider.clone()) {
+        Ok(inbox) => inbox.verified_by(verifier.clone()),
+        Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
     };
     let event_id = match inbox.verify(&headers, &body) {
         Ok(delivery) => delivery.event_id,

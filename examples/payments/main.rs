@@ -7,8 +7,9 @@
 //! Environment: `DATABASE_URL`, `REDIS_URL` (throwaway local servers when unset), `BIND` (default
 //! 127.0.0.1:8080), `IDEMSTORE_MODE` (`two-tier`, the default, or `postgres-only`), `IDEMSTORE_REDIS_CLUSTER`
 //! (comma-separated seed URLs of a Redis Cluster, used instead of `REDIS_URL`),
-//! `IDEMSTORE_DEMO_WEBHOOK_SECRET` (the secret `/webhooks/{provider}` verifies signatures with, `whsec_` and
-//! base64; a public demo secret when unset), `IDEMSTORE_ENCRYPTION_KEY` (base64 of 32 bytes, newest first,
+//! `IDEMSTORE_DEMO_WEBHOOK_SECRETS` (`provider=secret` pairs, comma-separated: the senders
+//! `/webhooks/{provider}` accepts, each verified with its own secret, `whsec_` and base64; public demo
+//! secrets for `stripe`, `partner` and `carrier` when unset), `IDEMSTORE_ENCRYPTION_KEY` (base64 of 32 bytes, newest first,
 //! comma-separated: stored responses are encrypted in both tiers), `IDEMSTORE_DEMO_PATH` (how `POST
 //! /payments` settles: `transactional`, the default, writes the charge in the claim's transaction;
 //! `takeover` and `indeterminate` write it apart and settle the record after it, under that lease rule).
@@ -54,13 +55,19 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
     println!("  curl -s http://{addr}/metrics | grep idemstore_\n");
 
-    let webhook_secret =
-        std::env::var("IDEMSTORE_DEMO_WEBHOOK_SECRET").unwrap_or_else(|_| app::DEMO_WEBHOOK_SECRET.to_owned());
-    // Refuse a bad secret at start, not on the first delivery.
-    app::webhook_verifier("any", &webhook_secret)?;
-    if webhook_secret == app::DEMO_WEBHOOK_SECRET {
-        println!("webhooks are verified with the demo secret {webhook_secret} (set IDEMSTORE_DEMO_WEBHOOK_SECRET)\n");
-    }
+    // A bad secret is refused at start, not on the first delivery.
+    let webhook_senders = match std::env::var("IDEMSTORE_DEMO_WEBHOOK_SECRETS") {
+        Ok(list) => app::WebhookSenders::parse(&list)?,
+        Err(_) => {
+            println!("webhooks are verified with the demo's secrets (set IDEMSTORE_DEMO_WEBHOOK_SECRETS):");
+            for pair in app::DEMO_WEBHOOK_SECRETS.split(',') {
+                let (provider, secret) = pair.trim().split_once('=').expect("provider=secret");
+                println!("  POST http://{addr}/webhooks/{provider} signed with {secret}");
+            }
+            println!();
+            app::WebhookSenders::demo()
+        }
+    };
 
     let relay = store.clone();
     tokio::spawn(async move {
@@ -91,7 +98,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
             return Err(format!("IDEMSTORE_DEMO_PATH={other}: transactional, takeover or indeterminate").into());
         }
     };
-    let app = app::App { store, metrics, webhook_secret };
+    let app = app::App { store, metrics, webhook_senders };
     let app = match path {
         app::PaymentsPath::Transactional => app::router(app),
         plain => app::router_with(app, plain),

@@ -23,7 +23,7 @@ pub async fn demo(h: &Harness) -> Router {
     app::router(app::App {
         store: h.store.clone(),
         metrics: super::recorder().clone(),
-        webhook_secret: app::DEMO_WEBHOOK_SECRET.to_owned(),
+        webhook_senders: app::WebhookSenders::demo(),
     })
 }
 
