@@ -113,13 +113,21 @@ impl TierFields {
             builder = builder.lease_expiry(rule);
         }
         if let Some(new_keys) = self.new_keys {
-            quota = quota.parse_new_keys(&new_keys)?;
+            quota = with_new_keys(quota, &new_keys)?;
         }
         if let Some(limit) = self.live_keys {
             quota = quota.live_keys(limit);
         }
         Ok(builder.quota(quota))
     }
+}
+
+/// `quota` with the policy file's `new_keys` value: a count, a slash, a duration (`1000/1m`).
+fn with_new_keys(quota: Quota, text: &str) -> Result<Quota, ConfigError> {
+    let invalid = || ConfigError::Quota { reason: "new_keys is a count and a window, like \"1000/1m\"" };
+    let (limit, window) = text.split_once('/').ok_or_else(invalid)?;
+    let limit = limit.trim().parse().map_err(|_| invalid())?;
+    Ok(quota.new_keys(limit, parse_duration(window.trim())?))
 }
 
 /// Parses `500ms`, `30s`, `15m`, `24h` or `7d`.
@@ -145,6 +153,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_a_count_per_window() {
+        let parsed = with_new_keys(Quota::default(), "1000 / 1m").expect("valid");
+        assert_eq!(parsed.new_key_limit(), Some((1000, Duration::from_secs(60))));
+        for text in ["1000", "1000/", "/1m", "many/1m", "-1/1m", "10/soon"] {
+            assert!(with_new_keys(Quota::default(), text).is_err(), "{text}");
+        }
+    }
 
     #[test]
     fn reads_tiers_and_operations() {

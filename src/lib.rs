@@ -85,6 +85,7 @@
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations, unreachable_pub)]
 
+mod begin;
 pub mod config;
 mod encryption;
 mod error;
@@ -105,6 +106,7 @@ pub mod telemetry;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use begin::Begin;
 pub use config::{PolicyConfig, parse_duration};
 pub use encryption::{Encryption, SEALING_OVERHEAD};
 pub use error::{ConfigError, EncryptionError, InputError, SignatureError, StoreError};
@@ -119,7 +121,7 @@ pub use outbox::{Drained, Message, Outbox, TopicBacklog};
 pub use owner::{KeepAlive, Owner};
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use quota::{Quota, QuotaLimit};
-pub use record::{Begin, Record, State, StoredResponse};
+pub use record::{Record, State, StoredResponse};
 pub use run_once::{RunError, RunOutcome, TxFuture};
 pub use store::{
     Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder, pool_options,

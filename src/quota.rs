@@ -98,14 +98,6 @@ impl Quota {
             _ => Ok(()),
         }
     }
-
-    /// Parses the policy file's `new_keys` value: a count, a slash, a duration (`1000/1m`).
-    pub(crate) fn parse_new_keys(self, text: &str) -> Result<Self, ConfigError> {
-        let invalid = || ConfigError::Quota { reason: "new_keys is a count and a window, like \"1000/1m\"" };
-        let (limit, window) = text.split_once('/').ok_or_else(invalid)?;
-        let limit = limit.trim().parse().map_err(|_| invalid())?;
-        Ok(self.new_keys(limit, crate::config::parse_duration(window.trim())?))
-    }
 }
 
 /// Which limit of a [`Quota`] refused a claim.
@@ -154,14 +146,5 @@ mod tests {
         assert!(Quota::default().live_keys(u32::MAX).check().is_err());
         assert!(Quota::default().new_keys(5, Duration::from_secs(60)).live_keys(u32::MAX).check().is_err());
         assert!(Quota::default().new_keys(i32::MAX as u32, MAX_WINDOW).check().is_ok());
-    }
-
-    #[test]
-    fn parses_a_count_per_window() {
-        let parsed = Quota::default().parse_new_keys("1000 / 1m").expect("valid");
-        assert_eq!(parsed.new_key_limit(), Some((1000, Duration::from_secs(60))));
-        for text in ["1000", "1000/", "/1m", "many/1m", "-1/1m", "10/soon"] {
-            assert!(Quota::default().parse_new_keys(text).is_err(), "{text}");
-        }
     }
 }

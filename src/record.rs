@@ -1,5 +1,5 @@
-//! The record state machine and what the store hands back: [`Begin`] answers, the lease an [`Owner`]
-//! holds while it works, and the [`StoredResponse`] replayed to retries.
+//! The record state machine and what the store hands back: the lease an [`Owner`](crate::Owner) holds
+//! while it works, the [`StoredResponse`] replayed to retries, and a [`Record`] as Postgres holds it.
 
 use std::fmt;
 use std::sync::Arc;
@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
-use crate::owner::Owner;
 use crate::policy::{LeaseExpiry, Policy};
 
 /// Where a record is in its life.
@@ -100,43 +99,9 @@ impl fmt::Debug for StoredResponse {
     }
 }
 
-/// The store's answer to [`crate::Store::begin`].
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Begin {
-    /// The caller owns the key: run the work, then complete or release (see [`Owner`]).
-    Acquired(Owner),
-    /// Another owner is executing this request now; retry after roughly `retry_after`.
-    InFlight {
-        /// Time left on the owner's lease.
-        retry_after: Duration,
-    },
-    /// The request already completed: replay this response.
-    Completed(StoredResponse),
-    /// The key was used before with a different payload; nothing is executed.
-    Mismatch,
-    /// An owner's lease ran out without an answer, under [`crate::LeaseExpiry::MarkIndeterminate`];
-    /// nothing is executed until the record is resolved.
-    Indeterminate,
-    /// The request completed long ago: its response was purged after the retention, and a tombstone
-    /// remembers that it ran. Nothing is executed; the caller should treat it as done (or look the
-    /// result up elsewhere).
-    Expired,
-    /// The key's tenant reached a limit of its policy's [`crate::Quota`]; nothing is executed, and
-    /// nothing is recorded for the key.
-    QuotaExceeded {
-        /// The limit that was reached.
-        limit: crate::QuotaLimit,
-        /// When a place should free up if the tenant starts nothing else: the new-key estimate falls
-        /// below the limit, or the soonest live lease ends (a completion frees one sooner, an extension
-        /// later).
-        retry_after: Duration,
-    },
-}
-
-/// What an [`Owner`] holds: proof of ownership of one key, valid until the lease runs out or another
-/// owner takes over. The `fence` increases on every takeover; completions and releases carry it, so an
-/// owner whose lease was taken over can no longer write.
+/// What an [`Owner`](crate::Owner) holds: proof of ownership of one key, valid until the lease runs out
+/// or another owner takes over. The `fence` increases on every takeover; completions and releases carry
+/// it, so an owner whose lease was taken over can no longer write.
 #[derive(Clone)]
 pub(crate) struct Lease {
     pub(crate) scope: Scope,

@@ -9,12 +9,12 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::postgres::PgConnection;
 
+use crate::begin::Begin;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::RunOptions;
 use crate::owner::Owner;
-use crate::record::Begin;
 use crate::store::{COMMIT, Store};
 
 /// What [`Store::run_once`] did.

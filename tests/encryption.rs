@@ -371,8 +371,8 @@ async fn an_operator_replaces_a_response_written_in_clear(mode: Mode) {
 /// An operator without the key (`idemctl resolve` without `IDEMSTORE_ENCRYPTION_KEY`, or any store built
 /// without `.encryption()`) cannot settle a key in clear where the operation's responses are sealed: it
 /// is refused with `WouldWriteClear` and the record is untouched (before: the clear response was stored,
-/// and every store with the key answered each retry `unreadable-response`). Where nothing is sealed, the
-/// same store resolves as before.
+/// and every store with the key answered each retry `unreadable-response`), for any tenant and operation
+/// of the deployment.
 async fn an_operator_without_the_key_cannot_resolve_in_clear(mode: Mode) {
     let h = Harness::start(mode).await;
     let scope = h.scope("acme");
@@ -407,8 +407,10 @@ async fn an_operator_without_the_key_cannot_resolve_in_clear(mode: Mode) {
         run(&encrypted, &scope, "stuck", 1, json!(0)).await.expect("replay"),
         RunOutcome::Replayed(json!("by hand"))
     );
-    let unsealed = Scope::new("acme", "nothing-sealed").expect("scope");
-    assert!(!keyless.resolve(&unsealed, &stuck, settled()).await.expect("not refused"), "no such record");
+    // Another tenant and operation, with no response of their own yet: the deployment seals all the same.
+    let elsewhere = Scope::new("newcomer", "another-operation").expect("scope");
+    let refused = keyless.resolve(&elsewhere, &stuck, settled()).await;
+    assert!(matches!(refused, Err(StoreError::Encryption(EncryptionError::WouldWriteClear))), "{refused:?}");
 }
 
 /// The demo's charges through the HTTP layer, with an encrypting store: the customer id of the charge

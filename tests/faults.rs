@@ -329,14 +329,17 @@ async fn redis_connections_cut_mid_load() {
 /// complete, and duplicates can only follow a takeover (a work whose completion was cut).
 async fn postgres_connections_cut_mid_load(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Proxied).await;
-    let cut = AtomicUsize::new(0);
+    let proxy = h.postgres_proxy.as_ref().expect("proxied");
+    let (cut, accepted_by_then) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let report = load_with_fault_at(&h, 50, || async {
-        cut.store(h.postgres_proxy.as_ref().expect("proxied").cut(), Ordering::Relaxed);
+        cut.store(proxy.cut(), Ordering::Relaxed);
+        accepted_by_then.store(proxy.accepted(), Ordering::Relaxed);
     })
     .await;
     print("postgres-cut", &h, &report);
     assert!(cut.into_inner() > 0, "the cut closed the store's connections");
-    assert!(report.errors_surfaced > 0, "a call met the cut: {report:#?}");
+    // Whether a call was on the wire at the cut is timing; that the store had to connect again is not.
+    assert!(proxy.accepted() > accepted_by_then.into_inner(), "the store reconnected after the cut");
     assert!(report.duplicate_executions as f64 <= h.counter("idemstore_lease_takeovers_total", &[]), "{report:#?}");
     assert_clean(&report);
 }

@@ -42,8 +42,10 @@ pub static CHARGES: LazyLock<Migrator> = LazyLock::new(|| {
         (20261130000003, "webhook events", include_str!("migrations/20261130000003_webhook_events.sql")),
         (20261130000004, "receipts", include_str!("migrations/20261130000004_receipts.sql")),
     ];
+    // As sqlx's `migrate!` builds them (its checksums: a database it migrated keeps validating).
     let migration = |(version, description, sql): (i64, &'static str, &'static str)| {
-        Migration::new(version, description.into(), MigrationType::Simple, sqlx::SqlStr::from_static(sql), false)
+        let no_tx = sql.starts_with("-- no-transaction");
+        Migration::new(version, description.into(), MigrationType::Simple, sqlx::SqlStr::from_static(sql), no_tx)
     };
     Migrator::with_migrations(embedded.into_iter().map(migration).collect())
 });
@@ -75,12 +77,16 @@ impl WebhookSenders {
         let mut senders = HashMap::new();
         for pair in list.split(',').map(str::trim).filter(|pair| !pair.is_empty()) {
             let (provider, secret) = pair.split_once('=').ok_or(format!("{pair:?} is not provider=secret"))?;
+            let (provider, secret) = (provider.trim(), secret.trim());
             let scheme = if provider.starts_with("stripe") {
                 SignatureScheme::Stripe
             } else {
                 SignatureScheme::StandardWebhooks
             };
             senders.insert(provider.to_owned(), WebhookVerifier::new(scheme, [secret])?);
+        }
+        if senders.is_empty() {
+            return Err("no webhook sender: give provider=secret pairs, comma-separated".into());
         }
         Ok(Self(Arc::new(senders)))
     }

@@ -56,6 +56,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
     println!("  curl -s http://{addr}/metrics | grep idemstore_\n");
 
     // A bad secret is refused at start, not on the first delivery.
+    if std::env::var_os("IDEMSTORE_DEMO_WEBHOOK_SECRET").is_some() {
+        return Err(
+            "IDEMSTORE_DEMO_WEBHOOK_SECRET is gone: set IDEMSTORE_DEMO_WEBHOOK_SECRETS=provider=secret,...".into()
+        );
+    }
     let webhook_senders = match std::env::var("IDEMSTORE_DEMO_WEBHOOK_SECRETS") {
         Ok(list) => app::WebhookSenders::parse(&list)?,
         Err(_) => {

@@ -381,7 +381,12 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
                 }
                 (None, None) => Resolution::Released,
             };
-            let resolved = store.resolve(&scope, &key, resolution).await?;
+            let resolved = store.resolve(&scope, &key, resolution).await.map_err(|error| match error {
+                StoreError::Encryption(idemstore::EncryptionError::WouldWriteClear) => {
+                    CliError::Input(format!("{error}: set IDEMSTORE_ENCRYPTION_KEY to the deployment's key"))
+                }
+                error => error.into(),
+            })?;
             let text = if resolved { "resolved" } else { "not resolved: the record is not indeterminate" };
             Output { json: json!({ "resolved": resolved }), text: text.into() }
         }

@@ -180,10 +180,10 @@ pub enum EncryptionError {
     /// ([`crate::Encryption::accept_unsealed`]).
     #[error("the stored response is not encrypted")]
     Unsealed,
-    /// A store without [`crate::Encryption`] was asked to write a response for an operation whose
-    /// stored responses are sealed: every store with the key would refuse to replay it. Build the store
-    /// with the deployment's key (`IDEMSTORE_ENCRYPTION_KEY` for `idemctl`).
-    #[error("this store has no encryption key, and the operation's stored responses are encrypted")]
+    /// A store without [`crate::Encryption`] was asked to write a response where the stored responses
+    /// are sealed: every store with the key would refuse to replay it. Build the store with the
+    /// deployment's key (`IDEMSTORE_ENCRYPTION_KEY` for `idemctl`).
+    #[error("this store has no encryption key, and the stored responses are encrypted")]
     WouldWriteClear,
 }
 

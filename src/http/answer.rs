@@ -4,40 +4,18 @@
 use std::fmt;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, Response, StatusCode};
-use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Either, Full};
-use tower::BoxError;
+use http::{Response, StatusCode};
 
+use super::boxed::Boxed;
 use super::capture::Stored;
 use super::config::{Config, MismatchStatus};
 use super::problem::{Problem, problem_types as types};
+use crate::begin::Begin;
 use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
 use crate::quota::QuotaLimit;
-use crate::record::{Begin, StoredResponse};
-
-/// The body of the layer's answers (and of settled owner responses).
-pub(crate) type Boxed = UnsyncBoxBody<Bytes, BoxError>;
-
-/// A response whose body is the layer's own.
-pub(crate) fn own<B>(response: Response<Boxed>) -> Response<Either<B, Boxed>> {
-    response.map(Either::Right)
-}
-
-pub(crate) fn full(bytes: impl Into<Bytes>) -> Boxed {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
-}
-
-/// A whole body, then its trailers if it has any.
-pub(crate) fn with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Boxed {
-    match trailers {
-        None => full(bytes),
-        Some(trailers) => full(bytes).with_trailers(std::future::ready(Some(Ok(trailers)))).boxed_unsync(),
-    }
-}
+use crate::record::StoredResponse;
 
 /// The answer to a claim that did not acquire the key: refused with 403 when it would show a stored
 /// response the application's replay check does not let this request see.

@@ -15,7 +15,7 @@ use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use tower::BoxError;
 
-use super::answer::Boxed;
+use super::boxed::Boxed;
 use super::capture::{self, Captured, Stored, Withheld};
 use super::config::StoredStatuses;
 use crate::owner::{KeepAlive, Owner};

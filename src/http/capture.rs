@@ -1,6 +1,6 @@
 //! Captured responses: what is stored after the handler ran, and how a replay is rebuilt from it.
 
-use super::answer::{Boxed, with_trailers};
+use super::boxed::{Boxed, with_trailers};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 

@@ -103,8 +103,8 @@ pub(crate) struct Config<T> {
 impl<T> Config<T> {
     /// Whether this answer would show the caller a stored response: a replay, or a mismatch answered
     /// with the original.
-    pub(crate) fn reveals(&self, answer: &crate::record::Begin) -> bool {
-        use crate::record::Begin;
+    pub(crate) fn reveals(&self, answer: &crate::begin::Begin) -> bool {
+        use crate::begin::Begin;
         matches!(answer, Begin::Completed(_))
             || (matches!(answer, Begin::Mismatch) && self.mismatch == MismatchStatus::ConflictWithOriginal)
     }

@@ -43,8 +43,10 @@
 //! operation's policy is [`crate::LeaseExpiry::TakeOver`]; under `MarkIndeterminate` its lease runs out
 //! and the record goes indeterminate.
 
+mod admission;
 mod answer;
 mod body;
+mod boxed;
 mod capture;
 mod config;
 mod key_header;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::answer::{Boxed, full};
+use super::boxed::{Boxed, full};
 use http::{HeaderValue, Response, StatusCode, header};
 
 /// The `type` URIs of the problems the middleware answers with. They never change meaning.

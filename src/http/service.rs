@@ -10,23 +10,20 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Request, Response, request::Parts};
-use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use http::{Request, Response};
+use http_body_util::{BodyExt, Either, Full};
 use tower::{BoxError, Service, ServiceExt};
 use tracing::Instrument;
 
 use super::TenantResolver;
-use super::answer::{self, Boxed, own};
+use super::admission::{Admission, Admitted, admit};
+use super::answer;
 use super::body::{Settlement, SettlingBody, fits, settle_whole};
-use super::config::{Config, KeyRequirement};
-use super::key_header::read_key;
-use super::request_fingerprint::{MAX_PARTS, Unreadable, fingerprint};
+use super::boxed::{Boxed, own, with_trailers};
+use super::config::Config;
 use super::transaction;
-use crate::error::InputError;
-use crate::fingerprint::Fingerprint;
-use crate::key::{IdempotencyKey, Scope};
+use crate::begin::Begin;
 use crate::policy::LeaseExpiry;
-use crate::record::Begin;
 
 /// The request body the inner service gets: the caller's as it came (a request the layer passes
 /// through), or the bytes the layer read to fingerprint it.
@@ -36,8 +33,7 @@ pub type RequestBody<B> = Either<B, Full<Bytes>>;
 /// or the layer's own (a replay, a refusal, or the owner's response settling the record as it streams).
 pub type ResponseBody<B> = Either<B, UnsyncBoxBody>;
 
-/// The boxed body of the layer's own answers.
-pub type UnsyncBoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+pub use super::boxed::UnsyncBoxBody;
 
 /// The middleware service made by [`super::IdempotencyLayer`].
 pub struct IdempotencyService<S, T> {
@@ -108,68 +104,6 @@ where
     }
 }
 
-/// What admission made of a request.
-enum Admission<B> {
-    /// Not the layer's business (another method, no key where one is optional).
-    PassThrough(Request<B>),
-    /// Turned away before anything was claimed.
-    Refused(Response<Boxed>),
-    /// A keyed request, read and fingerprinted.
-    Admitted(Admitted),
-}
-
-/// A request the layer will claim a key for.
-pub(crate) struct Admitted {
-    pub(crate) parts: Parts,
-    pub(crate) body: Bytes,
-    pub(crate) scope: Scope,
-    pub(crate) key: IdempotencyKey,
-    pub(crate) fingerprint: Fingerprint,
-}
-
-/// Key, tenant, scope, body and fingerprint, or the refusal; nothing is claimed yet.
-async fn admit<T, B>(config: &Config<T>, request: Request<B>) -> Admission<B>
-where
-    T: TenantResolver,
-    B: http_body::Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    if !config.methods.contains(request.method()) {
-        return Admission::PassThrough(request);
-    }
-    let key = match read_key(request.headers()) {
-        Ok(Some(key)) => key,
-        Ok(None) if config.key == KeyRequirement::Optional => return Admission::PassThrough(request),
-        Ok(None) => return Admission::Refused(answer::missing_key()),
-        Err(detail) => return Admission::Refused(answer::invalid_key(detail)),
-    };
-    let (parts, body) = request.into_parts();
-    let Some(tenant) = config.tenant.tenant(&parts) else { return Admission::Refused(answer::missing_tenant()) };
-    let scope = match Scope::new(tenant, operation(config, &parts)) {
-        Ok(scope) => scope,
-        // The tenant resolver gave a name the store cannot hold: the request has no usable tenant.
-        Err(InputError::InvalidScope { field: "tenant", .. }) => return Admission::Refused(answer::missing_tenant()),
-        Err(error) => return Admission::Refused(answer::invalid_body(error)),
-    };
-    let body = match Limited::new(body, config.max_request_body).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
-            return Admission::Refused(answer::too_large(config.max_request_body));
-        }
-        Err(error) => return Admission::Refused(answer::invalid_body(format!("the body could not be read: {error}"))),
-    };
-    let policy = config.options.policy.as_deref().unwrap_or_else(|| config.store.policy(scope.operation()));
-    match fingerprint(&parts, &body, policy.fingerprint(), config.query, config.max_request_body).await {
-        Ok(fingerprint) => Admission::Admitted(Admitted { parts, body, scope, key, fingerprint }),
-        Err(Unreadable::Input(InputError::PayloadTooLarge { limit, .. })) => {
-            Admission::Refused(answer::too_large(limit))
-        }
-        Err(Unreadable::Input(error)) => Admission::Refused(answer::invalid_body(error)),
-        Err(Unreadable::Encoding(detail)) => Admission::Refused(answer::unsupported_encoding(detail)),
-        Err(Unreadable::TooManyParts) => Admission::Refused(answer::too_many_parts(MAX_PARTS)),
-    }
-}
-
 /// Claims the key; as its owner, runs the inner service once and settles the record with its response
 /// (as the body streams, for a body that is not known to fit the capture limit); otherwise answers from
 /// what the key holds.
@@ -212,21 +146,7 @@ where
         return Ok(Response::from_parts(head, SettlingBody::new(body, settlement).boxed_unsync()));
     }
     Ok(match settle_whole(settlement, body).await {
-        Some((bytes, trailers)) => Response::from_parts(head, answer::with_trailers(bytes, trailers)),
+        Some((bytes, trailers)) => Response::from_parts(head, with_trailers(bytes, trailers)),
         None => answer::response_failed(),
     })
-}
-
-/// The configured operation name; else the method and axum's matched route template; else the method
-/// and `unmatched`. Never the request path: it is client input, and every distinct path would be a new
-/// metric series and a new set of records.
-fn operation<T>(config: &Config<T>, parts: &Parts) -> String {
-    if let Some(operation) = &config.operation {
-        return operation.clone();
-    }
-    #[cfg(feature = "axum")]
-    if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return format!("{} {}", parts.method, matched.as_str());
-    }
-    format!("{} unmatched", parts.method)
 }

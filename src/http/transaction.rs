@@ -35,11 +35,12 @@ use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 use tower::{BoxError, Service, ServiceExt};
 
 use super::RequestBody;
-use super::answer::{self, Boxed};
+use super::admission::Admitted;
+use super::answer;
+use super::boxed::{Boxed, with_trailers};
 use super::capture::{self, Captured, Stored, Withheld};
 use super::config::Config;
-use super::service::Admitted;
-use crate::record::Begin;
+use crate::begin::Begin;
 use crate::store::COMMIT;
 
 type Transaction = sqlx::Transaction<'static, Postgres>;
@@ -208,13 +209,13 @@ where
         BodyRead::Whole(bytes, trailers) if trailers.as_ref().is_none_or(|t| config.stored.stores_grpc(t)) => {
             let kept = trailers.as_ref().map(|trailers| capture::replayed(trailers, &config.replayed_headers));
             let captured = Captured::new(head.status, &headers, bytes.to_vec(), kept.as_ref());
-            (Stored::Response(captured).encode(), answer::with_trailers(bytes, trailers))
+            (Stored::Response(captured).encode(), with_trailers(bytes, trailers))
         }
         // A gRPC status in the trailers that is not stored: as a released status.
         BodyRead::Whole(bytes, trailers) => {
             drop(tx);
             let _ = owner.release().await;
-            return Ok(Response::from_parts(head, answer::with_trailers(bytes, trailers)));
+            return Ok(Response::from_parts(head, with_trailers(bytes, trailers)));
         }
         BodyRead::Larger { seen, body } => (Stored::Withheld(Withheld::new(head.status, seen)).encode(), body),
         BodyRead::Failed => {

@@ -51,10 +51,11 @@ const EMBEDDED_MIGRATIONS: [(i64, &str, &str); 2] = [
     (20261206000001, "key digest in utf8", include_str!("../../migrations/20261206000001_key_digest_in_utf8.sql")),
 ];
 
-/// A migration as sqlx's `migrate!` builds it (the same checksum: a database migrated before keeps
-/// validating).
+/// A migration as sqlx's `migrate!` builds it: the same checksum (a database migrated before keeps
+/// validating), and outside a transaction when it starts with `-- no-transaction`.
 fn embedded_migration(&(version, description, sql): &(i64, &'static str, &'static str)) -> Migration {
-    Migration::new(version, description.into(), MigrationType::Simple, sqlx::SqlStr::from_static(sql), false)
+    let no_tx = sql.starts_with("-- no-transaction");
+    Migration::new(version, description.into(), MigrationType::Simple, sqlx::SqlStr::from_static(sql), no_tx)
 }
 
 /// Which tiers a [`Store`] runs on.

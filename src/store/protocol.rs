@@ -18,13 +18,14 @@ use super::postgres_tier::{ClaimAnswer, Retained};
 use super::redis_tier::{RedisTier, Takeback};
 use super::scripts::RedisBegin;
 use super::wakeup::{self, Watch};
+use crate::begin::Begin;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::{Heartbeat, RunOptions};
 use crate::owner::Owner;
 use crate::policy::{LeaseExpiry, Policy, millis};
-use crate::record::{Begin, Lease, Record, State, StoredResponse};
+use crate::record::{Lease, Record, State, StoredResponse};
 use crate::telemetry;
 use tracing::Instrument;
 

@@ -3,6 +3,7 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,6 +30,7 @@ pub struct Proxy {
     addr: SocketAddr,
     mode: watch::Sender<ProxyMode>,
     connections: Arc<Mutex<Vec<AbortHandle>>>,
+    accepted: Arc<AtomicUsize>,
     listener: AbortHandle,
 }
 
@@ -41,22 +43,29 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (mode, _) = watch::channel(ProxyMode::Pass);
-        let connections = Arc::new(Mutex::new(Vec::new()));
+        let (connections, accepted) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicUsize::new(0)));
         let accepting = {
-            let (mode, connections) = (mode.clone(), connections.clone());
+            let (mode, connections, accepted) = (mode.clone(), connections.clone(), accepted.clone());
             tokio::spawn(async move {
                 while let Ok((client, _)) = listener.accept().await {
+                    accepted.fetch_add(1, Ordering::Relaxed);
                     let forwarding = tokio::spawn(forward(client, upstream, mode.subscribe()));
                     lock(&connections).push(forwarding.abort_handle());
                 }
             })
         };
-        Ok(Self { addr, mode, connections, listener: accepting.abort_handle() })
+        Ok(Self { addr, mode, connections, accepted, listener: accepting.abort_handle() })
     }
 
     /// The port to connect to instead of the upstream's.
     pub fn port(&self) -> u16 {
         self.addr.port()
+    }
+
+    /// How many connections the proxy accepted so far: after a [`Proxy::cut`], a client that went on
+    /// had to connect again.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::Relaxed)
     }
 
     /// Changes what happens to traffic, on open connections too.

@@ -152,7 +152,7 @@ fn store(h: &Harness, expiry: LeaseExpiry) -> Store {
     if let Some(url) = &h.redis_url {
         builder = builder.redis_url(url);
     }
-    builder.build().expect("build a store")
+    support::sealed(builder).build().expect("build a store")
 }
 
 fn rule_of(expiry: LeaseExpiry) -> Rule {

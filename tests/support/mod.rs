@@ -155,7 +155,7 @@ impl Harness {
     /// A two-tier harness whose hot tier is `cluster` (a throwaway Postgres of its own).
     pub async fn on_cluster(cluster: &idemstore::testkit::RedisCluster, policy: Policy) -> Self {
         let mut h = Self::with(Mode::PostgresOnly, policy.clone(), Servers::Owned).await;
-        h.store = Store::builder()
+        let builder = Store::builder()
             .database_url(&h.store_url)
             .key_prefix(&h.prefix)
             .redis_cluster(cluster.seed_urls())
@@ -164,9 +164,8 @@ impl Harness {
             .redis_budget(Duration::from_millis(500))
             .redis_cooldown(Duration::from_millis(50))
             .postgres_timeout(Duration::from_secs(2))
-            .policy(&h.operation, policy)
-            .build()
-            .expect("build the cluster store");
+            .policy(&h.operation, policy);
+        h.store = sealed(builder).build().expect("build the cluster store");
         h.mode = Mode::TwoTier;
         h
     }

@@ -12,6 +12,8 @@ const SEALED: [u8; 2] = [0xE5, 0x1D];
 const OVERHEAD: usize = 46;
 /// A completed record in Redis is one string: the payload's fingerprint (32 bytes), then the response.
 const REDIS_FINGERPRINT: usize = 32;
+/// A server a test left paused would hang the scan: it fails instead.
+const SCAN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 impl Drop for Harness {
     fn drop(&mut self) {
@@ -24,7 +26,8 @@ impl Drop for Harness {
         // Drop is not async, and may run on a runtime's worker: the scan gets a thread of its own.
         let clear = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
-            runtime.block_on(clear_responses(&database_url, redis_url.as_deref(), &prefix))
+            let scan = clear_responses(&database_url, redis_url.as_deref(), &prefix);
+            runtime.block_on(async { tokio::time::timeout(SCAN_TIMEOUT, scan).await }).expect("the scan timed out")
         });
         let clear = clear.join().expect("the scan of both tiers");
         assert!(clear.is_empty(), "responses stored in clear in the encrypted pass: {clear:?}");
