@@ -23,6 +23,7 @@ suite!(
     responses_in_clear_are_refused_unless_accepted,
     an_operator_replaces_a_response_written_in_clear,
     an_operator_without_the_key_cannot_resolve_in_clear,
+    a_store_without_the_key_refuses_to_write_in_clear_where_responses_are_sealed,
     the_demo_with_an_encryption_key_stores_no_charge_in_clear,
     a_store_without_the_key_never_hands_out_ciphertext,
 );
@@ -77,14 +78,19 @@ fn sealing(h: &Harness, encryption: Encryption) -> Store {
     builder.build().expect("store")
 }
 
-/// Another store on the harness's servers that seals nothing (encryption off, a rollback, a second
-/// service).
+/// Another store on the harness's servers that seals nothing and may write in clear where responses
+/// are sealed (encryption turned off for good, a second service built so).
 fn without_encryption(h: &Harness) -> Store {
-    let mut builder = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
-    if let Some(url) = &h.redis_url {
-        builder = builder.redis_url(url);
+    keyless_builder(h).clear_responses_allowed().build().expect("store")
+}
+
+/// A store on the harness's servers without the key, as a process started without it is.
+fn keyless_builder(h: &Harness) -> idemstore::StoreBuilder {
+    let builder = Store::builder().database_url(&h.store_url).key_prefix(&h.prefix);
+    match &h.redis_url {
+        Some(url) => builder.redis_url(url),
+        None => builder,
     }
-    builder.build().expect("store")
 }
 
 fn keys(keys: &[[u8; 32]]) -> Encryption {
@@ -210,11 +216,9 @@ async fn no_tier_holds_a_response_in_clear(mode: Mode) {
 /// can see it.
 async fn a_store_without_encryption_holds_the_canary_in_both_tiers(mode: Mode) {
     let h = Harness::start(mode).await;
-    if std::env::var_os("IDEMSTORE_TEST_ENCRYPTION_KEY").is_some() {
-        return; // the harness's stores encrypt in this run
-    }
+    h.clear_allowed.store(true, std::sync::atomic::Ordering::Relaxed);
     let scope = h.scope("acme");
-    store_canaries(&h, &h.store, &scope).await;
+    store_canaries(&h, &without_encryption(&h), &scope).await;
     assert_eq!(postgres_rows_holding(&h, CANARY).await, 3);
     if mode == Mode::TwoTier {
         assert_eq!(redis_values_holding(&h, CANARY).await, 2, "run_once and run_once_in_tx cached it");
@@ -397,7 +401,7 @@ async fn an_operator_without_the_key_cannot_resolve_in_clear(mode: Mode) {
     assert!(matches!(encrypted.begin(&scope, &stuck, &fingerprint).await, Ok(Begin::Indeterminate)));
 
     let settled = || Resolution::Completed(json!("by hand").to_string().into_bytes());
-    let keyless = without_encryption(&h);
+    let keyless = keyless_builder(&h).build().expect("store");
     let refused = keyless.resolve(&scope, &stuck, settled()).await;
     assert!(matches!(refused, Err(StoreError::Encryption(EncryptionError::WouldWriteClear))), "{refused:?}");
     let record = encrypted.lookup(&scope, &stuck).await.expect("lookup").expect("record");
@@ -411,6 +415,42 @@ async fn an_operator_without_the_key_cannot_resolve_in_clear(mode: Mode) {
     let elsewhere = Scope::new("newcomer", "another-operation").expect("scope");
     let refused = keyless.resolve(&elsewhere, &stuck, settled()).await;
     assert!(matches!(refused, Err(StoreError::Encryption(EncryptionError::WouldWriteClear))), "{refused:?}");
+}
+
+/// A process started without the key, where responses are sealed, refuses every claim before its work
+/// runs (`WouldWriteClear`; the HTTP layer answers 503, nothing executed), in the run-once API and in a
+/// claim's transaction alike: before, it ran the work and stored its response in clear, which every
+/// store with the key then refused to replay. Built with `clear_responses_allowed`, it runs.
+async fn a_store_without_the_key_refuses_to_write_in_clear_where_responses_are_sealed(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
+    let encrypted = sealing(&h, keys(&[KEY_A]));
+    assert!(matches!(run(&encrypted, &scope, "sealed", 1, json!("sealed")).await, Ok(RunOutcome::Executed(_))));
+    let keyless = keyless_builder(&h).build().expect("store");
+    let ran = std::sync::atomic::AtomicUsize::new(0);
+    let work = || async {
+        ran.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<_, std::io::Error>(json!("in clear"))
+    };
+    let refused = keyless.run_once(&scope, &key("fresh"), &json!({ "n": 2 }), work).await;
+    let would_write_clear = |outcome: &Result<RunOutcome<Value>, RunError<std::io::Error>>| {
+        matches!(outcome, Err(RunError::Store(StoreError::Encryption(EncryptionError::WouldWriteClear))))
+    };
+    assert!(would_write_clear(&refused), "{refused:?}");
+    let in_tx = keyless
+        .run_once_in_tx(&scope, &key("fresh-in-tx"), &json!({ "n": 3 }), |_tx| {
+            Box::pin(async { Ok::<_, std::io::Error>(json!("in clear")) })
+        })
+        .await;
+    assert!(
+        matches!(in_tx, Err(RunError::Store(StoreError::Encryption(EncryptionError::WouldWriteClear)))),
+        "{in_tx:?}"
+    );
+    assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 0, "no work ran");
+    assert_eq!(encrypted.lookup(&scope, &key("fresh")).await.expect("lookup"), None, "nothing was claimed");
+    h.clear_allowed.store(true, std::sync::atomic::Ordering::Relaxed);
+    let allowed = without_encryption(&h).run_once(&scope, &key("fresh"), &json!({ "n": 2 }), work).await;
+    assert!(matches!(allowed, Ok(RunOutcome::Executed(_))), "{allowed:?}");
 }
 
 /// The demo's charges through the HTTP layer, with an encrypting store: the customer id of the charge

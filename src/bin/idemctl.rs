@@ -112,6 +112,10 @@ enum Command {
         /// The work did not happen: let the next request execute it.
         #[arg(long)]
         release: bool,
+        /// Store the response in clear although the deployment's responses are encrypted (one that turned
+        /// encryption off for good); without it, that is refused unless IDEMSTORE_ENCRYPTION_KEY is set.
+        #[arg(long)]
+        allow_clear: bool,
     },
     /// Count records by operation, state and tier, and those expiring soon.
     Stats {
@@ -287,6 +291,9 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
     if let Some(keys) = keys.as_deref().filter(|keys| !keys.is_empty()) {
         builder = builder.encryption(Encryption::from_base64(keys).map_err(StoreError::from)?);
     }
+    if matches!(cli.command, Command::Resolve { allow_clear: true, .. }) {
+        builder = builder.clear_responses_allowed();
+    }
     let store = builder.build().map_err(idemstore::StoreError::from)?;
     let record = |id: &RecordId| -> Result<(Scope, IdempotencyKey), CliError> {
         let scope = Scope::new(id.tenant.clone(), id.operation.clone()).map_err(|e| CliError::Input(e.to_string()))?;
@@ -382,9 +389,9 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
                 (None, None) => Resolution::Released,
             };
             let resolved = store.resolve(&scope, &key, resolution).await.map_err(|error| match error {
-                StoreError::Encryption(idemstore::EncryptionError::WouldWriteClear) => {
-                    CliError::Input(format!("{error}: set IDEMSTORE_ENCRYPTION_KEY to the deployment's key"))
-                }
+                StoreError::Encryption(idemstore::EncryptionError::WouldWriteClear) => CliError::Input(format!(
+                    "{error}: set IDEMSTORE_ENCRYPTION_KEY to the deployment's key (or --allow-clear)"
+                )),
                 error => error.into(),
             })?;
             let text = if resolved { "resolved" } else { "not resolved: the record is not indeterminate" };

@@ -12,7 +12,7 @@ use super::capture::Stored;
 use super::config::{Config, MismatchStatus};
 use super::problem::{Problem, problem_types as types};
 use crate::begin::Begin;
-use crate::error::StoreError;
+use crate::error::{EncryptionError, StoreError};
 use crate::key::{IdempotencyKey, Scope};
 use crate::quota::QuotaLimit;
 use crate::record::StoredResponse;
@@ -135,6 +135,8 @@ pub(crate) fn invalid_body(detail: impl fmt::Display) -> Response<Boxed> {
 /// unavailable (503; nothing ran).
 pub(crate) fn store_failed(error: &StoreError) -> Response<Boxed> {
     match error {
+        // A store without the key where responses are sealed: nothing was claimed or run.
+        StoreError::Encryption(EncryptionError::WouldWriteClear) => unavailable(),
         StoreError::Encryption(_) => unreadable(),
         _ => unavailable(),
     }

@@ -115,17 +115,6 @@ const RESOLVE_COMPLETED: Statement = Statement::new(
       AND (state = 'i' OR (state = 'c' AND response = $6))",
 );
 
-/// Whether any of a few stored responses is sealed (`$1`, the format's first bytes; `$2`, the least a
-/// sealed response takes), whatever their tenant and operation: in an encrypted deployment nearly all
-/// are, and the sample stops the scan early. A tenant with no response of its own yet is covered too.
-const SEALED_SAMPLE: Statement = Statement::new(
-    "resolve_sealed_sample",
-    "
-    SELECT EXISTS (
-        SELECT 1 FROM (SELECT response FROM idempotency_records WHERE response IS NOT NULL LIMIT 16) sample
-        WHERE octet_length(response) >= $2 AND substring(response FROM 1 FOR 2) = $1)",
-);
-
 const RESOLVE_RELEASED: Statement = Statement::new(
     "resolve",
     "
@@ -368,8 +357,9 @@ impl Store {
     /// lacks is left alone: configure that key again instead.
     ///
     /// Without encryption, [`Resolution::Completed`] is refused in a deployment whose stored responses
-    /// are sealed (a sample of 16 of them, any tenant and operation): an operator who forgot the key
-    /// would otherwise store a response that no store of the deployment replays.
+    /// are sealed (see [`StoreBuilder::clear_responses_allowed`](crate::StoreBuilder::clear_responses_allowed)):
+    /// an operator who forgot the key would otherwise store a response that no store of the deployment
+    /// replays.
     ///
     /// # Errors
     /// [`EncryptionError::WouldWriteClear`] as above; [`StoreError::StoreUnavailable`] if Postgres failed.
@@ -381,9 +371,7 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let (statement, query) = match &resolution {
             Resolution::Completed(response) => {
-                if self.inner.encryption.is_none() && self.holds_sealed_responses().await? {
-                    return Err(EncryptionError::WouldWriteClear.into());
-                }
+                self.refuse_clear_writes().await?;
                 // The sealed response is bound to the fingerprint the record holds.
                 let Some(record) = self.lookup_stored(scope, key).await? else { return Ok(false) };
                 let tampered = match (&record.response, record.state) {
@@ -420,15 +408,6 @@ impl Store {
             self.indeterminate_gauge().await?;
         }
         Ok(resolved)
-    }
-
-    /// Whether the deployment seals its responses (a sample of its records).
-    async fn holds_sealed_responses(&self) -> Result<bool, StoreError> {
-        let query = sqlx::query_scalar(SEALED_SAMPLE.sql)
-            .bind(&crate::encryption::SEALED[..])
-            .bind(crate::encryption::SEALING_OVERHEAD as i32)
-            .fetch_one(self.pg_pool());
-        self.bounded(&SEALED_SAMPLE, query).await
     }
 
     /// Sets the gauges from what Postgres holds now: records awaiting an operator

@@ -87,6 +87,9 @@ struct Inner {
     wakeups: wakeup::Wakeups,
     /// Seals responses before they are stored, and opens them before they are replayed.
     encryption: Option<Encryption>,
+    /// Without encryption: whether the deployment seals its responses, once asked (`None`: never
+    /// asked, for a store that seals or that may write in clear).
+    sealed_deployment: Option<tokio::sync::OnceCell<bool>>,
     /// The tasks this store spawned: settlements to wait for, followers to stop.
     background: Background,
 }
@@ -258,6 +261,7 @@ pub struct StoreBuilder {
     default_policy: Option<Policy>,
     policies: HashMap<String, Policy>,
     encryption: Option<Encryption>,
+    clear_responses_allowed: bool,
 }
 
 impl fmt::Debug for StoreBuilder {
@@ -398,6 +402,18 @@ impl StoreBuilder {
         self
     }
 
+    /// Lets a store without [`encryption`](StoreBuilder::encryption) write responses in clear where the
+    /// deployment's are sealed. Without it, such a store asks Postgres once (a sample of 16 stored
+    /// responses, any tenant and operation) and, if one is sealed, refuses every claim and resolve with
+    /// [`EncryptionError::WouldWriteClear`](crate::EncryptionError::WouldWriteClear) before anything
+    /// runs: a process started without the key would otherwise store responses that no store with the
+    /// key replays. For a deployment that turned encryption off for good (its sealed responses stay
+    /// unreadable).
+    pub fn clear_responses_allowed(mut self) -> Self {
+        self.clear_responses_allowed = true;
+        self
+    }
+
     /// Builds the store. No connection is made here; call [`Store::migrate`] to check Postgres.
     ///
     /// # Errors
@@ -478,6 +494,8 @@ impl StoreBuilder {
                 policies,
                 registered,
                 wakeups,
+                sealed_deployment: (self.encryption.is_none() && !self.clear_responses_allowed)
+                    .then(tokio::sync::OnceCell::new),
                 encryption: self.encryption,
                 background,
             }),

@@ -59,6 +59,7 @@ impl Store {
         options: &RunOptions,
     ) -> Result<Begin, StoreError> {
         self.register(scope.operation());
+        self.refuse_clear_writes().await?;
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let answer = async {
@@ -110,6 +111,7 @@ impl Store {
         tx: &mut LazyTx,
     ) -> Result<Begin, StoreError> {
         self.register(scope.operation());
+        self.refuse_clear_writes().await?;
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let candidate = self.candidate(scope, key, fingerprint, policy);
