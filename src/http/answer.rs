@@ -136,7 +136,13 @@ pub(crate) fn invalid_body(detail: impl fmt::Display) -> Response<Boxed> {
 pub(crate) fn store_failed(error: &StoreError) -> Response<Boxed> {
     match error {
         // A store without the key where responses are sealed: nothing was claimed or run.
-        StoreError::Encryption(EncryptionError::WouldWriteClear) => unavailable(),
+        StoreError::Encryption(EncryptionError::WouldWriteClear) => {
+            let detail = "this server has no encryption key and the stored responses are encrypted, so it \
+                          cannot store an answer; nothing was executed";
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
+                .retry_after(Duration::from_secs(1))
+                .into_response()
+        }
         StoreError::Encryption(_) => unreadable(),
         _ => unavailable(),
     }

@@ -1,6 +1,7 @@
 //! The store: configuration and lifecycle here, the claim protocol in [`protocol`](self) submodules.
 
 mod background;
+mod clear_writes;
 mod lagging;
 mod maintenance;
 mod pool;
@@ -87,9 +88,9 @@ struct Inner {
     wakeups: wakeup::Wakeups,
     /// Seals responses before they are stored, and opens them before they are replayed.
     encryption: Option<Encryption>,
-    /// Without encryption: whether the deployment seals its responses, once asked (`None`: never
+    /// Without encryption: whether the deployment seals its responses, as last asked (`None`: never
     /// asked, for a store that seals or that may write in clear).
-    sealed_deployment: Option<tokio::sync::OnceCell<bool>>,
+    sealed_deployment: Option<clear_writes::SealedDeployment>,
     /// The tasks this store spawned: settlements to wait for, followers to stop.
     background: Background,
 }
@@ -495,7 +496,7 @@ impl StoreBuilder {
                 registered,
                 wakeups,
                 sealed_deployment: (self.encryption.is_none() && !self.clear_responses_allowed)
-                    .then(tokio::sync::OnceCell::new),
+                    .then(clear_writes::SealedDeployment::default),
                 encryption: self.encryption,
                 background,
             }),

@@ -59,7 +59,6 @@ impl Store {
         options: &RunOptions,
     ) -> Result<Begin, StoreError> {
         self.register(scope.operation());
-        self.refuse_clear_writes().await?;
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let answer = async {
@@ -111,7 +110,6 @@ impl Store {
         tx: &mut LazyTx,
     ) -> Result<Begin, StoreError> {
         self.register(scope.operation());
-        self.refuse_clear_writes().await?;
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let candidate = self.candidate(scope, key, fingerprint, policy);
@@ -371,6 +369,11 @@ impl Store {
                     self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
                 }
             };
+            // Only a claim that may acquire the key asks: Redis's answers (a replay, "in flight") write nothing.
+            if let Err(refused) = self.refuse_clear_writes().await {
+                take_back_marker().await;
+                return Err(refused);
+            }
             // The caller's transaction, begun now that Postgres is asked.
             let mut tx: Option<&mut PgConnection> = match lazy {
                 None => None,

@@ -4,46 +4,13 @@
 
 use std::borrow::Cow;
 
-use super::{Statement, Store};
-use crate::error::{EncryptionError, StoreError};
+use super::Store;
+use crate::error::EncryptionError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::record::{Lease, Record, StoredResponse};
 
-/// Whether any of a few stored responses is sealed (`$1`, the format's first bytes; `$2`, the least a
-/// sealed response takes), whatever their tenant and operation: in an encrypted deployment nearly all
-/// are, and the sample stops the scan early. A tenant with no response of its own yet is covered too.
-const SEALED_SAMPLE: Statement = Statement::new(
-    "resolve_sealed_sample",
-    "
-    SELECT EXISTS (
-        SELECT 1 FROM (SELECT response FROM idempotency_records WHERE response IS NOT NULL LIMIT 16) sample
-        WHERE octet_length(response) >= $2 AND substring(response FROM 1 FOR 2) = $1)",
-);
-
 impl Store {
-    /// Refuses a write in clear where the deployment seals its responses: a store without encryption
-    /// asks once (a sample), at its first claim or resolve, and remembers the answer; a store with
-    /// encryption, or built with `clear_responses_allowed`, never asks.
-    ///
-    /// # Errors
-    /// [`EncryptionError::WouldWriteClear`] where the sample found a sealed response;
-    /// [`StoreError::StoreUnavailable`] if Postgres could not be asked (asked again next time).
-    pub(crate) async fn refuse_clear_writes(&self) -> Result<(), StoreError> {
-        let Some(sealed_deployment) = &self.inner.sealed_deployment else { return Ok(()) };
-        let query = || {
-            let query = sqlx::query_scalar(SEALED_SAMPLE.sql)
-                .bind(&crate::encryption::SEALED[..])
-                .bind(crate::encryption::SEALING_OVERHEAD as i32)
-                .fetch_one(self.pg_pool());
-            self.bounded(&SEALED_SAMPLE, query)
-        };
-        match sealed_deployment.get_or_try_init(query).await? {
-            true => Err(EncryptionError::WouldWriteClear.into()),
-            false => Ok(()),
-        }
-    }
-
     /// `response` as both tiers store it for this lease's record (which stores its fingerprint).
     pub(crate) fn sealed<'r>(&self, lease: &Lease, response: &'r [u8]) -> Cow<'r, [u8]> {
         self.sealed_for(&lease.scope, &lease.key, lease.fingerprint.as_bytes(), response)
