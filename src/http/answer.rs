@@ -136,20 +136,21 @@ pub(crate) fn invalid_body(detail: impl fmt::Display) -> Response<Boxed> {
 pub(crate) fn store_failed(error: &StoreError) -> Response<Boxed> {
     match error {
         // A store without the key where responses are sealed: nothing was claimed or run.
-        StoreError::Encryption(EncryptionError::WouldWriteClear) => {
-            let detail = "this server has no encryption key and the stored responses are encrypted, so it \
-                          cannot store an answer; nothing was executed";
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
-                .retry_after(Duration::from_secs(1))
-                .into_response()
-        }
+        StoreError::Encryption(EncryptionError::WouldWriteClear) => unavailable_because(
+            "this server has no encryption key and the stored responses are encrypted, so it cannot store an \
+             answer; nothing was executed",
+        ),
         StoreError::Encryption(_) => unreadable(),
         _ => unavailable(),
     }
 }
 
 pub(crate) fn unavailable() -> Response<Boxed> {
-    let detail = "the idempotency store is unavailable; nothing was executed";
+    unavailable_because("the idempotency store is unavailable; nothing was executed")
+}
+
+/// 503 `unavailable`, retried after a second, saying why.
+fn unavailable_because(detail: &'static str) -> Response<Boxed> {
     Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
         .retry_after(Duration::from_secs(1))
         .into_response()
