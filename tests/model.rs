@@ -1,7 +1,9 @@
-//! Model-based checking of the store. Random sequences of begins (some concurrent), completions,
-//! releases, extensions, crashed owners, leases running out, retentions and tombstone horizons passing,
-//! purges, recoveries, resolutions and (two-tier) Redis flushes, restarts and pauses run against real
-//! Redis and Postgres. Every answer is checked against a reference model of the key
+//! Model-based checking of the store. Random sequences of begins (some concurrent), runs of a work that
+//! writes an effect row (`run_once`, `run_once_in_tx`; results that serialize, that do not, and errors),
+//! completions, releases, extensions, crashed owners, leases running out, retentions and tombstone
+//! horizons passing, purges, recoveries, resolutions and (two-tier) Redis flushes, restarts and pauses
+//! run against real Redis and Postgres, through stores that seal and stores without the key on one
+//! database. Every answer is checked against a reference model of the key
 //! (`model/reference.rs`), what Postgres holds is compared with the model after every step, and each
 //! case's history is checked as a whole at its end (`model/history.rs`).
 //!

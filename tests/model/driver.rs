@@ -2,6 +2,10 @@
 //! to the store, its answer to the reference model, and after every step what Postgres holds is
 //! compared with the model.
 //!
+//! Stores that seal and stores without the key share the database, as they do while encryption is
+//! turned on or off or a second service lacks the key; a run's work writes an effect row, counted after
+//! the run.
+//!
 //! Time moves only in steps, in the servers' data (the harness's `pass_lease`, `pass_retention` and
 //! `pass_tombstone_horizon`): server time stays the only clock and no case waits for a lease. The stores'
 //! leases and retentions are long enough that nothing runs out by itself during a case.
@@ -10,14 +14,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use idemstore::{
-    Begin, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Owner, Policy, Record, Resolution,
-    Scope, State, Store, StoreError,
+    Begin, Encryption, EncryptionError, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Owner,
+    Policy, Record, Resolution, RunError, RunOutcome, Scope, State, Store, StoreError, TxFuture,
 };
-use serde_json::json;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Value, json};
+use sqlx::PgConnection;
 
 use super::history::{Effect, History, Span};
-use super::reference::{Answer, Call, Model, Order, Outcome, Payload, Rule, Seen, SeenRecord, Settle, Stage, Write};
-use super::steps::{CLIENTS, Step};
+use super::reference::{
+    Answer, Call, Model, Order, Outcome, Payload, Rule, Sealing, Seen, SeenRecord, Settle, Stage, Write,
+};
+use super::steps::{CLIENTS, Path, Step, Work};
 use crate::support::{self, Harness, Servers};
 
 const LEASE: Duration = Duration::from_secs(60);
@@ -35,6 +43,15 @@ const AFTER_PAUSE: Duration = Duration::from_millis(50);
 /// Purges and recoveries meet only the current case's key (each case removes its records at its end).
 const BATCH: u32 = 100;
 
+/// What `run_once` stores for a work whose result did not serialize (its private marker, read back
+/// through `inspect` and `begin`).
+const NOT_REPLAYABLE: &str = "\0idemstore:not-replayable";
+
+/// One row per run of a work, written by the work: plainly, or in the claim's transaction.
+const EFFECTS: &str = "CREATE TABLE IF NOT EXISTS model_effects (tenant text NOT NULL, step int NOT NULL)";
+const ADD_EFFECT: &str = "INSERT INTO model_effects (tenant, step) VALUES ($1, $2)";
+const COUNT_EFFECTS: &str = "SELECT count(*) FROM model_effects WHERE tenant = $1";
+const FORGET_EFFECTS: &str = "DELETE FROM model_effects WHERE tenant = $1";
 const FORGET_RECORDS: &str = "DELETE FROM idempotency_records WHERE tenant = $1";
 const FORGET_TOMBSTONE: &str = "DELETE FROM idempotency_tombstones WHERE digest = idempotency_key_digest($1, $2, $3)";
 
@@ -42,9 +59,9 @@ const FORGET_TOMBSTONE: &str = "DELETE FROM idempotency_tombstones WHERE digest 
 /// its own, so that they are independent and a shrunk case replays cleanly.
 pub struct World {
     harness: Harness,
-    /// One store per lease rule, as two services with different policies for the same operation have.
-    take_over: Store,
-    mark_indeterminate: Store,
+    /// One store per lease rule (as two services with different policies for the same operation have)
+    /// and per sealing: `stores[rule][sealing]`.
+    stores: [[Store; 2]; 2],
     fingerprints: [(Payload, Fingerprint); 2],
     /// Cases run so far, shrinking included: the next case's tenant.
     cases: AtomicU64,
@@ -57,13 +74,17 @@ impl World {
     /// Starts servers this test owns (it flushes, pauses and restarts Redis).
     pub async fn start(mode: Mode) -> Self {
         let harness = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Owned).await;
+        // The stores without the key write in clear on purpose.
+        harness.clear_allowed.store(true, Ordering::Relaxed);
+        sqlx::query(EFFECTS).execute(&harness.pool).await.expect("create the effect table");
         let fingerprints = [Payload::A, Payload::B].map(|payload| {
-            let body = json!({ "payload": format!("{payload:?}") });
+            let body = body(payload);
             (payload, Fingerprint::of_serialize(&body, &FingerprintOptions::default()).expect("fingerprint"))
         });
+        let stores = [LeaseExpiry::TakeOver, LeaseExpiry::MarkIndeterminate]
+            .map(|expiry| [Sealing::Sealed, Sealing::Clear].map(|sealing| store(&harness, expiry, sealing)));
         Self {
-            take_over: store(&harness, LeaseExpiry::TakeOver),
-            mark_indeterminate: store(&harness, LeaseExpiry::MarkIndeterminate),
+            stores,
             harness,
             fingerprints,
             cases: AtomicU64::new(0),
@@ -95,11 +116,13 @@ impl World {
         verdict
     }
 
-    fn store(&self, rule: Rule) -> &Store {
-        match rule {
-            Rule::TakeOver => &self.take_over,
-            Rule::MarkIndeterminate => &self.mark_indeterminate,
-        }
+    fn store(&self, rule: Rule, sealing: Sealing) -> &Store {
+        &self.stores[rule as usize][sealing as usize]
+    }
+
+    /// The store that purges, recovers and looks.
+    fn operator(&self) -> &Store {
+        self.store(Rule::TakeOver, Sealing::Sealed)
     }
 
     fn fingerprint(&self, payload: Payload) -> &Fingerprint {
@@ -113,7 +136,25 @@ impl World {
         known.map(|(payload, _)| *payload)
     }
 
-    fn seen(&self, record: Record) -> Result<Seen, String> {
+    /// What Postgres holds for the key, its response opened by whichever store can open it.
+    async fn inspect(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Seen, String> {
+        let mut sealing = Sealing::Sealed;
+        let mut found = self.operator().inspect(scope, key).await;
+        if matches!(&found, Ok(inspection) if matches!(inspection.unreadable, Some(EncryptionError::Unsealed))) {
+            sealing = Sealing::Clear;
+            found = self.store(Rule::TakeOver, Sealing::Clear).inspect(scope, key).await;
+        }
+        let inspection = found.map_err(|error| format!("inspect failed: {error:?}"))?;
+        if let Some(error) = inspection.unreadable {
+            return Err(format!("the stored response opens in no store: {error:?}"));
+        }
+        match inspection.postgres {
+            Some(record) => self.seen(record, sealing),
+            None => Ok(Seen::Nothing),
+        }
+    }
+
+    fn seen(&self, record: Record, sealing: Sealing) -> Result<Seen, String> {
         let payload = self.payload_of(&record.fingerprint);
         let stage = match record.state {
             State::Expired => return Ok(Seen::Tombstone { payload, fence: record.fence }),
@@ -130,6 +171,7 @@ impl World {
             rule: record.lease_expiry.map(rule_of),
             lease_live: record.lease_remaining.is_some_and(|left| !left.is_zero()),
             retention_passed: record.expires_in == Some(Duration::ZERO),
+            sealing: record.response.is_some().then_some(sealing),
             response: record.response.map(|response| text(response.as_bytes())),
         }))
     }
@@ -140,8 +182,14 @@ fn policy(expiry: LeaseExpiry) -> Policy {
     builder.lease_expiry(expiry).build().expect("a valid policy")
 }
 
-/// A store on the harness's servers and Redis prefix, with a short Redis budget and cool-down.
-fn store(h: &Harness, expiry: LeaseExpiry) -> Store {
+/// The body a payload stands for.
+fn body(payload: Payload) -> Value {
+    json!({ "payload": format!("{payload:?}") })
+}
+
+/// A store on the harness's servers and Redis prefix, with a short Redis budget and cool-down, that
+/// seals with the model's own key or writes in clear.
+fn store(h: &Harness, expiry: LeaseExpiry, sealing: Sealing) -> Store {
     let mut builder = Store::builder()
         .database_url(&h.store_url)
         .key_prefix(&h.prefix)
@@ -152,7 +200,63 @@ fn store(h: &Harness, expiry: LeaseExpiry) -> Store {
     if let Some(url) = &h.redis_url {
         builder = builder.redis_url(url);
     }
-    support::sealed(builder).build().expect("build a store")
+    builder = match sealing {
+        Sealing::Sealed => builder.encryption(Encryption::new([[7; 32]]).expect("a valid key")),
+        Sealing::Clear => builder.clear_responses_allowed(),
+    };
+    builder.build().expect("build a store")
+}
+
+/// A response as the model's owners store it: JSON text, as `run_once` stores its results, so that a
+/// run can replay any completion.
+fn response(text: String) -> String {
+    serde_json::to_string(&text).expect("a string serializes")
+}
+
+/// A work's result: text, or one that refuses to serialize (as a map with non-string keys does).
+#[derive(Debug)]
+enum Reply {
+    Text(String),
+    Unencodable,
+}
+
+impl Serialize for Reply {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Reply::Text(text) => serializer.serialize_str(text),
+            Reply::Unencodable => Err(serde::ser::Error::custom("this result does not serialize")),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Reply {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        String::deserialize(deserializer).map(Reply::Text)
+    }
+}
+
+/// A work: its effect row on `conn` (the claim's transaction, or a connection of its own), then its
+/// result.
+fn work_effect(
+    conn: &mut PgConnection,
+    tenant: String,
+    step: i32,
+    result: Result<Reply, String>,
+) -> TxFuture<'_, Reply, String> {
+    Box::pin(async move {
+        sqlx::query(ADD_EFFECT).bind(tenant).bind(step).execute(conn).await.expect("write the effect row");
+        result
+    })
+}
+
+/// Whether `error` is the typed refusal of a store that cannot open a stored response: ciphertext for a
+/// store without the key, clear bytes for one that seals.
+fn cannot_open(sealing: Sealing, error: &StoreError) -> bool {
+    matches!(
+        (sealing, error),
+        (Sealing::Clear, StoreError::Encryption(EncryptionError::UnknownKey { .. }))
+            | (Sealing::Sealed, StoreError::Encryption(EncryptionError::Unsealed))
+    )
 }
 
 fn rule_of(expiry: LeaseExpiry) -> Rule {
@@ -172,7 +276,7 @@ struct Begun {
     read: Result<(Answer, Option<Owner>), String>,
 }
 
-fn read(begun: Result<Begin, StoreError>) -> Result<(Answer, Option<Owner>), String> {
+fn read(begun: Result<Begin, StoreError>, sealing: Sealing) -> Result<(Answer, Option<Owner>), String> {
     let answer = match begun {
         Ok(Begin::Acquired(owner)) => return Ok((Answer::Acquired { fence: owner.fence() }, Some(owner))),
         Ok(Begin::InFlight { .. }) => Answer::InFlight,
@@ -181,9 +285,37 @@ fn read(begun: Result<Begin, StoreError>) -> Result<(Answer, Option<Owner>), Str
         Ok(Begin::Indeterminate) => Answer::Indeterminate,
         Ok(Begin::Expired) => Answer::Expired,
         Ok(other) => return Err(format!("an answer the model does not know: {other:?}")),
+        Err(error) if cannot_open(sealing, &error) => Answer::Unreadable,
         Err(error) => return Err(format!("begin failed, although Postgres is up: {error:?}")),
     };
     Ok((answer, None))
+}
+
+/// What a run answered, as a begin's answer and what the run did after it.
+enum Ran {
+    /// The work did not run.
+    Answered(Answer),
+    /// The work ran and its result (or the not-replayable marker) was stored.
+    Completed(String),
+    /// The work failed; the key was released (plain), or nothing was written (in the transaction).
+    Failed,
+}
+
+fn ran(outcome: Result<RunOutcome<Reply>, RunError<String>>, sealing: Sealing) -> Result<Ran, String> {
+    let answered = |answer| Ok(Ran::Answered(answer));
+    match outcome {
+        Ok(RunOutcome::Executed(Reply::Text(text))) => Ok(Ran::Completed(response(text))),
+        Ok(RunOutcome::Replayed(Reply::Text(text))) => answered(Answer::Completed(response(text))),
+        Ok(RunOutcome::NotReplayable) => answered(Answer::Completed(NOT_REPLAYABLE.to_owned())),
+        Ok(RunOutcome::InFlight { .. }) => answered(Answer::InFlight),
+        Ok(RunOutcome::Mismatch) => answered(Answer::Mismatch),
+        Ok(RunOutcome::Indeterminate) => answered(Answer::Indeterminate),
+        Ok(RunOutcome::Expired) => answered(Answer::Expired),
+        Err(RunError::Encode(_)) => Ok(Ran::Completed(NOT_REPLAYABLE.to_owned())),
+        Err(RunError::Work(_)) => Ok(Ran::Failed),
+        Err(RunError::Store(error)) if cannot_open(sealing, &error) => answered(Answer::Unreadable),
+        other => Err(format!("a run's answer the model does not expect: {other:?}")),
+    }
 }
 
 /// One case: a key under a tenant of its own, the clients' leases, the model, and the history.
@@ -193,11 +325,13 @@ struct Case<'w> {
     scope: Scope,
     key: IdempotencyKey,
     model: Model,
-    /// The owner each client is, with the payload it acquired the key for.
-    leases: [Option<(Owner, Payload)>; CLIENTS],
+    /// The owner each client is, with the call that acquired the key.
+    leases: [Option<(Owner, Call)>; CLIENTS],
     history: History,
-    /// Whether Postgres held anything for the key (a record or a standing tombstone) after the last step.
-    key_held: bool,
+    /// What Postgres held for the key after the last step.
+    last_seen: Seen,
+    /// Runs of a work whose effect row committed.
+    effects: i64,
     /// When the current Redis pause ends.
     paused_until: Option<Instant>,
 }
@@ -213,7 +347,8 @@ impl<'w> Case<'w> {
             model: Model::default(),
             leases: Default::default(),
             history: History::start(),
-            key_held: false,
+            last_seen: Seen::Nothing,
+            effects: 0,
             paused_until: None,
         }
     }
@@ -238,12 +373,13 @@ impl<'w> Case<'w> {
         match step {
             Step::Begin { client, call } => return self.begin(index, client, call).await,
             Step::BeginTogether { first, second } => return self.begin_together(index, first, second).await,
+            Step::Run { client, call, path, work } => return self.run_work(index, client, call, path, work).await,
             Step::Complete { client } => return self.complete(index, client).await,
             Step::Release { client } => return self.fenced(index, client, Write::Release).await,
             Step::Extend { client } => return self.fenced(index, client, Write::Extend).await,
             Step::Purge => return self.purge(index).await,
             Step::RecoverStale => return self.recover_stale(index).await,
-            Step::Resolve { completed } => return self.resolve(index, completed).await,
+            Step::Resolve { completed, sealing } => return self.resolve(index, completed, sealing).await,
             Step::Drop { client } => {
                 let dropped = self.abandon(client);
                 self.history.note(index, format!("c{client} forgets its lease"), format!("{dropped:?}"));
@@ -308,26 +444,28 @@ impl<'w> Case<'w> {
     }
 
     async fn send_begin(&self, client: usize, call: Call) -> Begun {
-        let store = self.world.store(call.rule);
+        let store = self.world.store(call.rule, call.sealing);
         let begin = store.begin(&self.scope, &self.key, self.world.fingerprint(call.payload));
         let (begun, span) = self.history.timed(begin).await;
-        Begun { client, call, span, read: read(begun) }
+        Begun { client, call, span, read: read(begun, call.sealing) }
     }
 
     fn log(&mut self, index: usize, begun: &Begun) {
         let (answer, effect) = match &begun.read {
-            Ok((answer, _)) => {
-                let effect = match answer {
-                    Answer::Acquired { .. } if !self.key_held => Effect::NewLife,
-                    Answer::Completed(response) => Effect::Replay(response.clone()),
-                    Answer::Expired => Effect::Expired,
-                    _ => Effect::None,
-                };
-                (format!("{answer:?}"), effect)
-            }
+            Ok((answer, _)) => (format!("{answer:?}"), self.effect_of(answer)),
             Err(error) => (error.clone(), Effect::None),
         };
         self.history.record(index, begun.span, format!("c{} {}", begun.client, begun.call), answer, effect);
+    }
+
+    /// What a begin's answer means to the history.
+    fn effect_of(&self, answer: &Answer) -> Effect {
+        match answer {
+            Answer::Acquired { .. } if self.last_seen == Seen::Nothing => Effect::NewLife,
+            Answer::Completed(response) => Effect::Replay(response.clone()),
+            Answer::Expired => Effect::Expired,
+            _ => Effect::None,
+        }
     }
 
     /// The client forgets its owner, as a crashed process would: the lease is left to run out.
@@ -342,17 +480,20 @@ impl<'w> Case<'w> {
     fn keep(&mut self, begun: Begun) {
         if let Ok((_, Some(owner))) = begun.read {
             self.abandon(begun.client);
-            self.leases[begun.client] = Some((owner, begun.call.payload));
+            self.leases[begun.client] = Some((owner, begun.call));
         }
     }
 
     /// Completes with a response that names who stored it, so that every completion's bytes differ.
     async fn complete(&mut self, index: usize, client: usize) -> Result<(), String> {
-        let response = match &self.leases[client] {
-            Some((lease, payload)) => format!("{payload:?}:c{client}:f{}:s{index}", lease.fence()),
-            None => String::new(),
+        let write = match &self.leases[client] {
+            Some((lease, call)) => {
+                let text = format!("{:?}:c{client}:f{}:s{index}", call.payload, lease.fence());
+                Write::Complete(response(text), call.sealing)
+            }
+            None => Write::Complete(String::new(), Sealing::Sealed),
         };
-        self.fenced(index, client, Write::Complete(response)).await
+        self.fenced(index, client, write).await
     }
 
     async fn fenced(&mut self, index: usize, client: usize, write: Write) -> Result<(), String> {
@@ -370,7 +511,7 @@ impl<'w> Case<'w> {
             .history
             .timed(async {
                 match (&write, owner) {
-                    (Write::Complete(response), Some(owner)) => owner.complete(response.as_bytes()).await,
+                    (Write::Complete(response, _), Some(owner)) => owner.complete(response.as_bytes()).await,
                     (Write::Release, Some(owner)) => owner.release().await,
                     _ => self.leases[client].as_ref().map(|(owner, _)| owner).expect("held").extend().await,
                 }
@@ -382,7 +523,9 @@ impl<'w> Case<'w> {
             Err(error) => Err(format!("{write} failed, although Postgres is up: {error:?}")),
         };
         let (answer, effect) = match (&outcome, &write) {
-            (Ok(Outcome::Done), Write::Complete(response)) => ("Done".to_owned(), Effect::Completion(response.clone())),
+            (Ok(Outcome::Done), Write::Complete(response, _)) => {
+                ("Done".to_owned(), Effect::Completion(response.clone()))
+            }
             (Ok(outcome), _) => (format!("{outcome:?}"), Effect::None),
             (Err(error), _) => (error.clone(), Effect::None),
         };
@@ -392,7 +535,7 @@ impl<'w> Case<'w> {
     }
 
     async fn purge(&mut self, index: usize) -> Result<(), String> {
-        let (purged, span) = self.history.timed(self.world.take_over.purge_expired(BATCH)).await;
+        let (purged, span) = self.history.timed(self.world.operator().purge_expired(BATCH)).await;
         let purged = purged.map_err(|error| format!("purge failed: {error:?}"))?;
         self.history.record(index, span, "purge", format!("{purged} purged"), Effect::None);
         self.model.purge();
@@ -400,29 +543,145 @@ impl<'w> Case<'w> {
     }
 
     async fn recover_stale(&mut self, index: usize) -> Result<(), String> {
-        let (recovered, span) = self.history.timed(self.world.take_over.recover_stale(BATCH)).await;
+        let (recovered, span) = self.history.timed(self.world.operator().recover_stale(BATCH)).await;
         let recovered = recovered.map_err(|error| format!("recover_stale failed: {error:?}"))?;
         self.history.record(index, span, "recover stale leases", format!("{recovered:?}"), Effect::None);
         self.model.recover_stale();
         Ok(())
     }
 
-    async fn resolve(&mut self, index: usize, completed: bool) -> Result<(), String> {
+    async fn resolve(&mut self, index: usize, completed: bool, sealing: Sealing) -> Result<(), String> {
         let (settle, resolution) = if completed {
-            let response = format!("resolved:s{index}");
+            let response = response(format!("resolved:s{index}"));
             (Settle::Completed(response.clone()), Resolution::Completed(response.into_bytes()))
         } else {
             (Settle::Released, Resolution::Released)
         };
-        let resolve = self.world.take_over.resolve(&self.scope, &self.key, resolution);
+        let resolve = self.world.store(Rule::TakeOver, sealing).resolve(&self.scope, &self.key, resolution);
         let (resolved, span) = self.history.timed(resolve).await;
         let resolved = resolved.map_err(|error| format!("resolve failed: {error:?}"))?;
+        let replaced = matches!(&self.last_seen, Seen::Record(record) if record.stage == Stage::Completed);
         let effect = match &settle {
+            Settle::Completed(response) if resolved && replaced => Effect::Replacement(response.clone()),
             Settle::Completed(response) if resolved => Effect::Completion(response.clone()),
             _ => Effect::None,
         };
-        self.history.record(index, span, format!("resolve {settle:?}"), resolved.to_string(), effect);
-        self.model.resolve(&settle, resolved)
+        self.history.record(index, span, format!("resolve {settle:?} ({sealing:?})"), resolved.to_string(), effect);
+        self.model.resolve(&settle, sealing, resolved)
+    }
+
+    /// A run through the run-once API. The model reads it as a begin and, when the work ran, the
+    /// owner's completion or release right after it; the effect rows must count the runs that
+    /// committed one.
+    async fn run_work(
+        &mut self,
+        index: usize,
+        client: usize,
+        call: Call,
+        path: Path,
+        work: Work,
+    ) -> Result<(), String> {
+        let store = self.world.store(call.rule, call.sealing);
+        let body = body(call.payload);
+        let result = match work {
+            Work::Replayable => Ok(Reply::Text(format!("{:?}:c{client}:s{index}", call.payload))),
+            Work::Unencodable => Ok(Reply::Unencodable),
+            Work::Fails => Err("the work failed".to_owned()),
+        };
+        let (tenant, step) = (self.tenant.clone(), index as i32);
+        let run = async {
+            match path {
+                Path::Plain => {
+                    let pool = self.world.harness.pool.clone();
+                    let work = || async move {
+                        let mut conn = pool.acquire().await.expect("a connection for the work");
+                        work_effect(&mut conn, tenant, step, result).await
+                    };
+                    store.run_once(&self.scope, &self.key, &body, work).await
+                }
+                Path::InTx => {
+                    let (scope, key) = (&self.scope, &self.key);
+                    store.run_once_in_tx(scope, key, &body, move |tx| work_effect(tx, tenant, step, result)).await
+                }
+            }
+        };
+        let (outcome, span) = self.history.timed(run).await;
+        let said = format!("{outcome:?}");
+        let ran = ran(outcome, call.sealing);
+        let call_said = format!("c{client} run {:?} {work:?} ({:?}, {:?})", call.payload, call.rule, call.sealing);
+        let ran = match ran {
+            Ok(ran) => ran,
+            Err(error) => {
+                self.history.record(index, span, call_said, said, Effect::None);
+                return Err(error);
+            }
+        };
+        let committed = match (&ran, path) {
+            (Ran::Answered(_), _) | (Ran::Failed, Path::InTx) => 0,
+            (Ran::Completed(_), _) | (Ran::Failed, Path::Plain) => 1,
+        };
+        self.effects += committed;
+        let verdict = match &ran {
+            Ran::Answered(answer) => {
+                let effect = self.effect_of(answer);
+                self.history.record(index, span, call_said, said, effect);
+                self.model.begin(call, answer)
+            }
+            // Rolled back: no claim was durable, nothing changed.
+            Ran::Failed if path == Path::InTx => {
+                self.history.record(index, span, call_said, said, Effect::None);
+                Ok(())
+            }
+            Ran::Completed(_) | Ran::Failed => self.ran(index, span, call_said, said, call, &ran).await,
+        };
+        verdict?;
+        self.count_effects().await
+    }
+
+    /// Follows a run whose work ran and settled: its claim, then its completion or release, under the
+    /// fence Postgres now holds.
+    async fn ran(
+        &mut self,
+        index: usize,
+        span: Span,
+        call_said: String,
+        said: String,
+        call: Call,
+        ran: &Ran,
+    ) -> Result<(), String> {
+        let fence = match self.world.inspect(&self.scope, &self.key).await? {
+            Seen::Record(record) => record.fence,
+            other => return Err(format!("a run settled, but Postgres holds {other:?}")),
+        };
+        let acquired = Answer::Acquired { fence };
+        let effect = self.effect_of(&acquired);
+        self.history.record(index, span, call_said, said, effect);
+        self.model.begin(call, &acquired)?;
+        let write = match ran {
+            Ran::Completed(response) => {
+                self.history.record(index, span, "  (its completion)", "Done", Effect::Completion(response.clone()));
+                Write::Complete(response.clone(), call.sealing)
+            }
+            _ => Write::Release,
+        };
+        self.model.write(fence, &write, Outcome::Done)
+    }
+
+    /// The effect rows must be the runs that committed one: a work that ran without the store saying so,
+    /// or a rolled-back transaction that kept its row, shows here.
+    async fn count_effects(&self) -> Result<(), String> {
+        let rows: i64 = sqlx::query_scalar(COUNT_EFFECTS)
+            .bind(&self.tenant)
+            .fetch_one(&self.world.harness.pool)
+            .await
+            .expect("count the effect rows");
+        if rows != self.effects {
+            return Err(format!(
+                "the works wrote {rows} effect rows, but the runs' answers say {} committed one",
+                self.effects
+            ));
+        }
+        Ok(())
     }
 
     async fn flush_redis(&mut self, index: usize) {
@@ -468,13 +727,8 @@ impl<'w> Case<'w> {
     /// What Postgres holds for the key, as it is stored (not as `lookup` presents a record past its
     /// retention).
     async fn look(&mut self) -> Result<Seen, String> {
-        let found = self.world.take_over.inspect(&self.scope, &self.key).await;
-        let found = found.map_err(|error| format!("inspect failed: {error:?}"))?.postgres;
-        let seen = match found {
-            Some(record) => self.world.seen(record)?,
-            None => Seen::Nothing,
-        };
-        self.key_held = seen != Seen::Nothing;
+        let seen = self.world.inspect(&self.scope, &self.key).await?;
+        self.last_seen = seen.clone();
         Ok(seen)
     }
 
@@ -487,6 +741,8 @@ impl<'w> Case<'w> {
         let h = &self.world.harness;
         let records = sqlx::query(FORGET_RECORDS).bind(&self.tenant).execute(&h.pool);
         records.await.expect("delete the case's records");
+        let effects = sqlx::query(FORGET_EFFECTS).bind(&self.tenant).execute(&h.pool);
+        effects.await.expect("delete the case's effect rows");
         let tombstone = sqlx::query(FORGET_TOMBSTONE).bind(&self.tenant).bind(&h.operation).bind(self.key.as_str());
         tombstone.execute(&h.pool).await.expect("delete the case's tombstone");
         if h.redis.is_some() {

@@ -23,6 +23,9 @@ pub enum Effect {
     NewLife,
     /// A response was stored: an owner completed, or an operator resolved the record as completed.
     Completion(String),
+    /// An operator replaced the life's completion, stored in a form the deployment cannot replay, with
+    /// this response.
+    Replacement(String),
     /// A begin replayed this response.
     Replay(String),
     /// A begin was told its response expired.
@@ -89,6 +92,10 @@ impl History {
                         "step {step} stored {response:?}, but step {first} stored {stored:?} in the same life of \
                          the key: the request ran twice"
                     ));
+                }
+                (Effect::Replacement(response), Some(_)) => completion = Some((step, response.as_str())),
+                (Effect::Replacement(response), None) => {
+                    return Err(format!("step {step} replaced the completion with {response:?}, but none was stored"));
                 }
                 (Effect::Replay(response), Some((_, stored))) if response == stored => {}
                 (Effect::Replay(response), _) => {

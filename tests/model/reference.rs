@@ -18,7 +18,10 @@
 //!    tombstone's horizon; another payload is refused;
 //! 7. once a lease ran out under `MarkIndeterminate`, nobody acquires the key until it is resolved;
 //! 8. no "in flight" unless a lease is live; Postgres agrees with the model after every step, so
-//!    "live" is what Postgres holds, not only what the model believes.
+//!    "live" is what Postgres holds, not only what the model believes;
+//! 9. a store hands out only a response it can open: never ciphertext to a store without the key, never
+//!    clear bytes to one that seals; a work that ran is never run again, even when its result could
+//!    not be stored for replay.
 
 use std::fmt;
 
@@ -36,34 +39,47 @@ pub enum Rule {
     MarkIndeterminate,
 }
 
-/// One `begin`: a payload, sent to the store whose policy has `rule`.
+/// Whether a store seals the responses it writes (it has the deployment's key) or writes them in clear
+/// (encryption turned off, a rollback, a second service): both kinds share one database.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sealing {
+    Sealed,
+    Clear,
+}
+
+/// One `begin`: a payload, sent to the store whose policy has `rule` and that seals or not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Call {
     pub payload: Payload,
     pub rule: Rule,
+    pub sealing: Sealing,
 }
 
 impl fmt::Display for Call {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "begin {:?} ({:?})", self.payload, self.rule)
+        write!(f, "begin {:?} ({:?}, {:?})", self.payload, self.rule, self.sealing)
     }
 }
 
 /// A `begin` answer, as far as the model reads it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Answer {
-    Acquired { fence: i64 },
+    Acquired {
+        fence: i64,
+    },
     InFlight,
     Completed(String),
     Mismatch,
     Indeterminate,
     Expired,
+    /// The key completed, and its stored response is one this store cannot open (a typed error).
+    Unreadable,
 }
 
-/// An owner's fenced write.
+/// An owner's fenced write. A completion is stored as its owner's store writes responses.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Write {
-    Complete(String),
+    Complete(String, Sealing),
     Release,
     Extend,
 }
@@ -71,7 +87,7 @@ pub enum Write {
 impl fmt::Display for Write {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Write::Complete(response) => write!(f, "complete {response:?}"),
+            Write::Complete(response, sealing) => write!(f, "complete {response:?} ({sealing:?})"),
             Write::Release => f.write_str("release"),
             Write::Extend => f.write_str("extend"),
         }
@@ -123,6 +139,8 @@ pub struct SeenRecord {
     pub lease_live: bool,
     pub retention_passed: bool,
     pub response: Option<String>,
+    /// How the response is stored (`None` without a response).
+    pub sealing: Option<Sealing>,
 }
 
 /// A record's state, without its data.
@@ -156,6 +174,8 @@ struct Record {
     rule: Rule,
     phase: Phase,
     retention_passed: bool,
+    /// How the completion's response is stored.
+    sealing: Sealing,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -205,6 +225,7 @@ enum Kind {
     Mismatch,
     Indeterminate,
     Expired,
+    Unreadable,
 }
 
 impl Answer {
@@ -216,6 +237,7 @@ impl Answer {
             Answer::Mismatch => Kind::Mismatch,
             Answer::Indeterminate => Kind::Indeterminate,
             Answer::Expired => Kind::Expired,
+            Answer::Unreadable => Kind::Unreadable,
         }
     }
 }
@@ -223,7 +245,7 @@ impl Answer {
 impl Model {
     /// Checks a begin's answer and follows it.
     pub fn begin(&mut self, call: Call, answer: &Answer) -> Verdict {
-        let allowed = self.allowed(call.payload);
+        let allowed = self.allowed(call);
         if !allowed.kinds.contains(&answer.kind()) {
             return Err(format!(
                 "{call} was answered {answer:?}, but {}: only {:?} may be answered",
@@ -239,7 +261,7 @@ impl Model {
                 }
                 Ok(())
             }
-            Answer::InFlight | Answer::Mismatch | Answer::Expired => Ok(()),
+            Answer::InFlight | Answer::Mismatch | Answer::Expired | Answer::Unreadable => Ok(()),
         }
     }
 
@@ -314,8 +336,9 @@ impl Model {
         }
         if let (Done, Some(record)) = (outcome, owned) {
             record.phase = match write {
-                Write::Complete(response) => {
+                Write::Complete(response, sealing) => {
                     record.retention_passed = false;
+                    record.sealing = *sealing;
                     Phase::Completed(response.clone())
                 }
                 Write::Release => Phase::Released,
@@ -325,18 +348,28 @@ impl Model {
         Ok(())
     }
 
-    /// Checks whether `resolve` acted, and follows it.
-    pub fn resolve(&mut self, settle: &Settle, resolved: bool) -> Verdict {
+    /// Checks whether `resolve`, by a store that seals or not, acted, and follows it.
+    pub fn resolve(&mut self, settle: &Settle, sealing: Sealing, resolved: bool) -> Verdict {
         let indeterminate = self.record.as_ref().is_some_and(|record| record.phase == Phase::Indeterminate);
-        if resolved != indeterminate {
+        // A store that seals replaces a response written in clear, which it cannot replay.
+        let unsealed = self
+            .record
+            .as_ref()
+            .is_some_and(|record| matches!(record.phase, Phase::Completed(_)) && record.sealing == Sealing::Clear)
+            && sealing == Sealing::Sealed
+            && matches!(settle, Settle::Completed(_));
+        if resolved != (indeterminate || unsealed) {
             return Err(format!(
-                "resolve answered {resolved}, but the model holds {:?}: resolve settles indeterminate records, \
-                 and only them",
+                "resolve ({sealing:?}) answered {resolved}, but the model holds {:?}: resolve settles indeterminate \
+                 records, and a store that seals also replaces a completion stored in clear; nothing else",
                 self.record
             ));
         }
         if let Some(record) = self.record.as_mut().filter(|_| resolved) {
+            record.sealing = sealing;
             record.phase = match settle {
+                // A replaced response keeps the retention it had.
+                Settle::Completed(response) if unsealed => Phase::Completed(response.clone()),
                 Settle::Completed(response) => {
                     record.retention_passed = false;
                     Phase::Completed(response.clone())
@@ -430,9 +463,10 @@ impl Model {
         }
     }
 
-    /// The answers a begin with `payload` may get now.
-    fn allowed(&self, payload: Payload) -> Allowed {
-        use Kind::{Acquired, Completed, Expired, InFlight, Indeterminate, Mismatch};
+    /// The answers `call` may get now.
+    fn allowed(&self, call: Call) -> Allowed {
+        use Kind::{Acquired, Completed, Expired, InFlight, Indeterminate, Mismatch, Unreadable};
+        let payload = call.payload;
         let Some(record) = &self.record else {
             return self.allowed_without_record(payload);
         };
@@ -452,6 +486,11 @@ impl Model {
             (Phase::Completed(_), _) if record.retention_passed => answers(
                 &[Expired],
                 "the key completed and its retention passed: the request never runs again (invariant 6)",
+            ),
+            (Phase::Completed(_), _) if record.sealing != call.sealing => answers(
+                &[Unreadable],
+                "the key completed, and its response is stored in a form this store cannot open: neither \
+                 ciphertext nor clear bytes are handed out as the response (invariant 9)",
             ),
             (Phase::Completed(_), _) => {
                 answers(&[Completed], "the key completed: its response is replayed, never \"in flight\" (invariant 5)")
@@ -506,7 +545,8 @@ impl Model {
         self.highest_fence = Some(fence);
         let rule = self.record.as_ref().map_or(call.rule, |record| record.rule);
         let phase = Phase::InProgress { live: true };
-        self.record = Some(Record { payload: call.payload, fence, rule, phase, retention_passed: false });
+        let sealing = call.sealing;
+        self.record = Some(Record { payload: call.payload, fence, rule, phase, retention_passed: false, sealing });
         // A tombstone past its horizon belongs to an earlier life of the key, which this owner ended.
         self.tombstone = None;
         Ok(())
@@ -537,6 +577,9 @@ impl Record {
             Phase::InProgress { live } if *live != seen.lease_live => disagree("the lease differs"),
             Phase::Completed(response) if seen.response.as_ref() != Some(response) => {
                 disagree("the stored response is not the one completion's (invariant 2)")
+            }
+            Phase::Completed(_) if seen.sealing != Some(self.sealing) => {
+                disagree("a response is stored as the store that wrote it writes: sealed, or in clear")
             }
             Phase::Completed(_) if seen.retention_passed != self.retention_passed => {
                 disagree("a completion keeps its response for the whole retention")

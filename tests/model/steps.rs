@@ -5,7 +5,7 @@
 use idemstore::Mode;
 use proptest::prelude::*;
 
-use super::reference::{Call, Payload, Rule};
+use super::reference::{Call, Payload, Rule, Sealing};
 
 /// How many clients share the key.
 pub const CLIENTS: usize = 3;
@@ -22,6 +22,14 @@ pub enum Step {
     BeginTogether {
         first: (usize, Call),
         second: (usize, Call),
+    },
+    /// A client runs a work through the run-once API: claim, work (which writes an effect row), and
+    /// settlement in one call.
+    Run {
+        client: usize,
+        call: Call,
+        path: Path,
+        work: Work,
     },
     /// The client completes its lease with a response of its own.
     Complete {
@@ -45,9 +53,11 @@ pub enum Step {
     PassTombstoneHorizon,
     Purge,
     RecoverStale,
-    /// An operator settles the record as completed (with a response of its own) or released.
+    /// An operator settles the record as completed (with a response of its own) or released, with a
+    /// store that seals or not.
     Resolve {
         completed: bool,
+        sealing: Sealing,
     },
     /// Redis loses every key (two-tier only).
     RedisFlush,
@@ -56,6 +66,26 @@ pub enum Step {
     /// Redis stops answering for longer than the stores' budget; the next step runs during the pause
     /// (two-tier only).
     RedisPause,
+}
+
+/// Where a run's work writes its effect row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// `run_once`: on a connection of its own, committed before the result is stored.
+    Plain,
+    /// `run_once_in_tx`: in the claim's transaction, committed with the stored result.
+    InTx,
+}
+
+/// How a run's work ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    /// With a result that is stored for replay.
+    Replayable,
+    /// With a result that cannot be serialized: stored as "completed, not replayable".
+    Unencodable,
+    /// With an error: the key is released.
+    Fails,
 }
 
 /// Sequences of 1 to `max_steps` steps; Redis faults only in two-tier mode.
@@ -72,6 +102,8 @@ fn step(mode: Mode) -> BoxedStrategy<Step> {
         2 => (client.clone(), 1..CLIENTS, call(), call()).prop_map(|(client, offset, first, second)| {
             Step::BeginTogether { first: (client, first), second: ((client + offset) % CLIENTS, second) }
         }),
+        3 => (client.clone(), call(), path(), work())
+            .prop_map(|(client, call, path, work)| Step::Run { client, call, path, work }),
         4 => client.clone().prop_map(|client| Step::Complete { client }),
         1 => client.clone().prop_map(|client| Step::Release { client }),
         1 => client.clone().prop_map(|client| Step::Extend { client }),
@@ -81,7 +113,7 @@ fn step(mode: Mode) -> BoxedStrategy<Step> {
         1 => Just(Step::PassTombstoneHorizon),
         2 => Just(Step::Purge),
         1 => Just(Step::RecoverStale),
-        1 => any::<bool>().prop_map(|completed| Step::Resolve { completed }),
+        1 => (any::<bool>(), sealing()).prop_map(|(completed, sealing)| Step::Resolve { completed, sealing }),
     ];
     if mode != Mode::TwoTier {
         return protocol.boxed();
@@ -98,5 +130,18 @@ fn step(mode: Mode) -> BoxedStrategy<Step> {
 fn call() -> impl Strategy<Value = Call> {
     let payload = prop_oneof![Just(Payload::A), Just(Payload::B)];
     let rule = prop_oneof![Just(Rule::TakeOver), Just(Rule::MarkIndeterminate)];
-    (payload, rule).prop_map(|(payload, rule)| Call { payload, rule })
+    (payload, rule, sealing()).prop_map(|(payload, rule, sealing)| Call { payload, rule, sealing })
+}
+
+/// Stores that seal are the common case; one call in four goes to a store without the key.
+fn sealing() -> impl Strategy<Value = Sealing> {
+    prop_oneof![3 => Just(Sealing::Sealed), 1 => Just(Sealing::Clear)]
+}
+
+fn path() -> impl Strategy<Value = Path> {
+    prop_oneof![Just(Path::Plain), Just(Path::InTx)]
+}
+
+fn work() -> impl Strategy<Value = Work> {
+    prop_oneof![3 => Just(Work::Replayable), 1 => Just(Work::Unencodable), 1 => Just(Work::Fails)]
 }
