@@ -12,6 +12,10 @@
 //! gets the stored response (its `grpc-status` trailer included) with `idempotent-replayed: true`
 //! metadata; the layer's own refusals (in flight, mismatch, unavailable) are HTTP answers, which tonic
 //! clients see as a `Status` (409 as `Unknown`, 503 as `Unavailable`).
+//!
+//! The client side: `idemstore_client::IdempotencyGrpcLayer` around the channel keeps the call's key
+//! and message, and retries as the server asks (`UNAVAILABLE`, the layer's 503 with `Retry-After`, a
+//! call in flight), so one `Create` is one charge however the network behaves.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -23,14 +27,17 @@ use http::request::Parts;
 use idemstore::Store;
 use idemstore::http::IdempotencyLayer;
 use idemstore::testkit::LocalServers;
+use idemstore_client::IdempotencyGrpcLayer;
 use sqlx::PgPool;
 use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::server::{Grpc, NamedService, UnaryService};
-use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status};
 use tonic_prost::ProstCodec;
+use tower::util::BoxCloneService;
+use tower::{BoxError, Layer as _, ServiceExt as _};
 
 /// `CreateCharge { amount = 1 }`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -92,11 +99,12 @@ impl UnaryService<CreateCharge> for Charges {
         Box::pin(async move {
             let metadata = request.metadata();
             let account = metadata.get("x-account").and_then(|v| v.to_str().ok()).map(str::to_owned);
-            // For the tests: a transient failure (released, so a retry runs again) or a refusal (stored
-            // and replayed with its code).
-            match metadata.get("x-fail").map(|v| v.as_bytes()) {
+            // For the tests: a transient failure (released, so a retry runs again), a refusal (stored
+            // and replayed with its code), or a slow success (a retry meets it in flight).
+            match metadata.get("x-behave").map(|v| v.as_bytes()) {
                 Some(b"unavailable") => return Err(Status::unavailable("the ledger is busy; retry")),
                 Some(b"invalid") => return Err(Status::invalid_argument("the amount is not allowed")),
+                Some(b"slow") => tokio::time::sleep(std::time::Duration::from_millis(1500)).await,
                 _ => {}
             }
             let amount = request.into_inner().amount;
@@ -131,37 +139,63 @@ pub async fn serve(store: Store) -> Result<SocketAddr, Box<dyn std::error::Error
     Ok(address)
 }
 
-/// One `Create` call with `key` as its `idempotency-key`; also says whether it was a replay.
-pub async fn create(address: SocketAddr, account: &str, key: &str, amount: i64) -> Result<(Charge, bool), Status> {
-    create_failing(address, account, key, amount, None).await
+/// A client of the service, over any transport: a channel, or one wrapped in layers.
+pub type Client = tonic::client::Grpc<BoxCloneService<http::Request<Body>, http::Response<Body>, BoxError>>;
+
+/// A channel to the service.
+pub async fn channel(address: SocketAddr) -> Result<Channel, Status> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    endpoint.connect().await.map_err(|e| Status::unavailable(e.to_string()))
 }
 
-/// [`create`], asking the service to fail with `fail` (`unavailable` or `invalid`).
-pub async fn create_failing(
-    address: SocketAddr,
+/// A client over `transport`.
+pub fn client<T>(transport: T) -> Client
+where
+    T: tower::Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+    T::Error: Into<BoxError>,
+    T::Future: Send + 'static,
+{
+    tonic::client::Grpc::new(BoxCloneService::new(transport.map_err(Into::into)))
+}
+
+/// One `Create` call with `key` as its `idempotency-key`, asking the service to behave as `behave` says
+/// (`unavailable`, `invalid` or `slow`); also says whether the answer was a replay.
+pub async fn call(
+    client: &mut Client,
     account: &str,
     key: &str,
     amount: i64,
-    fail: Option<&str>,
+    behave: Option<&str>,
 ) -> Result<(Charge, bool), Status> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-        .map_err(|e| Status::invalid_argument(e.to_string()))?
-        .connect()
-        .await
-        .map_err(|e| Status::unavailable(e.to_string()))?;
-    let mut client = tonic::client::Grpc::new(channel);
     client.ready().await.map_err(|e| Status::unavailable(e.to_string()))?;
     let mut request = Request::new(CreateCharge { amount });
     let metadata = request.metadata_mut();
     metadata.insert("idempotency-key", key.parse().map_err(|_| Status::invalid_argument("key"))?);
     metadata.insert("x-account", account.parse().map_err(|_| Status::invalid_argument("account"))?);
-    if let Some(fail) = fail {
-        metadata.insert("x-fail", fail.parse().map_err(|_| Status::invalid_argument("fail"))?);
+    if let Some(behave) = behave {
+        metadata.insert("x-behave", behave.parse().map_err(|_| Status::invalid_argument("behave"))?);
     }
     let path = http::uri::PathAndQuery::from_static(CREATE);
     let response = client.unary(request, path, ProstCodec::<CreateCharge, Charge>::default()).await?;
     let replayed = response.metadata().get("idempotent-replayed").is_some_and(|v| v == "true");
     Ok((response.into_inner(), replayed))
+}
+
+/// One `Create` call on a channel of its own, one attempt (no client layer).
+pub async fn create(address: SocketAddr, account: &str, key: &str, amount: i64) -> Result<(Charge, bool), Status> {
+    create_behaving(address, account, key, amount, None).await
+}
+
+/// [`create`], asking the service to behave as `behave` says.
+pub async fn create_behaving(
+    address: SocketAddr,
+    account: &str,
+    key: &str,
+    amount: i64,
+    behave: Option<&str>,
+) -> Result<(Charge, bool), Status> {
+    call(&mut client(channel(address).await?), account, key, amount, behave).await
 }
 
 /// How many charges the service created for `account`.
@@ -178,11 +212,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let address = serve(store.clone()).await?;
     let key = format!("charge-{}", std::process::id());
     sqlx::query("DELETE FROM grpc_charges WHERE account = 'acct-1'").execute(store.pg_pool()).await.ok();
-    let (first, replayed) = create(address, "acct-1", &key, 1200).await?;
+    // The client side of the contract: the same key and message on every attempt, retries as the
+    // server asks, for the one method that needs them.
+    let retries = IdempotencyGrpcLayer::default().only([CREATE]);
+    let mut charges = client(retries.layer(channel(address).await?));
+    let (first, replayed) = call(&mut charges, "acct-1", &key, 1200, None).await?;
     println!("first call: charge {} of {} (replayed: {replayed})", first.id, first.amount);
-    let (retry, replayed) = create(address, "acct-1", &key, 1200).await?;
+    let (retry, replayed) = call(&mut charges, "acct-1", &key, 1200, None).await?;
     println!("retry:      charge {} of {} (replayed: {replayed})", retry.id, retry.amount);
-    let reused = create(address, "acct-1", &key, 9900).await;
+    let reused = call(&mut charges, "acct-1", &key, 9900, None).await;
     println!("same key, another amount: {:?}", reused.map_err(|status| status.code()));
     let rows = charges_of(&store, "acct-1").await?;
     println!("charges created: {rows}");

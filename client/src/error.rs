@@ -60,6 +60,10 @@ pub enum Retryable {
     Transport(String),
     /// A status that asks for a retry: 5xx, 408, 425, 429, or 409 with problem type `in-flight`.
     Status(StatusCode),
+    /// A gRPC status that asks for a retry: `UNAVAILABLE`, `RESOURCE_EXHAUSTED` with a `RetryInfo`, or
+    /// `ABORTED` (a request in flight).
+    #[cfg(feature = "tonic")]
+    Grpc(tonic::Code),
 }
 
 impl std::fmt::Display for Retryable {
@@ -67,6 +71,8 @@ impl std::fmt::Display for Retryable {
         match self {
             Self::Transport(error) => write!(f, "no answer ({error})"),
             Self::Status(status) => write!(f, "{status}"),
+            #[cfg(feature = "tonic")]
+            Self::Grpc(code) => write!(f, "gRPC {code:?}"),
         }
     }
 }

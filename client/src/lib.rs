@@ -55,20 +55,29 @@
 //!   carries the same key.
 //! - **Replays**: [`was_replayed`] tells an answer the server stored earlier from one it just made.
 //!
+//! **gRPC** (feature `tonic`): [`IdempotencyGrpcLayer`] puts the same rules around a tonic channel,
+//! the key in the `idempotency-key` metadata, retries by gRPC status (`UNAVAILABLE`,
+//! `RESOURCE_EXHAUSTED` with a `RetryInfo`, `ABORTED` for a request in flight).
+//!
 //! Metrics (the `metrics` facade): [`telemetry::ATTEMPTS`], [`telemetry::RETRIES`] by reason,
 //! [`telemetry::REPLAYS`], [`telemetry::GAVE_UP`] by cause.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod attempts;
 mod budget;
 mod error;
+#[cfg(feature = "tonic")]
+mod grpc;
 mod journal;
 mod middleware;
 mod policy;
 pub mod telemetry;
 
 pub use error::{ClientError, Problem, Retryable, Stop};
+#[cfg(feature = "tonic")]
+pub use grpc::{IdempotencyGrpc, IdempotencyGrpcLayer};
 pub use journal::{FileJournal, KeyJournal, MemoryJournal};
 pub use middleware::{IDEMPOTENCY_KEY, IdempotencyMiddleware, Operation, REPLAYED, was_replayed};
 pub use policy::RetryPolicy;

@@ -2,17 +2,17 @@
 //! and body on every attempt, and retries only where the server says a retry can help.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
-use http::{Extensions, HeaderValue, StatusCode};
+use http::{Extensions, HeaderValue};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Error, Middleware, Next, Result};
 
+use crate::attempts::{Attempts, Wait};
 use crate::budget::RetryBudget;
-use crate::error::{ClientError, Problem, Retryable, Stop, retry_after};
+use crate::error::{ClientError, Problem, Retryable};
 use crate::journal::{KeyJournal, MemoryJournal};
-use crate::policy::{RetryPolicy, Verdict, verdict};
-use crate::telemetry;
+use crate::policy::{Judgment, RetryPolicy, judge_head, judge_with_body, replayed};
 
 /// The request header that carries the key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -36,15 +36,15 @@ impl Operation {
 /// Whether the server answered from its record of an earlier attempt (`Idempotent-Replayed: true`)
 /// rather than running the request now.
 pub fn was_replayed(response: &Response) -> bool {
-    response.headers().get(REPLAYED).is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"true"))
+    replayed(response.headers())
 }
 
 /// Adds an `Idempotency-Key` (a UUIDv7, the journal's for a named [`Operation`], or the one the request
 /// already carries) and retries by the server's answer. See the crate docs for the rules.
 #[derive(Debug)]
 pub struct IdempotencyMiddleware<J = MemoryJournal> {
-    policy: RetryPolicy,
-    budget: RetryBudget,
+    pub(crate) policy: RetryPolicy,
+    pub(crate) budget: RetryBudget,
     journal: Arc<J>,
 }
 
@@ -77,7 +77,7 @@ impl<J: KeyJournal> IdempotencyMiddleware<J> {
     }
 
     /// The key for a request: the journal's for a named operation, else a fresh UUIDv7.
-    async fn key(&self, operation: Option<Operation>) -> std::result::Result<HeaderValue, ClientError> {
+    pub(crate) async fn key(&self, operation: Option<Operation>) -> std::result::Result<HeaderValue, ClientError> {
         let mut mint = || uuid::Uuid::now_v7().to_string();
         let key = match operation {
             None => mint(),
@@ -94,29 +94,24 @@ impl<J: KeyJournal> IdempotencyMiddleware<J> {
     /// to wait before it).
     async fn judge(&self, response: Response) -> Judged {
         let status = response.status();
-        let asked = retry_after(response.headers(), SystemTime::now());
-        let replayed = was_replayed(&response);
-        let verdict = verdict(status);
-        // A retryable status without a body worth reading goes straight back out.
-        if verdict == Verdict::Answer {
-            return Judged::Answer(response);
+        let judgment = match judge_head(status, response.headers()) {
+            Some(judgment) => judgment,
+            None => {
+                let headers = response.headers().clone();
+                let body = response.bytes().await.map(|body| body.to_vec()).unwrap_or_default();
+                let problem = Problem::parse(&body);
+                return match judge_with_body(status, &headers, problem.as_ref()) {
+                    Judgment::Retry(last, wait) => Judged::Retry(last, wait),
+                    Judgment::Answer | Judgment::Refused => {
+                        Judged::Refused(ClientError::Refused { status, problem, body })
+                    }
+                };
+            }
+        };
+        match judgment {
+            Judgment::Retry(last, wait) => Judged::Retry(last, wait),
+            Judgment::Answer | Judgment::Refused => Judged::Answer(response),
         }
-        if verdict == Verdict::Retry && !status.is_server_error() {
-            return Judged::Retry(Retryable::Status(status), asked.map_or(Wait::Backoff, Wait::Asked));
-        }
-        let body = response.bytes().await.map(|body| body.to_vec()).unwrap_or_default();
-        let problem = Problem::parse(&body);
-        let is = |kind: &str| problem.as_ref().is_some_and(|p| p.is(kind));
-        if status == StatusCode::CONFLICT && is("in-flight") {
-            // The first attempt's answer may come at any moment; a `Retry-After` is when its lease ends
-            // at the latest. Polled with the backoff, never waiting past that.
-            return Judged::Retry(Retryable::Status(status), Wait::Poll(asked));
-        }
-        // A 5xx is worth a retry unless it is final: the server's stored answer, or one it cannot read.
-        if verdict == Verdict::Retry && !replayed && !is("unreadable-response") {
-            return Judged::Retry(Retryable::Status(status), asked.map_or(Wait::Backoff, Wait::Asked));
-        }
-        Judged::Refused(ClientError::Refused { status, problem, body })
     }
 }
 
@@ -124,27 +119,6 @@ enum Judged {
     Answer(Response),
     Refused(ClientError),
     Retry(Retryable, Wait),
-}
-
-/// How long to wait before the next attempt.
-enum Wait {
-    /// The policy's backoff.
-    Backoff,
-    /// What `Retry-After` asked for (429, 503): the server wants no attempt sooner. Up to a tenth more,
-    /// drawn at random, so that the clients it told the same do not come back in the same instant.
-    Asked(Duration),
-    /// A request in flight: the backoff, never past its `Retry-After`. Not a failure.
-    Poll(Option<Duration>),
-}
-
-impl Wait {
-    fn duration(&self, policy: &RetryPolicy, attempt: u32) -> Duration {
-        match *self {
-            Self::Backoff | Self::Poll(None) => policy.backoff_after(attempt),
-            Self::Asked(asked) => asked + asked.mul_f64(rand::random::<f64>() / 10.0),
-            Self::Poll(Some(bound)) => policy.backoff_after(attempt).min(bound),
-        }
-    }
 }
 
 #[async_trait::async_trait]
@@ -170,12 +144,9 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
         }
         let url = request.url();
         let host = format!("{}:{}", url.host_str().unwrap_or_default(), url.port_or_known_default().unwrap_or(0));
-        let started = Instant::now();
+        let mut attempts = Attempts::start(&self.policy, &self.budget, host);
         let mut kept = Some(request);
-        // Sends so far; those that failed (no answer, 5xx, 429...); those that met the first attempt in flight.
-        let (mut attempts, mut failures, mut polls) = (0, 0, 0);
         loop {
-            attempts += 1;
             let original = kept.take().expect("a request is kept for every attempt but the last");
             // The copy goes out; the original stays for the next attempt. A streamed body cannot be
             // copied: it is sent once.
@@ -186,26 +157,18 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
                 }
                 None => original,
             };
-            telemetry::attempt();
-            // No attempt outlives the deadline, even against a server that never answers.
-            let left = self.policy.deadline.saturating_sub(started.elapsed());
-            let sent = tokio::time::timeout(left, next.clone().run(send, extensions)).await;
-            let Ok(sent) = sent else {
-                let last = Retryable::Transport("no answer before the deadline".to_owned());
-                telemetry::gave_up(Stop::Deadline);
-                return Err(Error::middleware(ClientError::GaveUp { attempts, last, because: Stop::Deadline }));
+            let left = attempts.send();
+            let Ok(sent) = tokio::time::timeout(left, next.clone().run(send, extensions)).await else {
+                return Err(Error::middleware(attempts.timed_out()));
             };
             let (last, wait) = match sent {
                 Ok(response) => match self.judge(response).await {
                     Judged::Answer(response) => {
-                        self.budget.answered(&host);
-                        if was_replayed(&response) {
-                            telemetry::replayed();
-                        }
+                        attempts.answered(was_replayed(&response));
                         return Ok(response);
                     }
                     Judged::Refused(refusal) => {
-                        self.budget.answered(&host);
+                        attempts.answered(false);
                         return Err(Error::middleware(refusal));
                     }
                     Judged::Retry(last, wait) => (last, wait),
@@ -215,35 +178,7 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
                 }
                 Err(error) => return Err(error),
             };
-            // A request in flight is the server at work, not failing: polling it spends neither
-            // attempts nor budget, only time.
-            let (wait, stop) = if let Wait::Poll(_) = wait {
-                polls += 1;
-                (wait.duration(&self.policy, polls), None)
-            } else {
-                failures += 1;
-                let budget_left = self.budget.failed(&host);
-                let stop = if failures >= self.policy.max_attempts {
-                    Some(Stop::Attempts)
-                } else if !budget_left {
-                    Some(Stop::Budget)
-                } else {
-                    None
-                };
-                (wait.duration(&self.policy, failures), stop)
-            };
-            let stop = if kept.is_none() {
-                Some(Stop::BodyNotReplayable)
-            } else {
-                stop.or_else(|| {
-                    (started.elapsed().saturating_add(wait) > self.policy.deadline).then_some(Stop::Deadline)
-                })
-            };
-            if let Some(because) = stop {
-                telemetry::gave_up(because);
-                return Err(Error::middleware(ClientError::GaveUp { attempts, last, because }));
-            }
-            telemetry::retry(&last);
+            let wait = attempts.retry(last, wait, kept.is_some()).map_err(Error::middleware)?;
             tokio::time::sleep(wait).await;
         }
     }

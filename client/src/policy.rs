@@ -1,8 +1,12 @@
 //! When to retry, and how long to wait: the rules an idempotent server expects of its clients.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use http::{Method, StatusCode};
+use http::{HeaderMap, Method, StatusCode};
+
+use crate::attempts::Wait;
+use crate::error::{Problem, Retryable, retry_after};
+use crate::middleware::REPLAYED;
 
 /// Which requests carry a key and are retried, how often and for how long.
 ///
@@ -90,7 +94,53 @@ impl RetryPolicy {
     }
 }
 
-/// What one answer means for the request.
+/// What an answer means for the request, and the wait before the next attempt when there is one.
+pub(crate) enum Judgment {
+    /// A success (or another answer to hand back as it is).
+    Answer,
+    /// Final, and not a success: sending again cannot change it.
+    Refused,
+    /// Worth sending again with the same key.
+    Retry(Retryable, Wait),
+}
+
+/// The judgment on an HTTP answer from its head alone, or `None` when its body must be read
+/// ([`judge_with_body`]): a 409 may be a request in flight, and a 5xx may be final.
+pub(crate) fn judge_head(status: StatusCode, headers: &HeaderMap) -> Option<Judgment> {
+    match verdict(status) {
+        Verdict::Answer => Some(Judgment::Answer),
+        Verdict::Retry if !status.is_server_error() => Some(retry_as_asked(status, headers)),
+        _ => None,
+    }
+}
+
+/// The judgment on an HTTP answer whose head did not settle it, with its body's problem document.
+pub(crate) fn judge_with_body(status: StatusCode, headers: &HeaderMap, problem: Option<&Problem>) -> Judgment {
+    let is = |kind: &str| problem.is_some_and(|p| p.is(kind));
+    if status == StatusCode::CONFLICT && is("in-flight") {
+        // The first attempt's answer may come at any moment; a `Retry-After` is when its lease ends at
+        // the latest. Polled with the backoff, never waiting past that.
+        let asked = retry_after(headers, SystemTime::now());
+        return Judgment::Retry(Retryable::Status(status), Wait::Poll(asked));
+    }
+    // A 5xx is worth a retry unless it is final: the server's stored answer, or one it cannot read.
+    if verdict(status) == Verdict::Retry && !replayed(headers) && !is("unreadable-response") {
+        return retry_as_asked(status, headers);
+    }
+    Judgment::Refused
+}
+
+fn retry_as_asked(status: StatusCode, headers: &HeaderMap) -> Judgment {
+    let asked = retry_after(headers, SystemTime::now());
+    Judgment::Retry(Retryable::Status(status), asked.map_or(Wait::Backoff, Wait::Asked))
+}
+
+/// Whether the server answered from its record of an earlier attempt (`Idempotent-Replayed: true`).
+pub(crate) fn replayed(headers: &HeaderMap) -> bool {
+    headers.get(REPLAYED).is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"true"))
+}
+
+/// What one status means for the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verdict {
     /// A success (or a redirect reqwest did not follow): hand it to the caller.
@@ -102,9 +152,9 @@ pub(crate) enum Verdict {
 }
 
 /// The verdict on a status. A 409 is refused here; the one exception, problem type `in-flight` (the first
-/// attempt still runs and its answer is worth the wait), is read from the body by the middleware. Any
+/// attempt still runs and its answer is worth the wait), is read from the body ([`judge_with_body`]). Any
 /// other 409 (indeterminate, not replayable) needs an operator, not a retry.
-pub(crate) fn verdict(status: StatusCode) -> Verdict {
+fn verdict(status: StatusCode) -> Verdict {
     match status.as_u16() {
         100..=399 => Verdict::Answer,
         // Request timeout, too early, too many requests: the server asks to come back.
