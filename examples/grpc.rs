@@ -1,5 +1,7 @@
 //! The `Idempotency-Key` layer outside axum: a tonic gRPC server whose unary `Create` call creates a
-//! charge once per key, however often a client retries it.
+//! charge once per key, however often a client retries it. The charge is written in the claim's
+//! transaction (`with_claim_transaction`, `ClaimTransaction` in the request's extensions), so the claim,
+//! the charge and the stored answer commit together or not at all.
 //!
 //! ```text
 //! cargo run --example grpc
@@ -25,10 +27,9 @@ use std::task::{Context, Poll};
 
 use http::request::Parts;
 use idemstore::Store;
-use idemstore::http::IdempotencyLayer;
+use idemstore::http::{ClaimTransaction, IdempotencyLayer};
 use idemstore::testkit::LocalServers;
-use idemstore_client::IdempotencyGrpcLayer;
-use sqlx::PgPool;
+use idemstore_client::{IdempotencyGrpcLayer, IdempotencyMiddleware};
 use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::server::{Grpc, NamedService, UnaryService};
@@ -60,9 +61,7 @@ pub const CREATE: &str = "/charges.Charges/Create";
 
 /// The `charges.Charges` service: one durable insert per executed call.
 #[derive(Clone)]
-pub struct Charges {
-    pool: PgPool,
-}
+pub struct Charges;
 
 impl NamedService for Charges {
     const NAME: &'static str = "charges.Charges";
@@ -95,7 +94,6 @@ impl UnaryService<CreateCharge> for Charges {
     type Future = BoxFuture<Result<Response<Charge>, Status>>;
 
     fn call(&mut self, request: Request<CreateCharge>) -> Self::Future {
-        let pool = self.pool.clone();
         Box::pin(async move {
             let metadata = request.metadata();
             let account = metadata.get("x-account").and_then(|v| v.to_str().ok()).map(str::to_owned);
@@ -107,12 +105,15 @@ impl UnaryService<CreateCharge> for Charges {
                 Some(b"slow") => tokio::time::sleep(std::time::Duration::from_millis(1500)).await,
                 _ => {}
             }
+            // The layer's transaction, which commits the claim and the stored answer with this insert.
+            let claim = request.extensions().get::<ClaimTransaction>().cloned();
+            let mut tx = claim.as_ref().and_then(ClaimTransaction::lock).ok_or_else(|| Status::internal("no claim"))?;
             let amount = request.into_inner().amount;
             let insert = "INSERT INTO grpc_charges (account, amount) VALUES ($1, $2) RETURNING id";
             let id: i64 = sqlx::query_scalar(insert)
                 .bind(account)
                 .bind(amount)
-                .fetch_one(&pool)
+                .fetch_one(&mut *tx)
                 .await
                 .map_err(|error| Status::unavailable(error.to_string()))?;
             Ok(Response::new(Charge { id, amount }))
@@ -130,11 +131,12 @@ pub async fn serve(store: Store) -> Result<SocketAddr, Box<dyn std::error::Error
     let table =
         "CREATE TABLE IF NOT EXISTS grpc_charges (id bigserial PRIMARY KEY, account text, amount bigint NOT NULL)";
     sqlx::raw_sql(table).execute(store.pg_pool()).await?;
-    let charges = Charges { pool: store.pg_pool().clone() };
-    let layer = IdempotencyLayer::new(store, account as fn(&Parts) -> Option<String>).with_key_required();
+    let layer = IdempotencyLayer::new(store, account as fn(&Parts) -> Option<String>)
+        .with_key_required()
+        .with_claim_transaction();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let address = listener.local_addr()?;
-    let server = Server::builder().layer(layer).add_service(charges);
+    let server = Server::builder().layer(layer).add_service(Charges);
     tokio::spawn(server.serve_with_incoming(TcpIncoming::from(listener)));
     Ok(address)
 }
@@ -214,7 +216,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     sqlx::query("DELETE FROM grpc_charges WHERE account = 'acct-1'").execute(store.pg_pool()).await.ok();
     // The client side of the contract: the same key and message on every attempt, retries as the
     // server asks, for the one method that needs them.
-    let retries = IdempotencyGrpcLayer::default().only([CREATE]);
+    let retries = IdempotencyGrpcLayer::new(IdempotencyMiddleware::new(), [CREATE]);
     let mut charges = client(retries.layer(channel(address).await?));
     let (first, replayed) = call(&mut charges, "acct-1", &key, 1200, None).await?;
     println!("first call: charge {} of {} (replayed: {replayed})", first.id, first.amount);

@@ -1,5 +1,5 @@
-//! The layer outside axum: the tonic example's gRPC service behind `Server::layer`, called by a real
-//! tonic client over HTTP/2, against real Redis and Postgres, in both modes; and the client crate's
+//! The layer outside axum: the tonic example's gRPC service behind `Server::layer` (its charge written in
+//! the claim's transaction), called by a real tonic client over HTTP/2, against real Redis and Postgres, in both modes; and the client crate's
 //! gRPC layer around the channel, retrying as the server asks.
 
 use crate::support;
@@ -84,7 +84,7 @@ async fn layered(address: std::net::SocketAddr, policy: RetryPolicy) -> (example
         })
         .service(channel);
     let policy = policy.backoff(Duration::from_millis(10), Duration::from_millis(50));
-    let layer = IdempotencyGrpcLayer::from(IdempotencyMiddleware::new().policy(policy)).only([example::CREATE]);
+    let layer = IdempotencyGrpcLayer::new(IdempotencyMiddleware::new().policy(policy), [example::CREATE]);
     (example::client(layer.layer(noting)), seen)
 }
 
@@ -92,7 +92,7 @@ fn attempts(seen: &Seen) -> usize {
     seen.lock().expect("seen").len()
 }
 
-/// UNAVAILABLE (in the call's trailers) is retried until the policy's attempts run out, and the caller
+/// UNAVAILABLE (a trailers-only answer, as tonic sends a handler's error) is retried until the policy's attempts run out, and the caller
 /// gets it; INVALID_ARGUMENT is handed back after one attempt; the released key then runs once.
 async fn the_client_layer_retries_unavailable_as_far_as_its_policy_allows(mode: Mode) {
     let h = Harness::with(mode, Policy::default(), Servers::Any).await;
@@ -119,9 +119,11 @@ async fn the_client_layer_waits_out_a_call_in_flight_for_its_answer(mode: Mode) 
     let (mut client, seen) = layered(address, RetryPolicy::default()).await;
     let first = example::create_behaving(address, &account, "slow-1", 300, Some("slow"));
     let retry = async {
-        let claimed = "SELECT EXISTS (SELECT 1 FROM idempotency_records WHERE tenant = $1 AND state = 'p')";
+        // The claim is in the first call's open transaction, which holds it while the handler runs.
+        let claimed = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()
+                       AND state = 'idle in transaction' AND backend_xid IS NOT NULL)";
         let waited = Instant::now();
-        while !sqlx::query_scalar::<_, bool>(claimed).bind(&account).fetch_one(&h.pool).await.expect("claimed") {
+        while !sqlx::query_scalar::<_, bool>(claimed).fetch_one(&h.pool).await.expect("claimed") {
             assert!(waited.elapsed() < Duration::from_secs(10), "the first call never got in flight");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

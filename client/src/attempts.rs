@@ -21,12 +21,16 @@ pub(crate) enum Wait {
     Poll(Option<Duration>),
 }
 
+/// The shortest wait between two polls of a request in flight, whatever the jitter drew or the server's
+/// bound says: a poll is free of attempts and budget, so it must not be free of time.
+const MIN_POLL: Duration = Duration::from_millis(10);
+
 impl Wait {
     fn duration(&self, policy: &RetryPolicy, attempt: u32) -> Duration {
         match *self {
-            Self::Backoff | Self::Poll(None) => policy.backoff_after(attempt),
+            Self::Backoff => policy.backoff_after(attempt),
             Self::Asked(asked) => asked + asked.mul_f64(rand::random::<f64>() / 10.0),
-            Self::Poll(Some(bound)) => policy.backoff_after(attempt).min(bound),
+            Self::Poll(bound) => policy.backoff_after(attempt).min(bound.unwrap_or(Duration::MAX)).max(MIN_POLL),
         }
     }
 }
@@ -37,6 +41,8 @@ pub(crate) struct Attempts<'a> {
     budget: &'a RetryBudget,
     host: String,
     started: Instant,
+    /// The policy's deadline, or the caller's own if that is sooner.
+    deadline: Duration,
     /// Sends so far; those that failed (no answer, 5xx, 429...); those that met the first in flight.
     sent: u32,
     failures: u32,
@@ -44,8 +50,17 @@ pub(crate) struct Attempts<'a> {
 }
 
 impl<'a> Attempts<'a> {
-    pub(crate) fn start(policy: &'a RetryPolicy, budget: &'a RetryBudget, host: String) -> Self {
-        Self { policy, budget, host, started: Instant::now(), sent: 0, failures: 0, polls: 0 }
+    /// The attempts of a request that started at `started`, within the policy's deadline or `caller`'s
+    /// (the request's own timeout) if sooner.
+    pub(crate) fn start(
+        policy: &'a RetryPolicy,
+        budget: &'a RetryBudget,
+        host: String,
+        started: Instant,
+        caller: Option<Duration>,
+    ) -> Self {
+        let deadline = caller.map_or(policy.deadline, |caller| caller.min(policy.deadline));
+        Self { policy, budget, host, started, deadline, sent: 0, failures: 0, polls: 0 }
     }
 
     /// Counts a send. Returns how long it may take: no attempt outlives the deadline, even against a
@@ -53,7 +68,12 @@ impl<'a> Attempts<'a> {
     pub(crate) fn send(&mut self) -> Duration {
         self.sent += 1;
         telemetry::attempt();
-        self.policy.deadline.saturating_sub(self.started.elapsed())
+        self.left()
+    }
+
+    /// The time left before the deadline.
+    pub(crate) fn left(&self) -> Duration {
+        self.deadline.saturating_sub(self.started.elapsed())
     }
 
     /// The attempt in progress was still unanswered at the deadline.
@@ -90,9 +110,7 @@ impl<'a> Attempts<'a> {
             (wait.duration(self.policy, self.failures), stop)
         };
         let stop = if repeatable {
-            stop.or_else(|| {
-                (self.started.elapsed().saturating_add(wait) > self.policy.deadline).then_some(Stop::Deadline)
-            })
+            stop.or_else(|| (self.started.elapsed().saturating_add(wait) > self.deadline).then_some(Stop::Deadline))
         } else {
             Some(Stop::BodyNotReplayable)
         };

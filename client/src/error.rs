@@ -60,8 +60,8 @@ pub enum Retryable {
     Transport(String),
     /// A status that asks for a retry: 5xx, 408, 425, 429, or 409 with problem type `in-flight`.
     Status(StatusCode),
-    /// A gRPC status that asks for a retry: `UNAVAILABLE`, `RESOURCE_EXHAUSTED` with a `RetryInfo`, or
-    /// `ABORTED` (a request in flight).
+    /// A gRPC status that asks for a retry: `UNAVAILABLE`, `ABORTED`, or `RESOURCE_EXHAUSTED` with a
+    /// `RetryInfo`.
     #[cfg(feature = "tonic")]
     Grpc(tonic::Code),
 }

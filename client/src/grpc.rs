@@ -4,9 +4,10 @@
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response};
+use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body_util::BodyExt as _;
 use tonic::Code;
 use tonic::body::Body;
@@ -20,33 +21,38 @@ use crate::middleware::{IDEMPOTENCY_KEY, IdempotencyMiddleware, Operation};
 use crate::policy::{Judgment, judge_head, judge_with_body, replayed};
 
 /// A tower layer for a tonic `Channel` (or any client service of `http::Request<tonic::body::Body>`):
-/// every call through it carries an `idempotency-key` (the one the request already has, the journal's
-/// for an [`Operation`] in the request's extensions, else a UUIDv7), the same key and the same message on
-/// every attempt, and retries by the answer:
+/// every call to one of its methods carries an `idempotency-key` (the one the request already has, the
+/// journal's for an [`Operation`] in the request's extensions, else a UUIDv7), the same key and the same
+/// message on every attempt, and retries by the answer:
 ///
 /// - **Retried**: no answer (the channel's error, a body cut short); `UNAVAILABLE`;
-///   `RESOURCE_EXHAUSTED` that carries a `RetryInfo` (waited out in full); `ABORTED`, which a server
-///   answers for a request in flight (polled, bounded by its `RetryInfo`); and the HTTP answers of an
-///   idempotency layer in front of the service, as [`IdempotencyMiddleware`] reads them (409
-///   `in-flight`, 429 and 503 with `Retry-After`, other 5xx unless final).
-/// - **Handed back as they are**: every other status, `OK` included, and an `UNAVAILABLE` the server
-///   replayed from its record (`idempotent-replayed: true`): tonic turns them into the call's
-///   `Status` as without the layer.
+///   `RESOURCE_EXHAUSTED` that carries a `RetryInfo` (waited out in full); `ABORTED` (a conflict, or a
+///   request in flight on a server that answers it so: a failure like the others, its `RetryInfo`
+///   waited out if it has one); and the HTTP answers of an idempotency layer in front of the service, as
+///   [`IdempotencyMiddleware`] reads them (409 `in-flight` polled; 408, 425, 429 and a 5xx that is not
+///   final retried, `Retry-After` honoured).
+/// - **Handed back as they are**: every other status, `OK` included, and an answer the server replayed
+///   from its record (`idempotent-replayed: true`): tonic turns them into the call's `Status` as
+///   without the layer.
 /// - **When the retries stop** (attempts, deadline, budget), the call gets the last attempt's answer or
-///   error, as without the layer; [`telemetry::GAVE_UP`](crate::telemetry::GAVE_UP) counts why. A
-///   deadline that passes while an attempt is unanswered is `DEADLINE_EXCEEDED`.
+///   error, as without the layer; [`telemetry::GAVE_UP`](crate::telemetry::GAVE_UP) counts why. The
+///   deadline is the policy's, or the call's own timeout (`grpc-timeout`, as `Request::set_timeout`
+///   sets it) if sooner; each attempt is sent with the time left, and a deadline that passes while an
+///   attempt is unanswered is `DEADLINE_EXCEEDED`.
+/// - **The retry budget** is the layer's (the requests a tonic client sends carry no host): give each
+///   channel a layer of its own.
 ///
-/// Each call's message is read whole before the first attempt, so that every attempt can send it: use
-/// it for unary calls (streaming calls pass untouched when [`IdempotencyGrpcLayer::only`] leaves them
-/// out).
+/// Only the methods named here get a key and retries; every other call passes untouched. A method's
+/// message is read whole before its first attempt, so that every attempt can send it: name unary
+/// methods, never a streaming one.
 ///
 /// ```no_run
 /// use idemstore_client::{IdempotencyGrpcLayer, IdempotencyMiddleware, RetryPolicy};
 ///
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:50051").connect().await?;
-/// let layer = IdempotencyGrpcLayer::from(IdempotencyMiddleware::new().policy(RetryPolicy::default()))
-///     .only(["/charges.Charges/Create"]);
+/// let rules = IdempotencyMiddleware::new().policy(RetryPolicy::default());
+/// let layer = IdempotencyGrpcLayer::new(rules, ["/charges.Charges/Create"]);
 /// let channel = tower::ServiceBuilder::new().layer(layer).service(channel);
 /// let client = tonic::client::Grpc::new(channel);
 /// # let _ = client;
@@ -56,34 +62,20 @@ use crate::policy::{Judgment, judge_head, judge_with_body, replayed};
 #[derive(Debug)]
 pub struct IdempotencyGrpcLayer<J = MemoryJournal> {
     client: Arc<IdempotencyMiddleware<J>>,
-    only: Option<Arc<[String]>>,
+    methods: Arc<[String]>,
 }
 
 impl<J> Clone for IdempotencyGrpcLayer<J> {
     fn clone(&self) -> Self {
-        Self { client: Arc::clone(&self.client), only: self.only.clone() }
-    }
-}
-
-impl Default for IdempotencyGrpcLayer<MemoryJournal> {
-    fn default() -> Self {
-        Self::from(IdempotencyMiddleware::new())
-    }
-}
-
-impl<J> From<IdempotencyMiddleware<J>> for IdempotencyGrpcLayer<J> {
-    /// The middleware's policy, budgets and journal, for gRPC calls.
-    fn from(client: IdempotencyMiddleware<J>) -> Self {
-        Self { client: Arc::new(client), only: None }
+        Self { client: Arc::clone(&self.client), methods: Arc::clone(&self.methods) }
     }
 }
 
 impl<J> IdempotencyGrpcLayer<J> {
-    /// Only these methods (`/package.Service/Method`) get a key and retries; every other call passes
-    /// untouched. By default every call through the layer does.
-    pub fn only<I: IntoIterator<Item = S>, S: Into<String>>(mut self, methods: I) -> Self {
-        self.only = Some(methods.into_iter().map(Into::into).collect());
-        self
+    /// The middleware's policy, budget and journal, for calls to `methods` (`/package.Service/Method`,
+    /// unary ones).
+    pub fn new<I: IntoIterator<Item = S>, S: Into<String>>(rules: IdempotencyMiddleware<J>, methods: I) -> Self {
+        Self { client: Arc::new(rules), methods: methods.into_iter().map(Into::into).collect() }
     }
 }
 
@@ -129,8 +121,7 @@ where
         // The service that was made ready takes this call's first attempt; a clone takes the rest.
         let ready = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, ready);
-        let covered = self.layer.only.as_ref().is_none_or(|only| only.iter().any(|m| m == request.uri().path()));
-        if !covered {
+        if !self.layer.methods.iter().any(|method| method == request.uri().path()) {
             let mut inner = inner;
             return Box::pin(async move { inner.call(request).await.map_err(Into::into) });
         }
@@ -149,20 +140,27 @@ where
     S::Error: Into<BoxError>,
     J: KeyJournal,
 {
+    let started = Instant::now();
     let (mut head, body) = request.into_parts();
+    // No host to budget by: the budget is the layer's (see its docs).
+    let host = head.uri.authority().map(ToString::to_string).unwrap_or_default();
+    let caller = head.headers.get(GRPC_TIMEOUT).and_then(parse_timeout);
+    let mut attempts = Attempts::start(&client.policy, &client.budget, host, started, caller);
     if !head.headers.contains_key(IDEMPOTENCY_KEY) {
         let key = client.key(head.extensions.get::<Operation>().cloned()).await?;
         head.headers.insert(IDEMPOTENCY_KEY, key);
     }
-    let message = body.collect().await?.to_bytes();
-    let host = head.uri.authority().map(ToString::to_string).unwrap_or_default();
-    let mut attempts = Attempts::start(&client.policy, &client.budget, host);
+    let Ok(message) = tokio::time::timeout(attempts.left(), body.collect()).await else {
+        return Err(tonic::Status::deadline_exceeded("the call's message was not read before the deadline").into());
+    };
+    let message = message?.to_bytes();
     loop {
         let left = attempts.send();
         let attempt = async {
             // Ready already for the first attempt (the caller polled it); after a wait, again.
             let service = inner.ready().await.map_err(Into::into)?;
-            read(service.call(copy(&head, &message)).await.map_err(Into::into)?).await
+            let request = copy(&head, &message, caller.map(|_| left));
+            read(service.call(request).await.map_err(Into::into)?).await
         };
         let Ok(answered) = tokio::time::timeout(left, attempt).await else {
             let deadline = attempts.timed_out();
@@ -170,8 +168,12 @@ where
         };
         let (last, wait, failed) = match answered {
             Ok(read) => match judge(&read) {
-                Judgment::Answer | Judgment::Refused => {
+                Judgment::Answer => {
                     attempts.answered(replayed(&read.head.headers));
+                    return Ok(read.into_response());
+                }
+                Judgment::Refused => {
+                    attempts.answered(false);
                     return Ok(read.into_response());
                 }
                 Judgment::Retry(last, wait) => (last, wait, Ok(read)),
@@ -186,15 +188,49 @@ where
     }
 }
 
-/// One attempt's request: the call's head and message, again.
-fn copy(head: &http::request::Parts, message: &Bytes) -> Request<Body> {
+/// One attempt's request: the call's head and message, again, with the time left as its `grpc-timeout`
+/// when the call has one.
+fn copy(head: &http::request::Parts, message: &Bytes, left: Option<Duration>) -> Request<Body> {
     let mut request = Request::new(Body::new(http_body_util::Full::new(message.clone())));
     *request.method_mut() = head.method.clone();
     *request.uri_mut() = head.uri.clone();
     *request.version_mut() = head.version;
     *request.headers_mut() = head.headers.clone();
     *request.extensions_mut() = head.extensions.clone();
+    if let Some(left) = left {
+        request.headers_mut().insert(GRPC_TIMEOUT, format_timeout(left));
+    }
     request
+}
+
+/// The call's timeout, as gRPC sends it: at most 8 digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`).
+const GRPC_TIMEOUT: &str = "grpc-timeout";
+
+fn parse_timeout(value: &HeaderValue) -> Option<Duration> {
+    let value = value.to_str().ok()?;
+    let (digits, unit) = value.split_at_checked(value.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let count: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(count * 3600),
+        "M" => Duration::from_secs(count * 60),
+        "S" => Duration::from_secs(count),
+        "m" => Duration::from_millis(count),
+        "u" => Duration::from_micros(count),
+        "n" => Duration::from_nanos(count),
+        _ => return None,
+    })
+}
+
+/// `left` as a `grpc-timeout`: milliseconds, rounded up (no attempt is sent with nothing left while time
+/// remains), or seconds when that is too many digits.
+fn format_timeout(left: Duration) -> HeaderValue {
+    let millis = left.as_nanos().div_ceil(1_000_000);
+    let value =
+        if millis < 100_000_000 { format!("{millis}m") } else { format!("{}S", left.as_secs().min(99_999_999)) };
+    HeaderValue::from_str(&value).expect("digits and a unit")
 }
 
 /// An answer read whole: a unary call's answer is one message and its trailers, which hold its status.
@@ -237,11 +273,31 @@ fn judge(read: &Read) -> Judgment {
     let asked = grpc.get_details_retry_info().and_then(|info| info.retry_delay);
     let (last, fresh) = (Retryable::Grpc(grpc.code()), !replayed(headers));
     match (grpc.code(), asked) {
-        (Code::Unavailable, None) if fresh => Judgment::Retry(last, Wait::Backoff),
-        (Code::Unavailable | Code::ResourceExhausted, Some(asked)) if fresh => {
+        (Code::Unavailable | Code::Aborted, None) if fresh => Judgment::Retry(last, Wait::Backoff),
+        (Code::Unavailable | Code::Aborted | Code::ResourceExhausted, Some(asked)) if fresh => {
             Judgment::Retry(last, Wait::Asked(asked))
         }
-        (Code::Aborted, _) if fresh => Judgment::Retry(last, Wait::Poll(asked)),
         _ => Judgment::Answer,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_read_and_write_as_grpc_sends_them() {
+        let parse = |value: &str| parse_timeout(&HeaderValue::from_str(value).expect("a header value"));
+        assert_eq!(parse("1500m"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(parse("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse("250u"), Some(Duration::from_micros(250)));
+        for bad in ["", "m", "123456789m", "12x", "-1S", "1.5S"] {
+            assert_eq!(parse(bad), None, "{bad:?}");
+        }
+        assert_eq!(format_timeout(Duration::from_micros(1_500_100)), "1501m");
+        assert_eq!(format_timeout(Duration::from_secs(200_000)), "200000S");
+        let again = format_timeout(Duration::from_millis(42));
+        assert_eq!(parse(again.to_str().expect("ascii")), Some(Duration::from_millis(42)));
     }
 }

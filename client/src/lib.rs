@@ -55,9 +55,9 @@
 //!   carries the same key.
 //! - **Replays**: [`was_replayed`] tells an answer the server stored earlier from one it just made.
 //!
-//! **gRPC** (feature `tonic`): [`IdempotencyGrpcLayer`] puts the same rules around a tonic channel,
-//! the key in the `idempotency-key` metadata, retries by gRPC status (`UNAVAILABLE`,
-//! `RESOURCE_EXHAUSTED` with a `RetryInfo`, `ABORTED` for a request in flight).
+//! **gRPC** (feature `tonic`): [`IdempotencyGrpcLayer`] puts the same rules around a tonic channel for
+//! the unary methods it names, the key in the `idempotency-key` metadata, retries by gRPC status
+//! (`UNAVAILABLE`, `ABORTED`, `RESOURCE_EXHAUSTED` with a `RetryInfo`) within the call's `grpc-timeout`.
 //!
 //! Metrics (the `metrics` facade): [`telemetry::ATTEMPTS`], [`telemetry::RETRIES`] by reason,
 //! [`telemetry::REPLAYS`], [`telemetry::GAVE_UP`] by cause.

@@ -2,7 +2,7 @@
 //! and body on every attempt, and retries only where the server says a retry can help.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::{Extensions, HeaderValue};
 use reqwest::{Request, Response};
@@ -144,7 +144,7 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
         }
         let url = request.url();
         let host = format!("{}:{}", url.host_str().unwrap_or_default(), url.port_or_known_default().unwrap_or(0));
-        let mut attempts = Attempts::start(&self.policy, &self.budget, host);
+        let mut attempts = Attempts::start(&self.policy, &self.budget, host, Instant::now(), None);
         let mut kept = Some(request);
         loop {
             let original = kept.take().expect("a request is kept for every attempt but the last");

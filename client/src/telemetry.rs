@@ -4,9 +4,9 @@ use crate::error::{Retryable, Stop};
 
 /// Requests sent, retries included.
 pub const ATTEMPTS: &str = "idemstore_client_attempts_total";
-/// Attempts followed by another, by `reason`: `transport`, `in_flight` (409 `in-flight`, gRPC `ABORTED`),
-/// `throttled` (408, 425, 429, gRPC `RESOURCE_EXHAUSTED`), `unavailable` (503, gRPC `UNAVAILABLE`) or
-/// `server_error` (other 5xx).
+/// Attempts followed by another, by `reason`: `transport`, `in_flight` (409 `in-flight`), `throttled`
+/// (408, 425, 429, gRPC `RESOURCE_EXHAUSTED`), `unavailable` (503, gRPC `UNAVAILABLE`), `aborted` (gRPC
+/// `ABORTED`) or `server_error` (other 5xx).
 pub const RETRIES: &str = "idemstore_client_retries_total";
 /// Answers the server replayed from an earlier attempt (`Idempotent-Replayed: true`).
 pub const REPLAYS: &str = "idemstore_client_replays_total";
@@ -40,7 +40,7 @@ pub(crate) fn retry(last: &Retryable) {
         },
         #[cfg(feature = "tonic")]
         Retryable::Grpc(code) => match code {
-            tonic::Code::Aborted => "in_flight",
+            tonic::Code::Aborted => "aborted",
             tonic::Code::ResourceExhausted => "throttled",
             _ => "unavailable",
         },

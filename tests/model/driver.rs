@@ -627,10 +627,11 @@ impl<'w> Case<'w> {
                 self.history.record(index, span, call_said, said, effect);
                 self.model.begin(call, answer)
             }
-            // Rolled back: no claim was durable, nothing changed.
+            // Rolled back: no claim was durable, nothing changed; but the work ran, so the claim must
+            // have been allowed.
             Ran::Failed if path == Path::InTx => {
                 self.history.record(index, span, call_said, said, Effect::None);
-                Ok(())
+                self.model.may_acquire(call)
             }
             Ran::Completed(_) | Ran::Failed => self.ran(index, span, call_said, said, call, &ran).await,
         };

@@ -265,6 +265,19 @@ impl Model {
         }
     }
 
+    /// Checks that `call` may acquire the key now, without following it: a claim made in a transaction
+    /// that rolled back (its work failed) left nothing, but it must still have been allowed.
+    pub fn may_acquire(&self, call: Call) -> Verdict {
+        let allowed = self.allowed(call);
+        if allowed.kinds.contains(&Kind::Acquired) {
+            return Ok(());
+        }
+        Err(format!(
+            "{call} acquired (its work ran, then rolled back), but {}: only {:?} may be answered",
+            allowed.why, allowed.kinds
+        ))
+    }
+
     /// Checks the answers of two begins that ran at the same time: some order of the two must explain
     /// both. Returns that order.
     ///
