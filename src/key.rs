@@ -46,22 +46,43 @@ impl IdempotencyKey {
     /// tenants reusing a key never collide at a shared downstream account), and itself a valid
     /// Idempotency-Key. Pass it to every downstream API that accepts one.
     pub fn derive(&self, scope: &Scope, label: &str) -> IdempotencyKey {
-        let mut hasher = Sha256::new();
-        hasher.update(b"idemstore-derive\0");
-        for part in [scope.tenant(), scope.operation(), self.as_str(), label] {
-            // Length-prefixed, so no two different inputs hash the same bytes.
-            hasher.update((part.len() as u64).to_le_bytes());
-            hasher.update(part.as_bytes());
+        digest_key(b"idemstore-derive\0", "idem-", [scope.tenant(), scope.operation(), self.as_str(), label])
+    }
+
+    /// The key as the store keeps it for a request to `target` (a concrete path, such as
+    /// `/accounts/A/transfers`), so that one key sent to two targets of one operation names two records:
+    /// `<target>#<key>`, or `idem-t-` and a digest of both when that would be longer than 255 bytes or
+    /// the target is not visible ASCII. The HTTP layer keeps the keys of routes with path parameters
+    /// this way ([`KeySpace::Target`](crate::http::KeySpace::Target)): look their records up (in code, or
+    /// with `idemctl --key`) in this form.
+    pub fn for_target(&self, target: &str) -> IdempotencyKey {
+        let readable = target.len() + 1 + self.0.len() <= Self::MAX_LEN && target.bytes().all(|b| b.is_ascii_graphic());
+        if readable {
+            // A request target never holds '#' (it starts a fragment, which is never sent), so the
+            // first '#' ends the target: no two (target, key) pairs give one form.
+            return IdempotencyKey(format!("{target}#{}", self.0));
         }
-        let mut digits = [0; 64];
-        crate::fingerprint::write_hex(&hasher.finalize(), &mut digits);
-        IdempotencyKey(format!("idem-{}", std::str::from_utf8(&digits).expect("hex digits are ASCII")))
+        digest_key(b"idemstore-target\0", "idem-t-", [target, self.as_str()])
     }
 
     /// An outbox row's key: `outbox-<id>-<nonce>` (the nonce in hex), valid by construction.
     pub(crate) fn outbox(id: i64, nonce: i64) -> Self {
         IdempotencyKey(format!("outbox-{id}-{nonce:x}"))
     }
+}
+
+/// A key named by a digest of `parts` (length-prefixed, so no two different inputs hash the same bytes)
+/// under `domain`: `prefix` and 64 hex digits, a valid key.
+fn digest_key<const N: usize>(domain: &[u8], prefix: &str, parts: [&str; N]) -> IdempotencyKey {
+    let mut hasher = Sha256::new();
+    hasher.update(domain);
+    for part in parts {
+        hasher.update((part.len() as u64).to_le_bytes());
+        hasher.update(part.as_bytes());
+    }
+    let mut digits = [0; 64];
+    crate::fingerprint::write_hex(&hasher.finalize(), &mut digits);
+    IdempotencyKey(format!("{prefix}{}", std::str::from_utf8(&digits).expect("hex digits are ASCII")))
 }
 
 impl fmt::Debug for IdempotencyKey {
@@ -238,6 +259,29 @@ mod tests {
             child.derive(&acme, "stripe.charge"),
         ];
         assert!(others.iter().all(|o| *o != child), "{others:?}");
+    }
+
+    #[test]
+    fn keys_for_targets_are_readable_valid_and_distinct() {
+        let key = IdempotencyKey::new("t1").expect("key");
+        assert_eq!(key.for_target("/accounts/A/transfers").as_str(), "/accounts/A/transfers#t1");
+        let long = IdempotencyKey::new("k".repeat(255)).expect("key");
+        let forms = [
+            key.for_target("/accounts/B/transfers"),
+            long.for_target("/accounts/A/transfers"),
+            key.for_target(&format!("/{}", "a".repeat(300))),
+            key.for_target("/accounts/ä/transfers"),
+            IdempotencyKey::new("t2").expect("key").for_target("/accounts/A/transfers"),
+        ];
+        for form in &forms {
+            assert!(IdempotencyKey::new(form.as_str()).is_ok(), "a valid key: {form:?}");
+        }
+        assert!(forms[1].as_str().starts_with("idem-t-") && forms[3].as_str().starts_with("idem-t-"));
+        let mut all = forms.to_vec();
+        all.push(key.for_target("/accounts/A/transfers"));
+        all.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        all.dedup();
+        assert_eq!(all.len(), forms.len() + 1, "one form per (target, key)");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
-use idemstore::http::{IdempotencyLayer, MismatchStatus, problem_types};
+use idemstore::http::{IdempotencyLayer, KeySpace, MismatchStatus, problem_types};
 use idemstore::{IdempotencyKey, Mode, Policy, Scope, State};
 use payments::{PAYMENTS, charge, charges, demo, post_payment, problem_type, serve, wait_for_state, wait_in_flight};
 use serde_json::{Value, json};
@@ -39,6 +39,7 @@ suite!(
     store_unavailable_answers_503_and_runs_nothing,
     missing_tenant_gets_401,
     unmatched_paths_add_no_metric_series,
+    one_key_on_two_targets_names_two_records,
 );
 
 fn payment(key: Option<&str>, tenant: &str, body: &Value) -> Request<Body> {
@@ -57,8 +58,17 @@ async fn send(router: &Router, request: Request<Body>) -> (StatusCode, HeaderMap
     (parts.status, parts.headers, body.collect().await.expect("body").to_bytes())
 }
 
-/// A router whose one handler counts its executions and answers what `respond` says.
+/// A router whose one handler, at `/payments`, counts its executions and answers what `respond` says.
 fn counting(
+    layer: IdempotencyLayer<fn(&axum::http::request::Parts) -> Option<String>>,
+    respond: impl Fn(usize) -> axum::response::Response + Clone + Send + Sync + 'static,
+) -> (Router, Arc<AtomicUsize>) {
+    counting_at("/payments", layer, respond)
+}
+
+/// [`counting`], with the handler at `route`.
+fn counting_at(
+    route: &str,
     layer: IdempotencyLayer<fn(&axum::http::request::Parts) -> Option<String>>,
     respond: impl Fn(usize) -> axum::response::Response + Clone + Send + Sync + 'static,
 ) -> (Router, Arc<AtomicUsize>) {
@@ -69,7 +79,7 @@ fn counting(
         let response = respond(n);
         async move { response }
     };
-    (Router::new().route("/payments", post(handler).route_layer(layer)), runs)
+    (Router::new().route(route, post(handler).route_layer(layer)), runs)
 }
 
 fn bearer(parts: &axum::http::request::Parts) -> Option<String> {
@@ -503,4 +513,56 @@ fn unmatched(tenant: &str, n: usize) -> Request<Body> {
         .header("idempotency-key", format!("k-{n}"))
         .body(Body::empty())
         .expect("request")
+}
+
+/// A transfer from `account` with `key`, by tenant `acme`.
+fn transfer(account: &str, key: &str, body: &Value) -> Request<Body> {
+    let request = Request::post(format!("/accounts/{account}/transfers"))
+        .header("authorization", "Bearer acme")
+        .header("content-type", "application/json")
+        .header("idempotency-key", key);
+    request.body(Body::from(body.to_string())).expect("request")
+}
+
+/// One key sent to two accounts' paths of one route names two records: the second account's request
+/// runs (before: the path is part of the payload, so it was refused as the key reused, and under
+/// `ConflictWithOriginal` shown the first account's response), another body there is shown its own
+/// original, never the other account's, and each path's retry replays its own answer.
+/// `KeySpace::Operation` keeps one key space for the whole route (the other path is refused).
+async fn one_key_on_two_targets_names_two_records(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let route = "/accounts/{id}/transfers";
+    let with_original = layer(&h).with_mismatch_status(MismatchStatus::ConflictWithOriginal);
+    let (router, runs) = counting_at(route, with_original, ok_body);
+    let (_, _, to_a) = send(&router, transfer("A", "t1", &charge(1))).await;
+    let (status, headers, to_b) = send(&router, transfer("B", "t1", &charge(1))).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers.get("idempotent-replayed").is_none(), "B's request ran: {:?}", String::from_utf8_lossy(&to_b));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let (status, _, original) = send(&router, transfer("B", "t1", &charge(2))).await;
+    assert_eq!((status, &original), (StatusCode::CONFLICT, &to_b), "B's original, never A's");
+    let (_, headers, again) = send(&router, transfer("A", "t1", &charge(1))).await;
+    assert_eq!((headers["idempotent-replayed"].to_str().expect("ascii"), again), ("true", to_a));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let scope = Scope::new("acme", format!("POST {route}")).expect("scope");
+    let stored = support::key("t1").for_target("/accounts/A/transfers");
+    assert_eq!(stored.as_str(), "/accounts/A/transfers#t1");
+    let record = h.store.lookup(&scope, &stored).await.expect("lookup").expect("A's record");
+    assert_eq!(record.state, State::Completed);
+
+    // A static route keeps the bare key, nested under a prefix too (the router sees only its part of
+    // the path; the template is whole).
+    let (inner, _) = counting(layer(&h), ok_body);
+    let nested = Router::new().nest("/api", inner);
+    let request = Request::post("/api/payments").header("authorization", "Bearer acme").header("idempotency-key", "n1");
+    send(&nested, request.body(Body::from(charge(1).to_string())).expect("request")).await;
+    let scope = Scope::new("acme", "POST /api/payments").expect("scope");
+    assert!(h.store.lookup(&scope, &support::key("n1")).await.expect("lookup").is_some(), "the bare key");
+
+    let shared = layer(&h).with_key_space(KeySpace::Operation);
+    let (router, runs) = counting_at(route, shared, ok_body);
+    send(&router, transfer("A", "t2", &charge(1))).await;
+    let (status, _, body) = send(&router, transfer("B", "t2", &charge(1))).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::UNPROCESSABLE_ENTITY, problem_types::KEY_REUSED.to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "one key space for the route");
 }

@@ -10,7 +10,7 @@ use tower::BoxError;
 use super::TenantResolver;
 use super::answer;
 use super::boxed::Boxed;
-use super::config::{Config, KeyRequirement};
+use super::config::{Config, KeyRequirement, KeySpace};
 use super::key_header::read_key;
 use super::request_fingerprint::{MAX_PARTS, Unreadable, fingerprint};
 use crate::error::InputError;
@@ -54,6 +54,7 @@ where
     };
     let (parts, body) = request.into_parts();
     let Some(tenant) = config.tenant.tenant(&parts) else { return Admission::Refused(answer::missing_tenant()) };
+    let key = key_in_space(config.key_space, key, &parts);
     let scope = match Scope::new(tenant, operation(config, &parts)) {
         Ok(scope) => scope,
         // The tenant resolver gave a name the store cannot hold: the request has no usable tenant.
@@ -79,6 +80,25 @@ where
     }
 }
 
+/// The key as the store keeps it: under [`KeySpace::Target`], on a route with path parameters (its path
+/// is not its template), qualified by the path. Without axum's matched route the operation is the key
+/// space.
+fn key_in_space(space: KeySpace, key: IdempotencyKey, parts: &Parts) -> IdempotencyKey {
+    match (matched_route(parts), request_path(parts)) {
+        (Some(template), path) if space == KeySpace::Target && template != path => key.for_target(path),
+        _ => key,
+    }
+}
+
+/// The path the client sent: a nested router sees its own part of it, and the template is whole.
+fn request_path(parts: &Parts) -> &str {
+    #[cfg(feature = "axum")]
+    if let Some(original) = parts.extensions.get::<axum::extract::OriginalUri>() {
+        return original.path();
+    }
+    parts.uri.path()
+}
+
 /// The configured operation name; else the method and axum's matched route template; else the method
 /// and `unmatched`. Never the request path: it is client input, and every distinct path would be a new
 /// metric series and a new set of records.
@@ -86,9 +106,19 @@ fn operation<T>(config: &Config<T>, parts: &Parts) -> String {
     if let Some(operation) = &config.operation {
         return operation.clone();
     }
-    #[cfg(feature = "axum")]
-    if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return format!("{} {}", parts.method, matched.as_str());
+    match matched_route(parts) {
+        Some(template) => format!("{} {template}", parts.method),
+        None => format!("{} unmatched", parts.method),
     }
-    format!("{} unmatched", parts.method)
+}
+
+/// axum's route template, when the layer runs inside a route (`route_layer`).
+fn matched_route(parts: &Parts) -> Option<&str> {
+    #[cfg(feature = "axum")]
+    return parts.extensions.get::<axum::extract::MatchedPath>().map(axum::extract::MatchedPath::as_str);
+    #[cfg(not(feature = "axum"))]
+    {
+        let _ = parts;
+        None
+    }
 }

@@ -51,6 +51,22 @@ impl MismatchStatus {
     }
 }
 
+/// Which requests share a key space: a key answers only requests of the space it was first sent in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeySpace {
+    /// The request's target: on an axum route with path parameters (`/accounts/{id}/transfers`), each
+    /// path (`/accounts/A/transfers`, `/accounts/B/transfers`) is a key space of its own, so a key sent to
+    /// one is never answered with, or refused for, a record of another (the store keeps the key as
+    /// [`IdempotencyKey::for_target`](crate::IdempotencyKey::for_target)). Metrics and policies still
+    /// follow the route template. The default.
+    #[default]
+    Target,
+    /// The operation (the route template, or the name set with `with_operation`): every path of a route
+    /// shares one key space. For routes whose path parameters do not say what a request acts on.
+    Operation,
+}
+
 /// Which handler responses are stored and replayed; the others release the key so a retry runs again.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -87,6 +103,7 @@ pub(crate) struct Config<T> {
     pub(crate) methods: Vec<Method>,
     pub(crate) key: KeyRequirement,
     pub(crate) operation: Option<String>,
+    pub(crate) key_space: KeySpace,
     /// The layer's policy, if it has one; the owner's heartbeat is always on.
     pub(crate) options: RunOptions,
     pub(crate) mismatch: MismatchStatus,
@@ -130,6 +147,7 @@ impl<T> Clone for Config<T> {
             methods: self.methods.clone(),
             key: self.key,
             operation: self.operation.clone(),
+            key_space: self.key_space,
             options: self.options.clone(),
             mismatch: self.mismatch,
             stored: self.stored,

@@ -11,7 +11,7 @@ use tower::Layer;
 
 use super::TenantResolver;
 use super::capture::DEFAULT_REPLAYED_HEADERS;
-use super::config::{Config, KeyRequirement, MismatchStatus, StoredStatuses};
+use super::config::{Config, KeyRequirement, KeySpace, MismatchStatus, StoredStatuses};
 use super::request_fingerprint::QueryComparison;
 use super::service::IdempotencyService;
 use crate::key::Scope;
@@ -43,6 +43,7 @@ impl<T> fmt::Debug for IdempotencyLayer<T> {
             .field("methods", &c.methods)
             .field("key", &c.key)
             .field("operation", &c.operation)
+            .field("key_space", &c.key_space)
             .field("mismatch", &c.mismatch)
             .field("stored", &c.stored)
             .field("max_request_body", &c.max_request_body)
@@ -63,6 +64,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
                 methods: vec![Method::POST, Method::PATCH],
                 key: KeyRequirement::Optional,
                 operation: None,
+                key_space: KeySpace::default(),
                 options: RunOptions::default(),
                 mismatch: MismatchStatus::default(),
                 stored: StoredStatuses::default(),
@@ -97,6 +99,14 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// Names the operation instead of deriving it from the route.
     pub fn with_operation(mut self, operation: impl Into<String>) -> Self {
         self.config.operation = Some(operation.into());
+        self
+    }
+
+    /// Which requests share a key space (default [`KeySpace::Target`]: on a route with path parameters,
+    /// each path has its own, so a client who can reach `/accounts/A/...` never squats or reads a key of
+    /// `/accounts/B/...`).
+    pub fn with_key_space(mut self, space: KeySpace) -> Self {
+        self.config.key_space = space;
         self
     }
 

@@ -57,7 +57,7 @@ mod service;
 mod transaction;
 
 pub use capture::stored_response;
-pub use config::{KeyRequirement, MismatchStatus, StoredStatuses};
+pub use config::{KeyRequirement, KeySpace, MismatchStatus, StoredStatuses};
 #[cfg(fuzzing)]
 #[doc(hidden)]
 pub use key_header::fuzz_read_key;
