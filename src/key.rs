@@ -52,9 +52,10 @@ impl IdempotencyKey {
     /// The key as the store keeps it for a request to `target` (a concrete path, such as
     /// `/accounts/A/transfers`), so that one key sent to two targets of one operation names two records:
     /// `<target>#<key>`, or `idem-t-` and a digest of both when that would be longer than 255 bytes or
-    /// the target is not visible ASCII. The HTTP layer keeps the keys of routes with path parameters
-    /// this way ([`KeySpace::Target`](crate::http::KeySpace::Target)): look their records up (in code, or
-    /// with `idemctl --key`) in this form.
+    /// the target is not visible ASCII (the target as sent, percent-encoding included). The HTTP layer
+    /// keeps the keys of routes with path parameters this way
+    /// ([`KeySpace::Target`](crate::http::KeySpace::Target)): look their records up (in code, or as
+    /// `idemctl inspect`'s key) in this form.
     pub fn for_target(&self, target: &str) -> IdempotencyKey {
         let readable = target.len() + 1 + self.0.len() <= Self::MAX_LEN && target.bytes().all(|b| b.is_ascii_graphic());
         if readable {
@@ -62,7 +63,7 @@ impl IdempotencyKey {
             // first '#' ends the target: no two (target, key) pairs give one form.
             return IdempotencyKey(format!("{target}#{}", self.0));
         }
-        digest_key(b"idemstore-target\0", "idem-t-", [target, self.as_str()])
+        digest_key(b"idemstore-target\0", TARGET_DIGEST_PREFIX, [target, self.as_str()])
     }
 
     /// An outbox row's key: `outbox-<id>-<nonce>` (the nonce in hex), valid by construction.
@@ -70,6 +71,9 @@ impl IdempotencyKey {
         IdempotencyKey(format!("outbox-{id}-{nonce:x}"))
     }
 }
+
+/// How a key qualified by a target begins when it is a digest ([`IdempotencyKey::for_target`]).
+pub(crate) const TARGET_DIGEST_PREFIX: &str = "idem-t-";
 
 /// A key named by a digest of `parts` (length-prefixed, so no two different inputs hash the same bytes)
 /// under `domain`: `prefix` and 64 hex digits, a valid key.

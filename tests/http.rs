@@ -8,13 +8,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use axum::Extension;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
-use idemstore::http::{IdempotencyLayer, KeySpace, MismatchStatus, problem_types};
+use idemstore::http::{IdempotencyContext, IdempotencyLayer, KeySpace, MismatchStatus, problem_types};
 use idemstore::{IdempotencyKey, Mode, Policy, Scope, State};
 use payments::{PAYMENTS, charge, charges, demo, post_payment, problem_type, serve, wait_for_state, wait_in_flight};
 use serde_json::{Value, json};
@@ -544,11 +545,26 @@ async fn one_key_on_two_targets_names_two_records(mode: Mode) {
     let (_, headers, again) = send(&router, transfer("A", "t1", &charge(1))).await;
     assert_eq!((headers["idempotent-replayed"].to_str().expect("ascii"), again), ("true", to_a));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+    // A key spelled as B's stored form, sent to the template spelled literally (a path the router
+    // matches), is qualified too: it never reaches B's record.
+    let literal = Request::post("/accounts/{id}/transfers")
+        .header("authorization", "Bearer acme")
+        .header("idempotency-key", "/accounts/B/transfers#t1");
+    let (status, headers, _) = send(&router, literal.body(Body::from(charge(2).to_string())).expect("request")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
     let scope = Scope::new("acme", format!("POST {route}")).expect("scope");
     let stored = support::key("t1").for_target("/accounts/A/transfers");
     assert_eq!(stored.as_str(), "/accounts/A/transfers#t1");
     let record = h.store.lookup(&scope, &stored).await.expect("lookup").expect("A's record");
     assert_eq!(record.state, State::Completed);
+
+    // The handler finds the stored key (to derive downstream keys from) in the request's extensions.
+    let context = |Extension(context): Extension<IdempotencyContext>| async move { context.key().as_str().to_owned() };
+    let router = Router::new().route(route, post(context).route_layer(layer(&h)));
+    let (_, _, body) = send(&router, transfer("A", "t3", &charge(1))).await;
+    assert_eq!(body, "/accounts/A/transfers#t3");
 
     // A static route keeps the bare key, nested under a prefix too (the router sees only its part of
     // the path; the template is whole).

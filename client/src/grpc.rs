@@ -41,6 +41,9 @@ use crate::policy::{Judgment, judge_head, judge_with_body, replayed};
 ///   attempt is unanswered is `DEADLINE_EXCEEDED`.
 /// - **The retry budget** is the layer's (the requests a tonic client sends carry no host): give each
 ///   channel a layer of its own.
+/// - **`Endpoint::timeout`** bounds each attempt, not the call (it sends no `grpc-timeout`): an attempt
+///   it cuts off is retried as no answer, within the policy's deadline. Bound the call with
+///   `Request::set_timeout`.
 ///
 /// Only the methods named here get a key and retries; every other call passes untouched. A method's
 /// message is read whole before its first attempt, so that every attempt can send it: name unary
@@ -159,7 +162,8 @@ where
         let attempt = async {
             // Ready already for the first attempt (the caller polled it); after a wait, again.
             let service = inner.ready().await.map_err(Into::into)?;
-            let request = copy(&head, &message, caller.map(|_| left));
+            // The time left once the channel is ready: the server's deadline is never past the call's.
+            let request = copy(&head, &message, caller.map(|_| attempts.left()));
             read(service.call(request).await.map_err(Into::into)?).await
         };
         let Ok(answered) = tokio::time::timeout(left, attempt).await else {

@@ -15,7 +15,7 @@ use super::key_header::read_key;
 use super::request_fingerprint::{MAX_PARTS, Unreadable, fingerprint};
 use crate::error::InputError;
 use crate::fingerprint::Fingerprint;
-use crate::key::{IdempotencyKey, Scope};
+use crate::key::{IdempotencyKey, Scope, TARGET_DIGEST_PREFIX};
 
 /// What admission made of a request.
 pub(crate) enum Admission<B> {
@@ -52,7 +52,7 @@ where
         Ok(None) => return Admission::Refused(answer::missing_key()),
         Err(detail) => return Admission::Refused(answer::invalid_key(detail)),
     };
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     let Some(tenant) = config.tenant.tenant(&parts) else { return Admission::Refused(answer::missing_tenant()) };
     let key = key_in_space(config.key_space, key, &parts);
     let scope = match Scope::new(tenant, operation(config, &parts)) {
@@ -61,6 +61,7 @@ where
         Err(InputError::InvalidScope { field: "tenant", .. }) => return Admission::Refused(answer::missing_tenant()),
         Err(error) => return Admission::Refused(answer::invalid_body(error)),
     };
+    parts.extensions.insert(IdempotencyContext { scope: scope.clone(), key: key.clone() });
     let body = match Limited::new(body, config.max_request_body).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
@@ -80,14 +81,42 @@ where
     }
 }
 
-/// The key as the store keeps it: under [`KeySpace::Target`], on a route with path parameters (its path
-/// is not its template), qualified by the path. Without axum's matched route the operation is the key
-/// space.
-fn key_in_space(space: KeySpace, key: IdempotencyKey, parts: &Parts) -> IdempotencyKey {
-    match (matched_route(parts), request_path(parts)) {
-        (Some(template), path) if space == KeySpace::Target && template != path => key.for_target(path),
-        _ => key,
+/// The scope and the key a keyed request is stored under, in its extensions for the handler: derive the
+/// keys of downstream calls from these ([`IdempotencyContext::derive_key`]), not from the header, which
+/// names another record on every path of a route with path parameters.
+#[derive(Clone, Debug)]
+pub struct IdempotencyContext {
+    scope: Scope,
+    key: IdempotencyKey,
+}
+
+impl IdempotencyContext {
+    /// The tenant and operation.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
     }
+
+    /// The key as the store keeps it ([`KeySpace`]).
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// A downstream call's key ([`IdempotencyKey::derive`]): the same on every retry of this request,
+    /// different per label, per request target and per tenant.
+    pub fn derive_key(&self, label: &str) -> IdempotencyKey {
+        self.key.derive(&self.scope, label)
+    }
+}
+
+/// The key as the store keeps it. Under [`KeySpace::Target`], on a route with path parameters, every key
+/// is qualified by the request path; on any route, so is a key that looks like a qualified one (it
+/// starts with `/` or `idem-t-`), so that no bare key can name another target's record (a path that
+/// spells the template literally, a static route sharing a named operation). Without axum's matched
+/// route the operation is the key space.
+fn key_in_space(space: KeySpace, key: IdempotencyKey, parts: &Parts) -> IdempotencyKey {
+    let Some(template) = matched_route(parts).filter(|_| space == KeySpace::Target) else { return key };
+    let lookalike = key.as_str().starts_with('/') || key.as_str().starts_with(TARGET_DIGEST_PREFIX);
+    if template.contains('{') || lookalike { key.for_target(request_path(parts)) } else { key }
 }
 
 /// The path the client sent: a nested router sees its own part of it, and the template is whole.

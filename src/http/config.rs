@@ -56,10 +56,12 @@ impl MismatchStatus {
 #[non_exhaustive]
 pub enum KeySpace {
     /// The request's target: on an axum route with path parameters (`/accounts/{id}/transfers`), each
-    /// path (`/accounts/A/transfers`, `/accounts/B/transfers`) is a key space of its own, so a key sent to
-    /// one is never answered with, or refused for, a record of another (the store keeps the key as
-    /// [`IdempotencyKey::for_target`](crate::IdempotencyKey::for_target)). Metrics and policies still
-    /// follow the route template. The default.
+    /// path as sent (`/accounts/A/transfers`, `/accounts/B/transfers`) is a key space of its own, so a key
+    /// sent to one is never answered with, or refused for, a record of another (the store keeps the key
+    /// as [`IdempotencyKey::for_target`](crate::IdempotencyKey::for_target); a handler finds it in
+    /// [`IdempotencyContext`](super::IdempotencyContext)). Metrics and policies still follow the route
+    /// template. Without axum's matched route (a fallback, a service outside a `Router`) the operation
+    /// is the key space. The default.
     #[default]
     Target,
     /// The operation (the route template, or the name set with `with_operation`): every path of a route

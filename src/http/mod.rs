@@ -56,6 +56,7 @@ mod request_fingerprint;
 mod service;
 mod transaction;
 
+pub use admission::IdempotencyContext;
 pub use capture::stored_response;
 pub use config::{KeyRequirement, KeySpace, MismatchStatus, StoredStatuses};
 #[cfg(fuzzing)]
