@@ -41,6 +41,7 @@ suite!(
     missing_tenant_gets_401,
     unmatched_paths_add_no_metric_series,
     one_key_on_two_targets_names_two_records,
+    a_response_bound_to_its_principal_is_refused_to_another,
 );
 
 fn payment(key: Option<&str>, tenant: &str, body: &Value) -> Request<Body> {
@@ -581,4 +582,36 @@ async fn one_key_on_two_targets_names_two_records(mode: Mode) {
     let (status, _, body) = send(&router, transfer("B", "t2", &charge(1))).await;
     assert_eq!((status, problem_type(&body)), (StatusCode::UNPROCESSABLE_ENTITY, problem_types::KEY_REUSED.to_owned()));
     assert_eq!(runs.load(Ordering::SeqCst), 1, "one key space for the route");
+}
+
+/// The user who made a request, as an authentication layer would have put it.
+fn user(parts: &axum::http::request::Parts) -> Option<String> {
+    parts.headers.get("x-user")?.to_str().ok().map(str::to_owned)
+}
+
+/// With a principal binding, a stored response answers only the principal that made its request: the
+/// same key and body from another user of the tenant gets 403 (before: the first user's response,
+/// replayed), a body of its own under `ConflictWithOriginal` the plain refusal, never the original;
+/// the first user's retry replays, and the handler ran once.
+async fn a_response_bound_to_its_principal_is_refused_to_another(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let bound = layer(&h).with_principal(user).with_mismatch_status(MismatchStatus::ConflictWithOriginal);
+    let (router, runs) = counting(bound, ok_body);
+    let as_user = |name: &str, body: &Value| {
+        let mut request = payment(Some("p1"), "acme", body);
+        request.headers_mut().insert("x-user", name.parse().expect("a header value"));
+        request
+    };
+    let (status, _, first) = send(&router, as_user("alice", &charge(1))).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, body) = send(&router, as_user("mallory", &charge(1))).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::FORBIDDEN, problem_types::REPLAY_REFUSED.to_owned()));
+    let (status, headers, body) = send(&router, as_user("mallory", &charge(2))).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::CONFLICT, problem_types::KEY_REUSED.to_owned()));
+    assert!(headers.get("idempotent-replayed").is_none(), "nothing of alice's response");
+    let (_, headers, again) = send(&router, as_user("alice", &charge(1))).await;
+    assert_eq!((headers["idempotent-replayed"].to_str().expect("ascii"), again), ("true", first));
+    let anonymous = payment(Some("p1"), "acme", &charge(1));
+    assert_eq!(send(&router, anonymous).await.0, StatusCode::FORBIDDEN, "an anonymous request is another principal");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }

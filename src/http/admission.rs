@@ -10,6 +10,7 @@ use tower::BoxError;
 use super::TenantResolver;
 use super::answer;
 use super::boxed::Boxed;
+use super::capture::Principal;
 use super::config::{Config, KeyRequirement, KeySpace};
 use super::key_header::read_key;
 use super::request_fingerprint::{MAX_PARTS, Unreadable, fingerprint};
@@ -34,6 +35,8 @@ pub(crate) struct Admitted {
     pub(crate) scope: Scope,
     pub(crate) key: IdempotencyKey,
     pub(crate) fingerprint: Fingerprint,
+    /// Who made the request (the default without a principal binding).
+    pub(crate) principal: Principal,
 }
 
 /// Key, tenant, scope, body and fingerprint, or the refusal; nothing is claimed yet.
@@ -71,7 +74,11 @@ where
     };
     let policy = config.options.policy.as_deref().unwrap_or_else(|| config.store.policy(scope.operation()));
     match fingerprint(&parts, &body, policy.fingerprint(), config.query, config.max_request_body).await {
-        Ok(fingerprint) => Admission::Admitted(Admitted { parts, body, scope, key, fingerprint }),
+        Ok(fingerprint) => {
+            let principal =
+                config.principal.as_ref().map_or_else(Principal::default, |of| Principal::of(of(&parts).as_deref()));
+            Admission::Admitted(Admitted { parts, body, scope, key, fingerprint, principal })
+        }
         Err(Unreadable::Input(InputError::PayloadTooLarge { limit, .. })) => {
             Admission::Refused(answer::too_large(limit))
         }

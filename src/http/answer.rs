@@ -8,7 +8,7 @@ use http::request::Parts;
 use http::{Response, StatusCode};
 
 use super::boxed::Boxed;
-use super::capture::Stored;
+use super::capture::{Principal, Stored};
 use super::config::{Config, MismatchStatus};
 use super::problem::{Problem, problem_types as types};
 use crate::begin::Begin;
@@ -17,27 +17,27 @@ use crate::key::{IdempotencyKey, Scope};
 use crate::quota::QuotaLimit;
 use crate::record::StoredResponse;
 
-/// The answer to a claim that did not acquire the key: refused with 403 when it would show a stored
-/// response the application's replay check does not let this request see.
+/// The answer to a claim that did not acquire the key (of `scope`, asked by `principal`): refused with
+/// 403 when it would show a stored response the application's replay check does not let this request
+/// see, or that answered another principal.
 pub(crate) async fn refusal<T>(
     answer: Begin,
     config: &Config<T>,
     parts: &Parts,
-    scope: &Scope,
-    key: &IdempotencyKey,
+    (scope, key, principal): (&Scope, &IdempotencyKey, Principal),
 ) -> Response<Boxed> {
     if config.reveals(&answer) && !config.allows_replay(parts, scope).await {
         return replay_refused();
     }
     match answer {
-        Begin::Completed(stored) => replay(&stored, None),
+        Begin::Completed(stored) => replay(&stored, scope, principal),
         Begin::InFlight { retry_after } => {
             let detail = "a request with this Idempotency-Key is being processed; retry later";
             Problem::new(StatusCode::CONFLICT, types::IN_FLIGHT, "Request in flight", detail)
                 .retry_after(retry_after)
                 .into_response()
         }
-        Begin::Mismatch => mismatch(config, scope, key).await,
+        Begin::Mismatch => mismatch(config, scope, key, principal).await,
         Begin::Indeterminate => {
             let detail = "an earlier attempt with this key ended without an answer; it must be resolved first";
             Problem::new(StatusCode::CONFLICT, types::INDETERMINATE, "Outcome unknown", detail).into_response()
@@ -60,9 +60,13 @@ pub(crate) async fn refusal<T>(
     }
 }
 
-fn replay(stored: &StoredResponse, status: Option<StatusCode>) -> Response<Boxed> {
+fn replay(stored: &StoredResponse, scope: &Scope, principal: Principal) -> Response<Boxed> {
     match Stored::decode(stored.as_bytes()) {
-        Some(Stored::Response(captured)) => captured.replay(status),
+        Some(Stored::Response(captured)) if !captured.answers(principal) => {
+            crate::telemetry::replay_refused(scope.operation());
+            replay_refused()
+        }
+        Some(Stored::Response(captured)) => captured.replay(None),
         Some(Stored::Withheld(withheld)) => not_replayable(format!(
             "a request with this key completed with status {}, but its {}-byte response was not stored for \
              replay (larger than the capture limit, or cut short); it is not executed again",
@@ -81,11 +85,12 @@ fn not_replayable(detail: String) -> Response<Boxed> {
     Problem::new(StatusCode::CONFLICT, types::NOT_REPLAYABLE, "Response not replayable", detail).into_response()
 }
 
-async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey) -> Response<Boxed> {
+async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey, principal: Principal) -> Response<Boxed> {
     let status = config.mismatch.status();
     if config.mismatch == MismatchStatus::ConflictWithOriginal
         && let Ok(Some(record)) = config.store.lookup(scope, key).await
         && let Some(Stored::Response(original)) = record.response.and_then(|r| Stored::decode(r.as_bytes()))
+        && original.answers(principal)
     {
         return original.replay(Some(status));
     }

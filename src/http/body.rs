@@ -16,7 +16,7 @@ use http_body_util::BodyExt;
 use tower::BoxError;
 
 use super::boxed::Boxed;
-use super::capture::{self, Captured, Stored, Withheld};
+use super::capture::{self, Captured, Principal, Stored, Withheld};
 use super::config::StoredStatuses;
 use crate::owner::{KeepAlive, Owner};
 use crate::store::Background;
@@ -44,6 +44,8 @@ pub(crate) struct Settlement {
     broken: bool,
     /// Extends the lease while the body streams; dropped with the settlement.
     keep_alive: Option<KeepAlive>,
+    /// Who the response answers.
+    principal: Principal,
 }
 
 impl Settlement {
@@ -54,12 +56,27 @@ impl Settlement {
         headers: &HeaderMap,
         rule: StoredStatuses,
         (limit, replayed): (usize, &[HeaderName]),
+        principal: Principal,
     ) -> Self {
         let stored = rule.stores(status) && rule.stores_grpc(headers);
         let (headers, replayed) = (capture::replayed(headers, replayed), replayed.to_vec());
         let keep_alive = Some(owner.keep_alive());
         let (owner, trailers, body, sent, broken) = (Some(owner), None, Vec::new(), 0, false);
-        Self { owner, status, headers, replayed, trailers, rule, stored, limit, body, sent, broken, keep_alive }
+        Self {
+            owner,
+            status,
+            headers,
+            replayed,
+            trailers,
+            rule,
+            stored,
+            limit,
+            body,
+            sent,
+            broken,
+            keep_alive,
+            principal,
+        }
     }
 
     /// Keeps a copy of `data` while the body stays within the limit; past it, none (and frees the copy).
@@ -114,7 +131,7 @@ impl Settlement {
         } else {
             let body = std::mem::take(&mut self.body);
             let trailers = self.trailers.as_ref().map(|trailers| capture::replayed(trailers, &self.replayed));
-            let captured = Captured::new(self.status, &self.headers, body, trailers.as_ref());
+            let captured = Captured::new(self.status, &self.headers, body, trailers.as_ref(), self.principal);
             Some(Stored::Response(captured).encode())
         };
         Some(async move {

@@ -28,7 +28,7 @@ pub(crate) const DEFAULT_REPLAYED_HEADERS: [&str; 14] = [
 ];
 
 /// What the layer stores for a request whose handler ran. The first byte of the stored form names its
-/// layout (2 withheld, 3 a response), so that another layout can be added and these stay readable.
+/// layout (2 withheld, 4 a response), so that another layout can be added and these stay readable.
 #[derive(Debug, PartialEq)]
 pub(crate) enum Stored {
     /// The response, replayed to every retry.
@@ -51,7 +51,7 @@ impl Stored {
     pub(crate) fn decode(stored: &[u8]) -> Option<Self> {
         match stored.first()? {
             2 => postcard::from_bytes::<Withheld>(stored).ok().map(Stored::Withheld),
-            3 => postcard::from_bytes::<Captured>(stored).ok().map(Stored::Response),
+            4 => postcard::from_bytes::<Captured>(stored).ok().map(Stored::Response),
             _ => None,
         }
     }
@@ -76,7 +76,7 @@ impl Withheld {
 /// Header or trailer fields, as stored.
 type Fields = Vec<(String, Vec<u8>)>;
 
-/// The stored form of a response (layout 3).
+/// The stored form of a response (layout 4).
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Captured {
     version: u8,
@@ -86,16 +86,50 @@ pub(crate) struct Captured {
     /// The response's trailers that are replayed (the same allow-list as headers): they carry the
     /// outcome of a gRPC call (`grpc-status`).
     trailers: Fields,
+    /// Who the response answered, with a principal binding
+    /// ([`IdempotencyLayer::with_principal`](super::IdempotencyLayer::with_principal)).
+    principal: Principal,
+}
+
+/// Who made a request, as the layer stores it beside a response: a digest of what the application's
+/// principal resolver answered (`None`: anonymous, or no binding).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Principal(Option<[u8; 16]>);
+
+impl Principal {
+    /// The principal `name` (a user id, an API key's id), as a 128-bit digest: the name itself is never
+    /// stored.
+    pub(crate) fn of(name: Option<&str>) -> Self {
+        use sha2::{Digest, Sha256};
+        Self(name.map(|name| {
+            let digest = Sha256::new().chain_update(b"idemstore-principal\0").chain_update(name).finalize();
+            let mut kept = [0; 16];
+            kept.copy_from_slice(&digest[..16]);
+            kept
+        }))
+    }
 }
 
 impl Captured {
-    /// `headers` and `trailers` are the response's, already filtered to those replayed.
-    pub(crate) fn new(status: StatusCode, headers: &HeaderMap, body: Vec<u8>, trailers: Option<&HeaderMap>) -> Self {
+    /// `headers` and `trailers` are the response's, already filtered to those replayed; `principal` is
+    /// who the response answers.
+    pub(crate) fn new(
+        status: StatusCode,
+        headers: &HeaderMap,
+        body: Vec<u8>,
+        trailers: Option<&HeaderMap>,
+        principal: Principal,
+    ) -> Self {
         let fields = |map: &HeaderMap| -> Fields {
             map.iter().map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec())).collect()
         };
         let trailers = trailers.map(fields).unwrap_or_default();
-        Self { version: 3, status: status.as_u16(), headers: fields(headers), body, trailers }
+        Self { version: 4, status: status.as_u16(), headers: fields(headers), body, trailers, principal }
+    }
+
+    /// Whether the response may be shown to `principal`.
+    pub(crate) fn answers(&self, principal: Principal) -> bool {
+        self.principal == principal
     }
 
     /// The replay: the stored status, headers, body and trailers, marked `Idempotent-Replayed: true`;
@@ -142,7 +176,7 @@ pub fn stored_response(status: StatusCode, headers: &HeaderMap, body: Vec<u8>) -
     for name in FRAMING {
         headers.remove(name);
     }
-    Stored::Response(Captured::new(status, &headers, body, None)).encode()
+    Stored::Response(Captured::new(status, &headers, body, None, Principal::default())).encode()
 }
 
 /// The replayed headers of a response.
@@ -165,11 +199,19 @@ mod tests {
         headers.insert("connection", HeaderValue::from_static("keep-alive"));
         let allowed: Vec<HeaderName> = DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect();
         let headers = replayed(&headers, &allowed);
-        let captured = Stored::Response(Captured::new(StatusCode::CREATED, &headers, b"{\"id\":7}".to_vec(), None));
-        assert_eq!(captured.encode()[0], 3);
+        let captured = Stored::Response(Captured::new(
+            StatusCode::CREATED,
+            &headers,
+            b"{\"id\":7}".to_vec(),
+            None,
+            Principal::of(Some("user-1")),
+        ));
+        assert_eq!(captured.encode()[0], 4);
         let decoded = Stored::decode(&captured.encode()).expect("round trip");
         assert_eq!(decoded, captured);
         let Stored::Response(decoded) = decoded else { panic!("a response") };
+        assert!(decoded.answers(Principal::of(Some("user-1"))));
+        assert!(!decoded.answers(Principal::of(Some("user-2"))) && !decoded.answers(Principal::of(None)));
 
         let replay = decoded.replay(None);
         assert_eq!(replay.status(), StatusCode::CREATED);
@@ -187,9 +229,14 @@ mod tests {
         use http_body_util::BodyExt;
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", HeaderValue::from_static("0"));
-        let captured =
-            Stored::Response(Captured::new(StatusCode::OK, &HeaderMap::new(), b"msg".to_vec(), Some(&trailers)));
-        assert_eq!(captured.encode()[0], 3);
+        let captured = Stored::Response(Captured::new(
+            StatusCode::OK,
+            &HeaderMap::new(),
+            b"msg".to_vec(),
+            Some(&trailers),
+            Principal::default(),
+        ));
+        assert_eq!(captured.encode()[0], 4);
         let Some(Stored::Response(decoded)) = Stored::decode(&captured.encode()) else { panic!("a response") };
         let collected = decoded.replay(None).into_body().collect().await.expect("replayed body");
         assert_eq!(collected.trailers(), Some(&trailers));

@@ -17,6 +17,10 @@ use crate::store::Store;
 /// ([`IdempotencyLayer::with_replay_check`](super::IdempotencyLayer::with_replay_check)).
 pub(crate) type ReplayCheck = dyn Fn(&Parts, &Scope) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync;
 
+/// Who made a request, for the principal binding
+/// ([`IdempotencyLayer::with_principal`](super::IdempotencyLayer::with_principal)).
+pub(crate) type PrincipalResolver = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
 /// Whether requests without an `Idempotency-Key` are accepted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -115,6 +119,7 @@ pub(crate) struct Config<T> {
     pub(crate) replayed_headers: Vec<HeaderName>,
     pub(crate) query: QueryComparison,
     pub(crate) replay_check: Option<Arc<ReplayCheck>>,
+    pub(crate) principal: Option<Arc<PrincipalResolver>>,
     /// Claim, handler writes and completion in one transaction ([`super::transaction`]).
     pub(crate) in_claim_transaction: bool,
 }
@@ -158,6 +163,7 @@ impl<T> Clone for Config<T> {
             replayed_headers: self.replayed_headers.clone(),
             query: self.query,
             replay_check: self.replay_check.clone(),
+            principal: self.principal.clone(),
             in_claim_transaction: self.in_claim_transaction,
         }
     }

@@ -49,6 +49,7 @@ impl<T> fmt::Debug for IdempotencyLayer<T> {
             .field("max_request_body", &c.max_request_body)
             .field("max_response_body", &c.max_response_body)
             .field("replay_check", &c.replay_check.is_some())
+            .field("principal", &c.principal.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -73,6 +74,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
                 replayed_headers: DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
                 query: QueryComparison::default(),
                 replay_check: None,
+                principal: None,
                 in_claim_transaction: false,
             },
         }
@@ -155,6 +157,20 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// but only its size is stored: retries get 409 `not-replayable` and never run the handler again.
     pub fn with_max_response_body(mut self, bytes: usize) -> Self {
         self.config.max_response_body = bytes;
+        self
+    }
+
+    /// Binds every stored response to the principal that made its request, within the tenant: what
+    /// `principal` returns (a user id, an API key's id; only a 128-bit digest of it is stored with the
+    /// response). A replay to another principal is refused (403 `replay-refused`), and a key reused with
+    /// another payload never shows another principal the original ([`MismatchStatus::ConflictWithOriginal`]
+    /// answers the plain refusal then). `None` is an anonymous request, which sees only responses to
+    /// anonymous requests; responses stored before the binding was turned on answer no principal.
+    pub fn with_principal<F>(mut self, principal: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.config.principal = Some(Arc::new(principal));
         self
     }
 

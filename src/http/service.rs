@@ -117,11 +117,11 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let Admitted { parts, body, scope, key, fingerprint } = admitted;
+    let Admitted { parts, body, scope, key, fingerprint, principal } = admitted;
     let store = &config.store;
     let owner = match store.begin_with(&scope, &key, &fingerprint, &config.options).await {
         Ok(Begin::Acquired(owner)) => owner,
-        Ok(answer) => return Ok(answer::refusal(answer, config, &parts, &scope, &key).await),
+        Ok(answer) => return Ok(answer::refusal(answer, config, &parts, (&scope, &key, principal)).await),
         Err(error) => return Ok(answer::store_failed(&error)),
     };
     // Cancelled or panicking, the handler drops the owner, which gives the key up under its rule.
@@ -141,7 +141,7 @@ where
     };
     let (head, body) = response.into_parts();
     let capture = (config.max_response_body, config.replayed_headers.as_slice());
-    let settlement = Settlement::new(owner, head.status, &head.headers, config.stored, capture);
+    let settlement = Settlement::new(owner, head.status, &head.headers, config.stored, capture, principal);
     if !fits(&body, config.max_response_body) {
         return Ok(Response::from_parts(head, SettlingBody::new(body, settlement).boxed_unsync()));
     }

@@ -146,7 +146,7 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let Admitted { mut parts, body, scope, key, fingerprint } = admitted;
+    let Admitted { mut parts, body, scope, key, fingerprint, principal } = admitted;
     let store = &config.store;
     // Redis's marker lives one lease from the claim: the transaction should end before it does, so that
     // a duplicate meets the marker rather than queueing on the row lock (and holding a connection).
@@ -165,7 +165,7 @@ where
             {
                 tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
             }
-            return Ok(answer::refusal(refused, config, &parts, &scope, &key).await);
+            return Ok(answer::refusal(refused, config, &parts, (&scope, &key, principal)).await);
         }
         Err(error) => return Ok(answer::store_failed(&error)),
     };
@@ -208,7 +208,7 @@ where
     let (stored, answer_body) = match read {
         BodyRead::Whole(bytes, trailers) if trailers.as_ref().is_none_or(|t| config.stored.stores_grpc(t)) => {
             let kept = trailers.as_ref().map(|trailers| capture::replayed(trailers, &config.replayed_headers));
-            let captured = Captured::new(head.status, &headers, bytes.to_vec(), kept.as_ref());
+            let captured = Captured::new(head.status, &headers, bytes.to_vec(), kept.as_ref(), principal);
             (Stored::Response(captured).encode(), with_trailers(bytes, trailers))
         }
         // A gRPC status in the trailers that is not stored: as a released status.
