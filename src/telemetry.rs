@@ -41,8 +41,9 @@ pub const REDIS_FALLBACKS: &str = "idemstore_redis_fallbacks_total";
 /// dropped and Postgres answered; `postgres`: the request was refused) and reason (`unknown_key`,
 /// `tampered`, `unsealed`). Registered at 0 by stores with encryption. Any increase needs an operator.
 pub const UNREADABLE_RESPONSES: &str = "idemstore_unreadable_responses_total";
-/// Replays the application's replay check refused (`with_replay_check`, `RunOptions::replay_check`), by
-/// operation; the store's answer was counted as `replayed` in [`OUTCOMES`] before the check.
+/// Replays refused by the application's replay check (`with_replay_check`, `RunOptions::replay_check`) or
+/// to another principal (`with_principal`), by operation; the store's answer was counted as `replayed`
+/// in [`OUTCOMES`] before the refusal.
 pub const REPLAYS_REFUSED: &str = "idemstore_replays_refused_total";
 /// Claims refused by a tenant's quota ([`crate::Quota`]), by operation and `limit` (`new_keys`,
 /// `live_keys`); each is also one `quota_exceeded` outcome in [`OUTCOMES`].

@@ -62,7 +62,7 @@ pub(crate) async fn refusal<T>(
 
 fn replay(stored: &StoredResponse, scope: &Scope, principal: Principal) -> Response<Boxed> {
     match Stored::decode(stored.as_bytes()) {
-        Some(Stored::Response(captured)) if !captured.answers(principal) => {
+        Some(stored) if !stored.answers(principal) => {
             crate::telemetry::replay_refused(scope.operation());
             replay_refused()
         }
@@ -89,8 +89,9 @@ async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey, pr
     let status = config.mismatch.status();
     if config.mismatch == MismatchStatus::ConflictWithOriginal
         && let Ok(Some(record)) = config.store.lookup(scope, key).await
-        && let Some(Stored::Response(original)) = record.response.and_then(|r| Stored::decode(r.as_bytes()))
-        && original.answers(principal)
+        && let Some(stored) = record.response.and_then(|r| Stored::decode(r.as_bytes()))
+        && stored.answers(principal)
+        && let Stored::Response(original) = stored
     {
         return original.replay(Some(status));
     }

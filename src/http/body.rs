@@ -127,7 +127,7 @@ impl Settlement {
         let stored = if !stored {
             None
         } else if self.over_limit() || self.broken {
-            Some(Stored::Withheld(Withheld::new(self.status, self.sent)).encode())
+            Some(Stored::Withheld(Withheld::new(self.status, self.sent, self.principal)).encode())
         } else {
             let body = std::mem::take(&mut self.body);
             let trailers = self.trailers.as_ref().map(|trailers| capture::replayed(trailers, &self.replayed));

@@ -28,7 +28,8 @@ pub(crate) const DEFAULT_REPLAYED_HEADERS: [&str; 14] = [
 ];
 
 /// What the layer stores for a request whose handler ran. The first byte of the stored form names its
-/// layout (2 withheld, 4 a response), so that another layout can be added and these stay readable.
+/// layout (5 withheld, 4 a response; 2 and 3 are those without the principal, still read), so that
+/// another layout can be added and these stay readable.
 #[derive(Debug, PartialEq)]
 pub(crate) enum Stored {
     /// The response, replayed to every retry.
@@ -50,14 +51,27 @@ impl Stored {
     /// `None` for bytes that are not the layer's (stored by another writer of the same key).
     pub(crate) fn decode(stored: &[u8]) -> Option<Self> {
         match stored.first()? {
-            2 => postcard::from_bytes::<Withheld>(stored).ok().map(Stored::Withheld),
+            5 => postcard::from_bytes::<Withheld>(stored).ok().map(Stored::Withheld),
             4 => postcard::from_bytes::<Captured>(stored).ok().map(Stored::Response),
+            // Layouts 2 and 3 are 5 and 4 without their last field, the principal: stored unbound.
+            2 | 3 => {
+                let layout = if stored[0] == 2 { 5 } else { 4 };
+                Self::decode(&[&[layout], &stored[1..], UNBOUND].concat())
+            }
             _ => None,
+        }
+    }
+
+    /// Whether the stored response (or that there was one) may be shown to `asking`.
+    pub(crate) fn answers(&self, asking: Principal) -> bool {
+        match self {
+            Stored::Response(captured) => captured.principal.answers(asking),
+            Stored::Withheld(withheld) => withheld.principal.answers(asking),
         }
     }
 }
 
-/// A response that was sent but not stored.
+/// A response that was sent but not stored (layout 5).
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Withheld {
     version: u8,
@@ -65,11 +79,13 @@ pub(crate) struct Withheld {
     pub(crate) status: u16,
     /// How many body bytes it sent (at least the capture limit).
     pub(crate) bytes: u64,
+    /// Who the response answered.
+    principal: Principal,
 }
 
 impl Withheld {
-    pub(crate) fn new(status: StatusCode, bytes: u64) -> Self {
-        Self { version: 2, status: status.as_u16(), bytes }
+    pub(crate) fn new(status: StatusCode, bytes: u64, principal: Principal) -> Self {
+        Self { version: 5, status: status.as_u16(), bytes, principal }
     }
 }
 
@@ -91,22 +107,38 @@ pub(crate) struct Captured {
     principal: Principal,
 }
 
-/// Who made a request, as the layer stores it beside a response: a digest of what the application's
-/// principal resolver answered (`None`: anonymous, or no binding).
+/// Who made a request, as the layer stores it beside a response.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Principal(Option<[u8; 16]>);
+pub(crate) enum Principal {
+    /// No principal binding: a response stored so (before the binding was turned on, or by an
+    /// operator's resolve) answers every principal, and a request without the binding sees every
+    /// response.
+    #[default]
+    Unbound,
+    /// The resolver found no principal.
+    Anonymous,
+    /// A 128-bit digest of what the resolver answered (an unkeyed digest: not a secret for a guessable
+    /// name).
+    Named([u8; 16]),
+}
+
+/// [`Principal::Unbound`], encoded.
+const UNBOUND: &[u8] = &[0];
 
 impl Principal {
-    /// The principal `name` (a user id, an API key's id), as a 128-bit digest: the name itself is never
-    /// stored.
+    /// The principal `name` (a user id, an API key's id); `None` is anonymous.
     pub(crate) fn of(name: Option<&str>) -> Self {
         use sha2::{Digest, Sha256};
-        Self(name.map(|name| {
-            let digest = Sha256::new().chain_update(b"idemstore-principal\0").chain_update(name).finalize();
-            let mut kept = [0; 16];
-            kept.copy_from_slice(&digest[..16]);
-            kept
-        }))
+        let Some(name) = name else { return Principal::Anonymous };
+        let digest = Sha256::new().chain_update(b"idemstore-principal\0").chain_update(name).finalize();
+        let mut kept = [0; 16];
+        kept.copy_from_slice(&digest[..16]);
+        Principal::Named(kept)
+    }
+
+    /// Whether a response stored for this principal may be shown to `asking`.
+    fn answers(self, asking: Principal) -> bool {
+        self == Principal::Unbound || asking == Principal::Unbound || self == asking
     }
 }
 
@@ -125,11 +157,6 @@ impl Captured {
         };
         let trailers = trailers.map(fields).unwrap_or_default();
         Self { version: 4, status: status.as_u16(), headers: fields(headers), body, trailers, principal }
-    }
-
-    /// Whether the response may be shown to `principal`.
-    pub(crate) fn answers(&self, principal: Principal) -> bool {
-        self.principal == principal
     }
 
     /// The replay: the stored status, headers, body and trailers, marked `Idempotent-Replayed: true`;
@@ -210,8 +237,6 @@ mod tests {
         let decoded = Stored::decode(&captured.encode()).expect("round trip");
         assert_eq!(decoded, captured);
         let Stored::Response(decoded) = decoded else { panic!("a response") };
-        assert!(decoded.answers(Principal::of(Some("user-1"))));
-        assert!(!decoded.answers(Principal::of(Some("user-2"))) && !decoded.answers(Principal::of(None)));
 
         let replay = decoded.replay(None);
         assert_eq!(replay.status(), StatusCode::CREATED);
@@ -243,6 +268,28 @@ mod tests {
         assert_eq!(collected.to_bytes().as_ref(), b"msg");
     }
 
+    /// A stored response answers its own principal, and any request without a binding; one stored
+    /// without a binding (layouts 2 and 3 among them) answers every principal.
+    #[test]
+    fn responses_answer_their_principal() {
+        let (alice, bob, anonymous) = (Principal::of(Some("alice")), Principal::of(Some("bob")), Principal::of(None));
+        let bound = Stored::Response(Captured::new(StatusCode::OK, &HeaderMap::new(), b"a".to_vec(), None, alice));
+        assert!(bound.answers(alice) && bound.answers(Principal::Unbound));
+        assert!(!bound.answers(bob) && !bound.answers(anonymous));
+        let withheld = Stored::Withheld(Withheld::new(StatusCode::OK, 9, alice));
+        assert!(withheld.answers(alice) && !withheld.answers(bob));
+        let unbound =
+            Stored::Response(Captured::new(StatusCode::OK, &HeaderMap::new(), b"a".to_vec(), None, Principal::Unbound));
+        assert!(unbound.answers(alice) && unbound.answers(anonymous));
+        // The layouts before the principal: the same fields, no principal.
+        let layout3 = [&[3u8][..], &bound.encode()[1..bound.encode().len() - 17]].concat();
+        let Some(Stored::Response(read)) = Stored::decode(&layout3) else { panic!("layout 3 is read") };
+        assert_eq!(read.replay(None).status(), StatusCode::OK);
+        assert!(Stored::decode(&layout3).expect("read").answers(bob));
+        let layout2 = [&[2u8][..], &withheld.encode()[1..withheld.encode().len() - 17]].concat();
+        assert!(matches!(Stored::decode(&layout2), Some(Stored::Withheld(w)) if w.status == 200 && w.bytes == 9));
+    }
+
     /// An operator's response keeps its headers but not those that frame a message: a replay with a
     /// stale `Content-Length` would be malformed.
     #[test]
@@ -262,7 +309,7 @@ mod tests {
 
     #[test]
     fn withheld_responses_round_trip() {
-        let withheld = Stored::Withheld(Withheld::new(StatusCode::CREATED, 5 << 20));
+        let withheld = Stored::Withheld(Withheld::new(StatusCode::CREATED, 5 << 20, Principal::of(Some("alice"))));
         assert_eq!(Stored::decode(&withheld.encode()), Some(withheld));
     }
 }

@@ -161,11 +161,23 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     }
 
     /// Binds every stored response to the principal that made its request, within the tenant: what
-    /// `principal` returns (a user id, an API key's id; only a 128-bit digest of it is stored with the
-    /// response). A replay to another principal is refused (403 `replay-refused`), and a key reused with
-    /// another payload never shows another principal the original ([`MismatchStatus::ConflictWithOriginal`]
-    /// answers the plain refusal then). `None` is an anonymous request, which sees only responses to
-    /// anonymous requests; responses stored before the binding was turned on answer no principal.
+    /// `principal` returns (a 128-bit digest of it is stored with the response). A replay to another
+    /// principal is refused (403 `replay-refused`; so is a "not replayable" answer), and a key reused
+    /// with another payload never shows another principal the original
+    /// ([`MismatchStatus::ConflictWithOriginal`] answers the plain refusal then).
+    ///
+    /// - Return a **stable** identity (a user id, an API key's id), never a session or token id: the
+    ///   owner's own retry after a token refresh would be refused, and its work never runs again.
+    /// - The layer must run **inside** the authentication that sets the identity (`route_layer` after
+    ///   it): without it every request is anonymous. `None` is anonymous, which sees only responses to
+    ///   anonymous requests.
+    /// - Responses stored without the binding (before it was turned on, by a layer without it, or by an
+    ///   operator's `resolve`) answer every principal; with the binding turned off, every response
+    ///   answers every request.
+    /// - It binds answers, not keys: another principal who sends a key first still claims it (the
+    ///   owner then gets 403 or 422 for the record's life), and tells from 403 against 422 whether its
+    ///   body matched. Where principals of a tenant must not share a key space at all, make the
+    ///   principal part of the tenant (the [`TenantResolver`](super::TenantResolver)).
     pub fn with_principal<F>(mut self, principal: F) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,

@@ -34,6 +34,7 @@
 //! | stored response unreadable (encryption key gone, bytes changed) | 500 `unreadable-response`; the handler does not run |
 //! | record awaiting an operator (indeterminate) | 409 |
 //! | a replay the application's check refuses ([`IdempotencyLayer::with_replay_check`]) | 403 `replay-refused` |
+//! | a replay to another principal than the stored response's ([`IdempotencyLayer::with_principal`]) | 403 `replay-refused` |
 //!
 //! Errors are `application/problem+json` with a stable `type` per case (see [`problem_types`]).
 //! The response body streams to the client as the handler produces it, with a copy kept up to the

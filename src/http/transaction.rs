@@ -217,7 +217,9 @@ where
             let _ = owner.release().await;
             return Ok(Response::from_parts(head, with_trailers(bytes, trailers)));
         }
-        BodyRead::Larger { seen, body } => (Stored::Withheld(Withheld::new(head.status, seen)).encode(), body),
+        BodyRead::Larger { seen, body } => {
+            (Stored::Withheld(Withheld::new(head.status, seen, principal)).encode(), body)
+        }
         BodyRead::Failed => {
             drop(tx);
             let _ = owner.release().await;
