@@ -1,6 +1,6 @@
 //! The client crate (`idemstore-client`) against the payments demo: a client killed mid-request and
-//! restarted with its file journal, retries across a Postgres restart and a request in flight, refusals
-//! that are never retried, and the retry budget. Real Redis and Postgres, both modes.
+//! restarted with its file journal, retries across a Postgres restart, a Redis kill and pause, and a
+//! request in flight, refusals that are never retried, and the retry budget. Real Redis and Postgres, both modes.
 
 use crate::support;
 use support::payments;
@@ -26,7 +26,9 @@ suite!(
     a_client_killed_mid_request_sends_the_same_key_after_its_restart,
     a_retry_during_a_postgres_restart_waits_as_asked_and_charges_once,
     a_retry_of_a_request_in_flight_gets_the_first_answer,
-    refusals_are_never_retried,
+    refusals_are_never_retried;
+    two_tier only:
+    operations_sent_across_a_redis_kill_and_a_pause_are_charged_once,
 );
 
 /// The demo, served so that a request runs to its end even when its client goes away (as behind a
@@ -231,4 +233,45 @@ async fn the_budget_stops_a_retry_storm() {
     }
     // 10 tokens: retries while more than 5 are left after a failure, so 5 attempts, then 1 each.
     assert_eq!(attempts, [5, 1, 1]);
+}
+
+/// Named operations sent while Redis is killed (then restarted empty) and while it is paused, each sent
+/// again during the fault and after it: every operation is charged once, and every later answer is the
+/// first one, replayed.
+async fn operations_sent_across_a_redis_kill_and_a_pause_are_charged_once() {
+    let h = Harness::with(Mode::TwoTier, idemstore::Policy::default(), Servers::Owned).await;
+    let (base, _) = serve_detached(&h).await;
+    let client = client(memory());
+    let redis = h.redis.as_ref().expect("owned");
+    let send = |name: String, amount: i64| {
+        let request = payment(&client, &base, amount).with_extension(Operation::new(name));
+        async move {
+            let response = request.send().await.expect("answered");
+            let replayed = was_replayed(&response);
+            (response.status(), replayed, response.json::<Value>().await.expect("json"))
+        }
+    };
+    for fault in ["kill", "pause"] {
+        let (status, _, warm) = send(format!("{fault}/before"), 100).await;
+        assert_eq!(status, 201, "{warm}");
+        let fallbacks = support::counter(payments::PAYMENTS, "idemstore_redis_fallbacks_total", &[]);
+        match fault {
+            "kill" => redis.kill(),
+            _ => redis.pause().expect("SIGSTOP"),
+        }
+        let during = format!("{fault}/during");
+        let (status, replayed, first) = send(during.clone(), 200).await;
+        assert_eq!((status.as_u16(), replayed), (201, false), "charged while Redis is down: {first}");
+        let (_, replayed, again) = send(during.clone(), 200).await;
+        assert!(replayed && again == first, "the retry during the fault gets the first answer");
+        let degraded = support::counter(payments::PAYMENTS, "idemstore_redis_fallbacks_total", &[]);
+        assert!(degraded > fallbacks, "the {fault} hit: the store fell back to Postgres");
+        match fault {
+            "kill" => redis.restart().expect("restart Redis"),
+            _ => redis.resume().expect("SIGCONT"),
+        }
+        let (_, replayed, after) = send(during, 200).await;
+        assert!(replayed && after == first, "and after it");
+    }
+    assert_eq!(charges(&h, "acme").await, 4, "two operations per fault, each charged once");
 }
