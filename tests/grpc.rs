@@ -120,13 +120,7 @@ async fn the_client_layer_waits_out_a_call_in_flight_for_its_answer(mode: Mode) 
     let first = example::create_behaving(address, &account, "slow-1", 300, Some("slow"));
     let retry = async {
         // The claim is in the first call's open transaction, which holds it while the handler runs.
-        let claimed = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()
-                       AND state = 'idle in transaction' AND backend_xid IS NOT NULL)";
-        let waited = Instant::now();
-        while !sqlx::query_scalar::<_, bool>(claimed).fetch_one(&h.pool).await.expect("claimed") {
-            assert!(waited.elapsed() < Duration::from_secs(10), "the first call never got in flight");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        support::payments::wait_for_open_claim(&h).await;
         example::call(&mut client, &account, "slow-1", 300, None).await
     };
     let (first, retried) = tokio::join!(first, retry);

@@ -4,7 +4,7 @@
 
 use bytes::Bytes;
 use http::{Request, Response, request::Parts};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use tower::BoxError;
 
 use super::TenantResolver;
@@ -55,7 +55,7 @@ where
         Ok(None) => return Admission::Refused(answer::missing_key()),
         Err(detail) => return Admission::Refused(answer::invalid_key(detail)),
     };
-    let (mut parts, body) = request.into_parts();
+    let (parts, body) = request.into_parts();
     let Some(tenant) = config.tenant.tenant(&parts) else { return Admission::Refused(answer::missing_tenant()) };
     let key = key_in_space(config.key_space, key, &parts);
     let scope = match Scope::new(tenant, operation(config, &parts)) {
@@ -64,7 +64,6 @@ where
         Err(InputError::InvalidScope { field: "tenant", .. }) => return Admission::Refused(answer::missing_tenant()),
         Err(error) => return Admission::Refused(answer::invalid_body(error)),
     };
-    parts.extensions.insert(IdempotencyContext { scope: scope.clone(), key: key.clone() });
     let body = match Limited::new(body, config.max_request_body).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
@@ -112,6 +111,16 @@ impl IdempotencyContext {
     /// different per label, per request target and per tenant.
     pub fn derive_key(&self, label: &str) -> IdempotencyKey {
         self.key.derive(&self.scope, label)
+    }
+}
+
+impl Admitted {
+    /// The request the handler gets, once its key is acquired: the body read, and the scope and stored
+    /// key in its extensions ([`IdempotencyContext`]).
+    pub(crate) fn into_request<B>(self) -> Request<super::RequestBody<B>> {
+        let Admitted { mut parts, body, scope, key, .. } = self;
+        parts.extensions.insert(IdempotencyContext { scope, key });
+        Request::from_parts(parts, Either::Right(Full::new(body)))
     }
 }
 

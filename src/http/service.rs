@@ -117,15 +117,16 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let Admitted { parts, body, scope, key, fingerprint, principal } = admitted;
+    let Admitted { parts, scope, key, fingerprint, principal, .. } = &admitted;
     let store = &config.store;
-    let owner = match store.begin_with(&scope, &key, &fingerprint, &config.options).await {
+    let owner = match store.begin_with(scope, key, fingerprint, &config.options).await {
         Ok(Begin::Acquired(owner)) => owner,
-        Ok(answer) => return Ok(answer::refusal(answer, config, &parts, (&scope, &key, principal)).await),
+        Ok(answer) => return Ok(answer::refusal(answer, config, parts, (scope, key, *principal)).await),
         Err(error) => return Ok(answer::store_failed(&error)),
     };
+    let principal = *principal;
     // Cancelled or panicking, the handler drops the owner, which gives the key up under its rule.
-    let request = Request::from_parts(parts, Either::Right(Full::new(body)));
+    let request = admitted.into_request();
     let response = match owner.run(inner.oneshot(request)).await {
         Ok(response) => response,
         Err(error) => {

@@ -29,7 +29,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Frame;
-use http_body_util::{BodyExt, Either, Full, StreamBody};
+use http_body_util::{BodyExt, StreamBody};
 use sqlx::postgres::{PgConnection, Postgres};
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 use tower::{BoxError, Service, ServiceExt};
@@ -146,7 +146,7 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let Admitted { mut parts, body, scope, key, fingerprint, principal } = admitted;
+    let Admitted { parts, scope, key, fingerprint, principal, .. } = &admitted;
     let store = &config.store;
     // Redis's marker lives one lease from the claim: the transaction should end before it does, so that
     // a duplicate meets the marker rather than queueing on the row lock (and holding a connection).
@@ -156,7 +156,7 @@ where
     let margin = (lease / 10).max(store.postgres_timeout() * 2).min(lease / 2);
     let deadline = tokio::time::Instant::now() + lease - margin;
     let mut tx = None;
-    let owner = match store.begin_in(&scope, &key, &fingerprint, &config.options, &mut tx).await {
+    let owner = match store.begin_in(scope, key, fingerprint, &config.options, &mut tx).await {
         Ok(Begin::Acquired(owner)) => owner,
         Ok(refused) => {
             // The answer may have marked the record indeterminate, in this transaction: keep it.
@@ -165,14 +165,15 @@ where
             {
                 tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
             }
-            return Ok(answer::refusal(refused, config, &parts, (&scope, &key, principal)).await);
+            return Ok(answer::refusal(refused, config, parts, (scope, key, *principal)).await);
         }
         Err(error) => return Ok(answer::store_failed(&error)),
     };
     let Some(tx) = tx else { return Ok(answer::unavailable()) };
+    let principal = *principal;
     let transaction = ClaimTransaction(Arc::new(Mutex::new(Some(tx))));
-    parts.extensions.insert(transaction.clone());
-    let request = Request::from_parts(parts, Either::Right(Full::new(body)));
+    let mut request = admitted.into_request();
+    request.extensions_mut().insert(transaction.clone());
     let handled = tokio::time::timeout_at(deadline, inner.oneshot(request)).await;
     let taken = transaction.take_back();
     // Dropped (rolled back) below unless committed; the owner then takes back Redis's marker.

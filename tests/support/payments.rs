@@ -69,20 +69,33 @@ pub async fn wait_in_flight(h: &Harness, key: &str) {
         if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == State::InProgress) {
             return;
         }
-        let claimed: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-             WHERE datname = current_database() AND pid <> pg_backend_pid()
-               AND state = 'idle in transaction' AND backend_xid IS NOT NULL)",
-        )
-        .fetch_one(&h.pool)
-        .await
-        .expect("pg_stat_activity");
-        if claimed {
+        if claim_open(h).await {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("the request never got in flight");
+}
+
+/// Waits for a claim held in an open transaction (the transactional path's), at most 5 s.
+pub async fn wait_for_open_claim(h: &Harness) {
+    for _ in 0..500 {
+        if claim_open(h).await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no claim got in flight");
+}
+
+/// Whether a transaction of the test's database wrote and waits, as a claim does while its handler runs.
+async fn claim_open(h: &Harness) -> bool {
+    let open = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid()
+           AND state = 'idle in transaction' AND backend_xid IS NOT NULL)",
+    );
+    open.fetch_one(&h.pool).await.expect("pg_stat_activity")
 }
 
 /// Serves the demo on 127.0.0.1:0; returns its base URL.
