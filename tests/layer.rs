@@ -25,6 +25,7 @@ suite!(
     trailers_reach_the_first_caller_and_every_replay,
     request_cancelled_while_the_body_is_read_never_runs_again,
     shutdown_waits_for_the_settlement_of_an_abandoned_body,
+    a_body_that_streams_past_the_bound_is_settled_not_replayable,
     inner_errors_follow_the_records_rule,
     a_revoked_caller_cannot_read_a_stored_answer_by_retrying,
     a_tenant_over_its_quota_gets_429_and_nothing_runs,
@@ -164,6 +165,51 @@ async fn shutdown_waits_for_the_settlement_of_an_abandoned_body(mode: Mode) {
     let body = replay.into_body().collect().await.expect("body").to_bytes();
     assert_eq!((status, body.as_ref()), (StatusCode::OK, &b"first second"[..]));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A client that takes a streamed response's head and never reads its body: the heartbeat would extend
+/// the lease for as long as the connection stays open. Past the layer's streaming bound the record is
+/// settled as not replayable (before: it stayed in progress, its lease extended, for as long as the
+/// client liked), a retry is told so without running the handler, and the body still goes on.
+async fn a_body_that_streams_past_the_bound_is_settled_not_replayable(mode: Mode) {
+    use futures::StreamExt as _;
+
+    let h = Harness::start(mode).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    // A 1 s lease: the bound's 300 ms plus the wait below span several heartbeats.
+    let policy = Policy::builder().lease(Duration::from_secs(1)).build().expect("policy");
+    let layer = layer(&h, policy).with_max_streaming(Duration::from_millis(300));
+    let service = layer.layer(tower::service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        // No length, so the head goes out before the body; one frame, then nothing ever again.
+        let frames = futures::stream::iter([Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"tick")))])
+            .chain(futures::stream::pending());
+        async { Ok::<_, Infallible>(Response::new(http_body_util::StreamBody::new(frames))) }
+    }));
+    let head = service.clone().oneshot(request("stalled")).await.expect("infallible");
+    assert_eq!(head.status(), StatusCode::OK);
+    let (scope, key) = (h.scope("acme"), support::key("stalled"));
+    let settled = async {
+        loop {
+            let record = h.store.lookup(&scope, &key).await.expect("lookup").expect("the claim");
+            if record.state != idemstore::State::InProgress {
+                break record.state;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let state = tokio::time::timeout(Duration::from_secs(10), settled).await.expect("settled within the bound");
+    assert_eq!(state, idemstore::State::Completed);
+    let retry = service.clone().oneshot(request("stalled")).await.expect("infallible");
+    let (status, body) = (retry.status(), retry.into_body().collect().await.expect("body").to_bytes());
+    let problem: serde_json::Value = serde_json::from_slice(&body).expect("problem+json");
+    assert_eq!((status, problem["type"].clone()), (StatusCode::CONFLICT, problem_types::NOT_REPLAYABLE.into()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The client that stopped reading still gets its body when it reads.
+    let mut body = head.into_body();
+    let frame = body.frame().await.expect("a frame").expect("data");
+    assert_eq!(frame.into_data().expect("data").as_ref(), b"tick");
 }
 
 /// An inner service that fails (here after acting, as a handler cut by a timeout layer does) leaves the

@@ -2,10 +2,13 @@
 //! the capture limit, the lease is extended while the body streams, and the record is settled when the
 //! body ends, before the client sees its end. A response larger than the limit is settled as completed
 //! but not replayable, so a retry never runs the work again; a client that goes away mid-body does not
-//! leave the record unsettled either.
+//! leave the record unsettled either, and neither does one that stops reading: past the layer's
+//! streaming bound the record is settled as not replayable while the body goes on.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -13,6 +16,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, StatusCode};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
+use tokio_util::task::AbortOnDropHandle;
 use tower::BoxError;
 
 use super::boxed::Boxed;
@@ -21,10 +25,17 @@ use super::config::StoredStatuses;
 use crate::owner::{KeepAlive, Owner};
 use crate::store::Background;
 
+/// The owner, until one of three settles it: the body's end, the body's drop, or the streaming bound.
+type SharedOwner = Arc<Mutex<Option<Owner>>>;
+
+fn take(owner: &SharedOwner) -> Option<Owner> {
+    owner.lock().unwrap_or_else(PoisonError::into_inner).take()
+}
+
 /// What an owner's response leaves in the store once its body ended.
 pub(crate) struct Settlement {
-    /// Taken by the settlement; still here if the settlement was dropped unmade.
-    owner: Option<Owner>,
+    /// Taken by whichever settles first; still here if the settlement was dropped unmade.
+    owner: SharedOwner,
     status: StatusCode,
     /// The response's headers that are replayed.
     headers: HeaderMap,
@@ -38,12 +49,15 @@ pub(crate) struct Settlement {
     stored: bool,
     limit: usize,
     body: Vec<u8>,
-    /// Body bytes produced so far.
-    sent: u64,
+    /// Body bytes produced so far (read by the streaming bound too).
+    sent: Arc<AtomicU64>,
     /// The handler's body failed (or panicked) before its end: what was sent is not a response to replay.
     broken: bool,
     /// Extends the lease while the body streams; dropped with the settlement.
     keep_alive: Option<KeepAlive>,
+    /// Settles the record as not replayable once the body has streamed for the layer's bound (a client
+    /// that stops reading would otherwise hold the key, its lease extended, for as long as it likes).
+    bound: Option<AbortOnDropHandle<()>>,
     /// Who the response answers.
     principal: Principal,
 }
@@ -61,7 +75,8 @@ impl Settlement {
         let stored = rule.stores(status) && rule.stores_grpc(headers);
         let (headers, replayed) = (capture::replayed(headers, replayed), replayed.to_vec());
         let keep_alive = Some(owner.keep_alive());
-        let (owner, trailers, body, sent, broken) = (Some(owner), None, Vec::new(), 0, false);
+        let (owner, sent) = (Arc::new(Mutex::new(Some(owner))), Arc::new(AtomicU64::new(0)));
+        let (trailers, body, broken, bound) = (None, Vec::new(), false, None);
         Self {
             owner,
             status,
@@ -75,13 +90,30 @@ impl Settlement {
             sent,
             broken,
             keep_alive,
+            bound,
             principal,
         }
     }
 
+    /// Arms the streaming bound: after `streaming`, a body that has not ended is settled as not replayable.
+    fn bound_streaming(&mut self, streaming: Duration) {
+        let (owner, sent) = (Arc::clone(&self.owner), Arc::clone(&self.sent));
+        let withheld = self.stored.then_some((self.status, self.principal));
+        self.bound = Some(AbortOnDropHandle::new(tokio::spawn(bound(streaming, owner, sent, withheld))));
+    }
+
+    fn sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    /// Where a settlement that must outlive this one runs; `None` once settled.
+    fn background(&self) -> Option<Background> {
+        self.owner.lock().unwrap_or_else(PoisonError::into_inner).as_ref().map(Owner::background)
+    }
+
     /// Keeps a copy of `data` while the body stays within the limit; past it, none (and frees the copy).
     fn record(&mut self, data: &Bytes) {
-        self.sent += data.len() as u64;
+        self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
         if !self.stored || self.over_limit() {
             self.body = Vec::new();
         } else {
@@ -99,7 +131,7 @@ impl Settlement {
     }
 
     fn over_limit(&self) -> bool {
-        self.sent > self.limit as u64
+        self.sent() > self.limit as u64
     }
 
     /// Whether the rest of the body can change the settlement: only a stored status within the limit
@@ -120,31 +152,54 @@ impl Settlement {
     /// The store call that settles, owning what it needs (so that `Drop` can hand it to a task); `None`
     /// once taken.
     fn settling(&mut self) -> Option<impl Future<Output = ()> + Send + 'static> {
-        let owner = self.owner.take()?;
+        let owner = take(&self.owner)?;
         self.keep_alive = None;
         // A gRPC status in the trailers decides too (a stream that failed after its headers).
         let stored = self.stored && self.trailers.as_ref().is_none_or(|trailers| self.rule.stores_grpc(trailers));
         let stored = if !stored {
             None
         } else if self.over_limit() || self.broken {
-            Some(Stored::Withheld(Withheld::new(self.status, self.sent, self.principal)).encode())
+            Some(Stored::Withheld(Withheld::new(self.status, self.sent(), self.principal)).encode())
         } else {
             let body = std::mem::take(&mut self.body);
             let trailers = self.trailers.as_ref().map(|trailers| capture::replayed(trailers, &self.replayed));
             let captured = Captured::new(self.status, &self.headers, body, trailers.as_ref(), self.principal);
             Some(Stored::Response(captured).encode())
         };
-        Some(async move {
-            let fence = owner.fence();
-            let settled = match stored {
-                Some(stored) => owner.complete(&stored).await,
-                None => owner.release().await,
-            };
-            if let Err(error) = settled {
-                tracing::warn!(%error, fence, "could not settle the idempotency record");
-            }
-        })
+        Some(settle_owner(owner, stored))
     }
+}
+
+/// Completes the record with `stored`, or releases the key. A failure cannot change what the client got
+/// (the handler ran): it is logged, and the lease runs out under the record's rule.
+async fn settle_owner(owner: Owner, stored: Option<Vec<u8>>) {
+    let fence = owner.fence();
+    let settled = match stored {
+        Some(stored) => owner.complete(&stored).await,
+        None => owner.release().await,
+    };
+    if let Err(error) = settled {
+        tracing::warn!(%error, fence, "could not settle the idempotency record");
+    }
+}
+
+/// After `streaming`, settles a record whose body has not ended: as a response sent but not stored (the
+/// work ran, so a retry is told so and never runs it again), or released for a status that is not
+/// stored. The body goes on streaming to the client; its end then finds the record settled.
+async fn bound(
+    streaming: Duration,
+    owner: SharedOwner,
+    sent: Arc<AtomicU64>,
+    withheld: Option<(StatusCode, Principal)>,
+) {
+    tokio::time::sleep(streaming).await;
+    // No await between taking the owner and handing it on: an abort here would drop it unsettled.
+    let Some(owner) = take(&owner) else { return };
+    tracing::warn!(?streaming, "the response streamed past the layer's bound; its record is settled as not replayable");
+    let stored = withheld.map(|(status, principal)| {
+        Stored::Withheld(Withheld::new(status, sent.load(Ordering::Relaxed), principal)).encode()
+    });
+    owner.background().settle(settle_owner(owner, stored));
 }
 
 impl Drop for Settlement {
@@ -154,8 +209,7 @@ impl Drop for Settlement {
     /// which `Drop` cannot wait for, and nothing else runs after a dropped future: a task does it.
     fn drop(&mut self) {
         self.broken = true;
-        let background = self.owner.as_ref().map(Owner::background);
-        if let (Some(background), Some(settling)) = (background, self.settling()) {
+        if let (Some(background), Some(settling)) = (self.background(), self.settling()) {
             background.settle(settling);
         }
     }
@@ -206,7 +260,8 @@ pub(crate) struct SettlingBody {
 }
 
 impl SettlingBody {
-    pub(crate) fn new<B>(inner: B, settlement: Settlement) -> Self
+    /// The body of `settlement`'s response, settled when it ends or after `streaming`, whichever is first.
+    pub(crate) fn new<B>(inner: B, mut settlement: Settlement, streaming: Duration) -> Self
     where
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
@@ -214,7 +269,8 @@ impl SettlingBody {
         let expected = http_body::Body::size_hint(&inner).exact();
         let inner = inner.map_err(Into::into).boxed_unsync();
         let (settling, last, failed) = (None, None, None);
-        let background = settlement.owner.as_ref().map(Owner::background);
+        let background = settlement.background();
+        settlement.bound_streaming(streaming);
         Self { inner: Some(inner), expected, settlement: Some(settlement), settling, background, last, failed }
     }
 
@@ -228,7 +284,7 @@ impl SettlingBody {
 
     fn at_end(&self, inner: &Boxed) -> bool {
         http_body::Body::is_end_stream(inner)
-            || self.settlement.as_ref().is_some_and(|s| self.expected.is_some_and(|length| s.sent >= length))
+            || self.settlement.as_ref().is_some_and(|s| self.expected.is_some_and(|length| s.sent() >= length))
     }
 }
 
@@ -308,7 +364,12 @@ impl Drop for SettlingBody {
 /// lease; a panicking body counts as broken), then settles.
 async fn drain_and_settle(inner: Option<Boxed>, mut settlement: Settlement) {
     if let Some(mut inner) = inner {
-        let lease = settlement.owner.as_ref().map_or(Duration::ZERO, |owner| owner.policy().lease());
+        let lease = settlement
+            .owner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map_or(Duration::ZERO, |owner| owner.policy().lease());
         let (limit, deadline) = (settlement.limit as u64, lease);
         // Its own task, so that a body that panics fails that task, not the settlement.
         let mut drained = tokio::spawn(async move {

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, StatusCode};
@@ -116,6 +117,8 @@ pub(crate) struct Config<T> {
     pub(crate) stored: StoredStatuses,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
+    /// How long a response body may stream while its key is held.
+    pub(crate) max_streaming: Duration,
     pub(crate) replayed_headers: Vec<HeaderName>,
     pub(crate) query: QueryComparison,
     pub(crate) replay_check: Option<Arc<ReplayCheck>>,
@@ -160,6 +163,7 @@ impl<T> Clone for Config<T> {
             stored: self.stored,
             max_request_body: self.max_request_body,
             max_response_body: self.max_response_body,
+            max_streaming: self.max_streaming,
             replayed_headers: self.replayed_headers.clone(),
             query: self.query,
             replay_check: self.replay_check.clone(),

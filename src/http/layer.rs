@@ -48,6 +48,7 @@ impl<T> fmt::Debug for IdempotencyLayer<T> {
             .field("stored", &c.stored)
             .field("max_request_body", &c.max_request_body)
             .field("max_response_body", &c.max_response_body)
+            .field("max_streaming", &c.max_streaming)
             .field("replay_check", &c.replay_check.is_some())
             .field("principal", &c.principal.is_some())
             .finish_non_exhaustive()
@@ -71,6 +72,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
                 stored: StoredStatuses::default(),
                 max_request_body: 1 << 20,
                 max_response_body: 1 << 20,
+                max_streaming: Duration::from_secs(600),
                 replayed_headers: DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect(),
                 query: QueryComparison::default(),
                 replay_check: None,
@@ -157,6 +159,18 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// but only its size is stored: retries get 409 `not-replayable` and never run the handler again.
     pub fn with_max_response_body(mut self, bytes: usize) -> Self {
         self.config.max_response_body = bytes;
+        self
+    }
+
+    /// Longest time a response body may stream while its key is held (default 10 minutes). The lease is
+    /// extended while the body streams; past this bound (a client that stopped reading, an endless
+    /// stream) the record is settled as completed but not replayable, as for a body over
+    /// [the capture limit](Self::with_max_response_body): retries get 409 `not-replayable` and never run
+    /// the handler again, and the body goes on to the client. A status that is not stored releases the
+    /// key instead. Bodies known to fit the capture limit are settled before the response starts, so
+    /// this bound only applies to the others.
+    pub fn with_max_streaming(mut self, bound: Duration) -> Self {
+        self.config.max_streaming = bound;
         self
     }
 

@@ -25,7 +25,7 @@
 //! | first request with a key | the handler runs; its response is stored (see [`StoredStatuses`]) |
 //! | retry after completion | the stored response, byte-identical, with `Idempotent-Replayed: true` |
 //! | retry while the first is running (its body still streaming included) | 409, `Retry-After` |
-//! | retry after a response too large to store | 409 `not-replayable`; the handler does not run again |
+//! | retry after a response too large to store, or one that streamed past [`IdempotencyLayer::with_max_streaming`] | 409 `not-replayable`; the handler does not run again |
 //! | retry after the retention | 410 `expired`, until the tombstone's horizon ends |
 //! | same key, different payload | 422 (or 400, or 409 with the original: [`MismatchStatus`]) |
 //! | missing key on a required route; invalid or repeated key | 400 |
@@ -40,7 +40,8 @@
 //! The response body streams to the client as the handler produces it, with a copy kept up to the
 //! capture limit and the lease extended until it ends; the record is settled before the client sees the
 //! end. A larger response is stored as "completed, not replayable" (retries never run it again), and a
-//! client that goes away mid-body leaves a settled record. A handler that panics or is cancelled (the client went away) releases its key when the
+//! client that goes away mid-body leaves a settled record, as does one that stops reading (past the
+//! streaming bound, 10 minutes by default, the record is settled as not replayable). A handler that panics or is cancelled (the client went away) releases its key when the
 //! operation's policy is [`crate::LeaseExpiry::TakeOver`]; under `MarkIndeterminate` its lease runs out
 //! and the record goes indeterminate.
 

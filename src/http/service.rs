@@ -144,7 +144,10 @@ where
     let capture = (config.max_response_body, config.replayed_headers.as_slice());
     let settlement = Settlement::new(owner, head.status, &head.headers, config.stored, capture, principal);
     if !fits(&body, config.max_response_body) {
-        return Ok(Response::from_parts(head, SettlingBody::new(body, settlement).boxed_unsync()));
+        return Ok(Response::from_parts(
+            head,
+            SettlingBody::new(body, settlement, config.max_streaming).boxed_unsync(),
+        ));
     }
     Ok(match settle_whole(settlement, body).await {
         Some((bytes, trailers)) => Response::from_parts(head, with_trailers(bytes, trailers)),
