@@ -112,7 +112,7 @@ pub use encryption::{Encryption, SEALING_OVERHEAD};
 pub use error::{ConfigError, EncryptionError, InputError, SignatureError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
 pub use inbox::{
-    DEFAULT_TOLERANCE, DeliveryHeaders, Inbox, MAX_TOLERANCE, Received, SignatureScheme, VerifiedDelivery,
+    DEFAULT_TOLERANCE, DeliveryHeaders, EventId, Inbox, MAX_TOLERANCE, Received, SignatureScheme, VerifiedDelivery,
     WebhookVerifier,
 };
 pub use key::{IdempotencyKey, Scope};

@@ -3,7 +3,7 @@
 
 use crate::support;
 
-use idemstore::{Mode, Received, RunError};
+use idemstore::{InputError, Mode, Received, RunError, SignatureScheme, StoreError, WebhookVerifier};
 use serde_json::{Value, json};
 use support::{Harness, key};
 
@@ -12,6 +12,7 @@ suite!(
     a_redelivery_with_changed_bookkeeping_is_a_duplicate_after_success,
     compared_fields_decide_a_conflict,
     receive_in_tx_commits_the_handlers_writes_with_the_record,
+    a_delivery_verified_by_one_inbox_is_refused_by_another,
 );
 
 /// A Stripe event as delivered `pending` deliveries before the last.
@@ -62,6 +63,30 @@ async fn compared_fields_decide_a_conflict(mode: Mode) {
     altered["data"]["amount"] = json!(1300);
     let conflict = inbox.receive("evt_1", None, &altered, || h.charge("stripe", &k)).await.expect("third");
     assert_eq!(conflict, Received::Conflict);
+    assert_eq!(h.effects("stripe", &k).await, 1);
+}
+
+/// Two senders' inboxes, here (carelessly) with one secret: a delivery that the first inbox verified is
+/// refused by the second, whose sender did not send it, and nothing runs there; its own inbox handles it
+/// (before: a verified delivery was a bare event id, which any inbox took as its own event).
+async fn a_delivery_verified_by_one_inbox_is_refused_by_another(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let verifier = WebhookVerifier::new(SignatureScheme::StandardWebhooks, ["whsec_c2VjcmV0LW9uZQ"]).expect("verifier");
+    let (stripe_name, github) = (format!("stripe-{}", h.id()), format!("github-{}", h.id()));
+    let stripe = h.store.inbox(stripe_name.clone()).expect("inbox").verified_by(verifier.clone());
+    let github = h.store.inbox(github).expect("inbox").verified_by(verifier.clone());
+    let body = serde_json::to_vec(&event(1)).expect("json");
+    let headers = verifier.sign("evt_1", std::time::SystemTime::now(), &body);
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    let delivery = stripe.verify(headers.as_slice(), &body).expect("signed by stripe's secret");
+    let k = key("evt_1");
+    let elsewhere = github.receive(&delivery, None, &event(1), || h.charge("github", &k)).await;
+    let refused = matches!(&elsewhere, Err(RunError::Store(StoreError::Input(InputError::DeliveryOfAnotherInbox { verified_by })))
+        if *verified_by == stripe_name);
+    assert!(refused, "{elsewhere:?}");
+    assert_eq!(h.effects("github", &k).await, 0);
+    let handled = stripe.receive(&delivery, None, &event(1), || h.charge("stripe", &k)).await.expect("own inbox");
+    assert!(matches!(handled, Received::Handled(_)), "{handled:?}");
     assert_eq!(h.effects("stripe", &k).await, 1);
 }
 

@@ -305,8 +305,8 @@ async fn receive_webhook(
         Ok(inbox) => inbox.verified_by(verifier.clone()),
         Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
     };
-    let event_id = match inbox.verify(&headers, &body) {
-        Ok(delivery) => delivery.event_id,
+    let delivery = match inbox.verify(&headers, &body) {
+        Ok(delivery) => delivery,
         Err(e) if e.is_unauthorized() => return error(StatusCode::UNAUTHORIZED, &e.to_string()),
         Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string()),
     };
@@ -314,8 +314,9 @@ async fn receive_webhook(
         return error(StatusCode::BAD_REQUEST, "the event is not JSON");
     };
     let sequence = headers.get("x-event-sequence").and_then(|v| v.to_str().ok()?.parse().ok());
-    let handle = record_event(provider.clone(), event_id.clone());
-    match inbox.receive_in_tx(&event_id, sequence, &event, handle).await {
+    let handle = record_event(provider.clone(), delivery.event_id.clone());
+    // The delivery is bound to this inbox: no other sender's inbox would take it.
+    match inbox.receive_in_tx(&delivery, sequence, &event, handle).await {
         Ok(Received::Handled(_)) => Json(json!({ "status": "processed" })).into_response(),
         Ok(Received::Duplicate { .. }) => Json(json!({ "status": "duplicate" })).into_response(),
         Ok(Received::InProgress { .. }) => error(StatusCode::CONFLICT, "this event is being handled; retry later"),

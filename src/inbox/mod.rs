@@ -7,12 +7,14 @@
 //! body is not compared at all; [`Inbox::compare_fields`] names the fields whose change is a conflict.
 //!
 //! A delivery's id must come from the provider: [`Inbox::verify`] checks its signature (see
-//! [`WebhookVerifier`]) and takes the id from what was signed.
+//! [`WebhookVerifier`]) and takes the id from what was signed. Give each sender its own inbox and its
+//! own secret: the [`VerifiedDelivery`] is bound to the inbox that verified it, and another inbox
+//! refuses it, so one sender's delivery is never handled as another's event.
 
 mod signature;
 
 pub use signature::{
-    DEFAULT_TOLERANCE, DeliveryHeaders, MAX_TOLERANCE, SignatureScheme, VerifiedDelivery, WebhookVerifier,
+    DEFAULT_TOLERANCE, DeliveryHeaders, EventId, MAX_TOLERANCE, SignatureScheme, VerifiedDelivery, WebhookVerifier,
 };
 
 use std::future::Future;
@@ -138,8 +140,9 @@ impl Inbox {
     }
 
     /// Checks a delivery's signature, before anything is read or written, and returns its event id
-    /// (from the signed material only) for [`Inbox::receive`]. A refused delivery must not be
-    /// acknowledged: its sender was not the provider, or it was captured and sent again too late.
+    /// (from the signed material only) for [`Inbox::receive`], bound to this inbox: another inbox
+    /// refuses it. A refused delivery must not be acknowledged: its sender was not the provider, or it
+    /// was captured and sent again too late.
     ///
     /// ```
     /// # async fn handle(store: idemstore::Store, headers: http::HeaderMap, body: bytes::Bytes) -> Result<(), Box<dyn std::error::Error>> {
@@ -149,7 +152,7 @@ impl Inbox {
     /// let inbox = store.inbox("stripe")?.verified_by(WebhookVerifier::new(SignatureScheme::Stripe, [secret])?);
     /// let delivery = inbox.verify(&headers, &body)?; // Err: answer 400, or 401 if `is_unauthorized()`
     /// let event: serde_json::Value = serde_json::from_slice(&body)?;
-    /// inbox.receive(&delivery.event_id, None, &event, || async { Ok::<_, std::io::Error>(()) }).await?;
+    /// inbox.receive(&delivery, None, &event, || async { Ok::<_, std::io::Error>(()) }).await?;
     /// # Ok(())
     /// # }
     /// ```
@@ -162,7 +165,9 @@ impl Inbox {
         headers: &H,
         body: &[u8],
     ) -> Result<VerifiedDelivery, SignatureError> {
-        self.verifier.as_ref().ok_or(SignatureError::NoVerifier)?.verify(headers, body)
+        let mut delivery = self.verifier.as_ref().ok_or(SignatureError::NoVerifier)?.verify(headers, body)?;
+        delivery.verified_by = Some(self.scope.tenant().to_owned());
+        Ok(delivery)
     }
 
     /// Refuses a delivery as [`Received::Conflict`] when one of these fields (JSON pointers, such as
@@ -179,15 +184,19 @@ impl Inbox {
         Ok(self)
     }
 
-    /// Runs `handler` for the first delivery of `event_id` and records its outcome; later deliveries
+    /// Runs `handler` for the first delivery of `event` and records its outcome; later deliveries
     /// are acknowledged from the record. A handler `Err` records nothing, so the next delivery runs it
     /// again, whatever changed in the body (unless a [compared field](Inbox::compare_fields) did).
+    /// `event` is the [`VerifiedDelivery`] of [`Inbox::verify`] (or a bare id, for messages no
+    /// signature vouches for).
     ///
     /// # Errors
-    /// [`InputError`] for an event id that is not a valid key; otherwise as [`Store::run_once`].
-    pub async fn receive<P, T, E, F, Fut>(
+    /// [`InputError`] for an event id that is not a valid key, or
+    /// [`InputError::DeliveryOfAnotherInbox`] for a delivery another inbox verified; otherwise as
+    /// [`Store::run_once`].
+    pub async fn receive<'e, P, T, E, F, Fut>(
         &self,
-        event_id: &str,
+        event: impl Into<EventId<'e>>,
         sequence: Option<i64>,
         payload: &P,
         handler: F,
@@ -198,7 +207,7 @@ impl Inbox {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let (key, identity) = self.identify(event_id, payload)?;
+        let (key, identity) = self.identify(event.into(), payload)?;
         let work = || async move { handler().await.map(|outcome| Entry { sequence, outcome }) };
         let outcome = self.store.run_fingerprinted(&self.scope, &key, &identity, &self.options, work).await?;
         Ok(received(outcome))
@@ -210,9 +219,9 @@ impl Inbox {
     ///
     /// # Errors
     /// As [`Inbox::receive`].
-    pub async fn receive_in_tx<P, T, E, F>(
+    pub async fn receive_in_tx<'e, P, T, E, F>(
         &self,
-        event_id: &str,
+        event: impl Into<EventId<'e>>,
         sequence: Option<i64>,
         payload: &P,
         handler: F,
@@ -223,7 +232,7 @@ impl Inbox {
         E: Send + 'static,
         F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
     {
-        let (key, identity) = self.identify(event_id, payload)?;
+        let (key, identity) = self.identify(event.into(), payload)?;
         let work = recorded_with(sequence, handler);
         let outcome = self.store.run_fingerprinted_in_tx(&self.scope, &key, &identity, &self.options, work).await?;
         Ok(received(outcome))
@@ -232,10 +241,13 @@ impl Inbox {
     /// The event's key, and what its deliveries are compared by.
     fn identify<P: Serialize + ?Sized>(
         &self,
-        event_id: &str,
+        event: EventId<'_>,
         payload: &P,
     ) -> Result<(IdempotencyKey, Fingerprint), StoreError> {
-        let key = IdempotencyKey::new(event_id)?;
+        if let Some(verified_by) = event.verified_by.filter(|&inbox| inbox != self.scope.tenant()) {
+            return Err(InputError::DeliveryOfAnotherInbox { verified_by: verified_by.to_owned() }.into());
+        }
+        let key = IdempotencyKey::new(event.id)?;
         let identity = match &self.compared {
             Some(options) => Fingerprint::of_serialize(payload, options)?,
             // One value for every delivery: the event id alone is the identity.

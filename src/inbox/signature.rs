@@ -50,6 +50,36 @@ pub struct VerifiedDelivery {
     pub event_id: String,
     /// When the provider signed the delivery.
     pub signed_at: SystemTime,
+    /// The consumer whose inbox verified it ([`Inbox::verify`](crate::Inbox::verify)); `None` from a
+    /// bare [`WebhookVerifier`].
+    pub(crate) verified_by: Option<String>,
+}
+
+/// The event a delivery is received as ([`Inbox::receive`](crate::Inbox::receive)): a
+/// [`VerifiedDelivery`], which only the inbox that verified it accepts, or a bare event id (a queue
+/// message's id, which no signature vouches for).
+#[derive(Clone, Copy, Debug)]
+pub struct EventId<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) verified_by: Option<&'a str>,
+}
+
+impl<'a> From<&'a VerifiedDelivery> for EventId<'a> {
+    fn from(delivery: &'a VerifiedDelivery) -> Self {
+        Self { id: &delivery.event_id, verified_by: delivery.verified_by.as_deref() }
+    }
+}
+
+impl<'a> From<&'a str> for EventId<'a> {
+    fn from(id: &'a str) -> Self {
+        Self { id, verified_by: None }
+    }
+}
+
+impl<'a> From<&'a String> for EventId<'a> {
+    fn from(id: &'a String) -> Self {
+        Self { id, verified_by: None }
+    }
 }
 
 /// A delivery's headers, looked up by name, ignoring case.
@@ -186,7 +216,7 @@ impl WebhookVerifier {
             Some(id) => id.to_owned(),
             None => event_id_of(body)?,
         };
-        Ok(VerifiedDelivery { event_id, signed_at })
+        Ok(VerifiedDelivery { event_id, signed_at, verified_by: None })
     }
 
     /// The headers that sign `body` as event `event_id` at `at` with the newest secret: what the
