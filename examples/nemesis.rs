@@ -215,8 +215,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
     }
 
     let histories = std::mem::take(&mut *histories.lock().expect("lock"));
-    let charges: Vec<(String, i64)> =
-        sqlx::query_as("SELECT customer, id FROM charges WHERE tenant = 'acme'").fetch_all(store.pg_pool()).await?;
+    let charges: Vec<(String, i64)> = sqlx::query_as("SELECT customer, id FROM charges WHERE tenant = $1")
+        .bind(app::tenant_of("acme"))
+        .fetch_all(store.pg_pool())
+        .await?;
     if check(&args, &histories, &charges, &faults, started) {
         return Err("the campaign found anomalies".into());
     }

@@ -133,8 +133,11 @@ async fn a_client_killed_mid_request_sends_the_same_key_after_its_restart(mode: 
     let restarted = process("0").output().expect("the restarted client");
     let printed = String::from_utf8_lossy(&restarted.stdout);
     let answer = printed.lines().find(|line| line.starts_with("ANSWER")).expect("an answer");
-    let charged: i64 =
-        sqlx::query_scalar("SELECT id FROM charges WHERE tenant = 'acme'").fetch_one(&h.pool).await.expect("a charge");
+    let charged: i64 = sqlx::query_scalar("SELECT id FROM charges WHERE tenant = $1")
+        .bind(payments::app::tenant_of("acme"))
+        .fetch_one(&h.pool)
+        .await
+        .expect("a charge");
     assert!(answer.starts_with("ANSWER 201 Created replayed=true"), "{answer}");
     assert!(answer.contains(&format!("\"id\":{charged}")), "the first attempt's charge: {answer}");
     assert_eq!(charges(&h, "acme").await, 1);

@@ -171,7 +171,7 @@ async fn demo_answers_every_retry_during_a_failover() {
     let (cluster, h) = start().await;
     let base = payments::serve(&h).await;
     let client = reqwest::Client::new();
-    let record_key = h.redis_key(&h.scope("acme"), &key("order-1"));
+    let record_key = h.redis_key(&payments::acme(), &key("order-1"));
     let master = control(&cluster, move |c| c.master_of_slot(c.slot_of(&record_key)?)).await.expect("master");
     let failover = control(&cluster, move |c| c.failover(master));
     let retries = async {

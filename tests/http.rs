@@ -84,9 +84,10 @@ fn counting_at(
     (Router::new().route(route, post(handler).route_layer(layer)), runs)
 }
 
+/// The demo's tenant of the bearer token, so that these routers and the demo's name one tenant.
 fn bearer(parts: &axum::http::request::Parts) -> Option<String> {
     let value = parts.headers.get("authorization")?.to_str().ok()?;
-    value.strip_prefix("Bearer ").map(str::to_owned)
+    value.strip_prefix("Bearer ").map(payments::app::tenant_of)
 }
 
 fn layer(h: &Harness) -> IdempotencyLayer<fn(&axum::http::request::Parts) -> Option<String>> {
@@ -168,7 +169,7 @@ async fn mismatch_answers_422_or_as_configured(mode: Mode) {
 
     // Past the retention (before the purge), nothing of the response is shown any more: the same
     // payload gets 410, another payload 409 without the original (before: 409 with the original body).
-    h.pass_retention(&Scope::new("acme", PAYMENTS).expect("scope"), &support::key("m3")).await;
+    h.pass_retention(&payments::acme(), &support::key("m3")).await;
     let (status, headers, body) = send(&router, payment(Some("m3"), "acme", &charge(2))).await;
     assert_eq!((status, problem_type(&body)), (StatusCode::CONFLICT, problem_types::KEY_REUSED.to_owned()));
     assert!(headers.get("idempotent-replayed").is_none());
@@ -275,7 +276,10 @@ async fn oversized_response_is_never_run_again(mode: Mode) {
     let first = post().await.expect("HTTP");
     assert_eq!(first.status(), reqwest::StatusCode::OK);
     assert_eq!(first.bytes().await.expect("body").len(), 5 << 20);
-    let record = h.store.lookup(&Scope::new("acme", "big-response").expect("scope"), &support::key("r1")).await;
+    let record = h
+        .store
+        .lookup(&Scope::new(payments::app::tenant_of("acme"), "big-response").expect("scope"), &support::key("r1"))
+        .await;
     assert_eq!(record.expect("lookup").expect("record").state, State::Completed, "settled before the last byte");
     let retry = post().await.expect("HTTP");
     assert_eq!(retry.status(), reqwest::StatusCode::CONFLICT);
@@ -345,7 +349,7 @@ async fn a_known_length_response_is_settled_before_the_client_has_it(mode: Mode)
         let first = post_payment(&client, &base, &key, "acme", &charge(1), 0).await;
         assert_eq!(first.status(), reqwest::StatusCode::CREATED);
         first.bytes().await.expect("body");
-        let scope = Scope::new("acme", PAYMENTS).expect("scope");
+        let scope = payments::acme();
         let record = h.store.lookup(&scope, &IdempotencyKey::new(key.clone()).expect("key")).await.expect("lookup");
         assert_eq!(record.map(|r| r.state), Some(State::Completed), "settled before the client had the body");
         let retry = post_payment(&client, &base, &key, "acme", &charge(1), 0).await;
@@ -479,7 +483,12 @@ async fn store_unavailable_answers_503_and_runs_nothing(mode: Mode) {
 /// missing-tenant and runs nothing (before: an invalid name was answered 400 invalid-body).
 async fn missing_tenant_gets_401(mode: Mode) {
     let h = Harness::start(mode).await;
-    let (router, runs) = counting(layer(&h), |_| StatusCode::CREATED.into_response());
+    // The token itself is the tenant here, so that a 300-byte one is a tenant the store refuses.
+    let token = |parts: &axum::http::request::Parts| {
+        parts.headers.get("authorization")?.to_str().ok()?.strip_prefix("Bearer ").map(str::to_owned)
+    };
+    let raw = IdempotencyLayer::new(h.store.clone(), token as fn(&axum::http::request::Parts) -> Option<String>);
+    let (router, runs) = counting(raw, |_| StatusCode::CREATED.into_response());
     let mut anonymous = payment(Some("a1"), "acme", &charge(1));
     anonymous.headers_mut().remove("authorization");
     let invalid = payment(Some("a2"), &"t".repeat(300), &charge(1));
@@ -555,7 +564,7 @@ async fn one_key_on_two_targets_names_two_records(mode: Mode) {
     assert_eq!(status, StatusCode::OK);
     assert!(headers.get("idempotent-replayed").is_none());
     assert_eq!(runs.load(Ordering::SeqCst), 3);
-    let scope = Scope::new("acme", format!("POST {route}")).expect("scope");
+    let scope = Scope::new(payments::app::tenant_of("acme"), format!("POST {route}")).expect("scope");
     let stored = support::key("t1").for_target("/accounts/A/transfers");
     assert_eq!(stored.as_str(), "/accounts/A/transfers#t1");
     let record = h.store.lookup(&scope, &stored).await.expect("lookup").expect("A's record");
@@ -573,7 +582,7 @@ async fn one_key_on_two_targets_names_two_records(mode: Mode) {
     let nested = Router::new().nest("/api", inner);
     let request = Request::post("/api/payments").header("authorization", "Bearer acme").header("idempotency-key", "n1");
     send(&nested, request.body(Body::from(charge(1).to_string())).expect("request")).await;
-    let scope = Scope::new("acme", "POST /api/payments").expect("scope");
+    let scope = Scope::new(payments::app::tenant_of("acme"), "POST /api/payments").expect("scope");
     assert!(h.store.lookup(&scope, &support::key("n1")).await.expect("lookup").is_some(), "the bare key");
 
     let shared = layer(&h).with_key_space(KeySpace::Operation);

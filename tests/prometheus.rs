@@ -134,7 +134,8 @@ async fn prometheus_sees_the_first_burst_and_the_first_outage(mode: Mode) {
         let (client, base) = (client.clone(), base.clone());
         async move { post(&client, &base, "p-slow", 1, 1500).await }
     });
-    let (scope, slow_key) = (Scope::new("acme", "POST /payments").expect("scope"), IdempotencyKey::new("p-slow"));
+    let (scope, slow_key) =
+        (Scope::new(app::tenant_of("acme"), "POST /payments").expect("scope"), IdempotencyKey::new("p-slow"));
     let slow_key = slow_key.expect("key");
     while h.store.lookup(&scope, &slow_key).await.expect("lookup").is_none_or(|r| r.state != State::InProgress) {
         tokio::time::sleep(Duration::from_millis(10)).await;

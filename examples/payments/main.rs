@@ -53,7 +53,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
     println!(
         "  {post} -d '{{\"amount\": 9900, \"currency\": \"EUR\", \"customer\": \"cus_1\"}}'   # same key, new payload: 422"
     );
-    println!("  curl -s http://{addr}/metrics | grep idemstore_\n");
+    println!("  curl -s http://{addr}/metrics | grep idemstore_");
+    let tenant = app::tenant_of("acme");
+    println!("  # records name the token's tenant, never the token: acme is {tenant} (idemctl inspect {tenant} ...)\n");
 
     // A bad secret is refused at start, not on the first delivery.
     if std::env::var_os("IDEMSTORE_DEMO_WEBHOOK_SECRET").is_some() {

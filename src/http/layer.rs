@@ -214,12 +214,14 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// # fn app(store: idemstore::Store) -> axum::Router {
     /// use idemstore::http::IdempotencyLayer;
     /// # #[derive(Clone)] struct Revoked(std::sync::Arc<std::collections::HashSet<String>>);
+    /// # #[derive(Clone)] struct Caller { account_id: String, api_key_id: String }
     /// # let revoked = Revoked(Default::default());
-    /// let tenant = |parts: &http::request::Parts| parts.headers.get("x-api-key")?.to_str().ok().map(str::to_owned);
+    /// // Both from what the authentication layer found (never the secret itself, which would be stored).
+    /// let tenant = |parts: &http::request::Parts| parts.extensions.get::<Caller>().map(|c| c.account_id.clone());
     /// let layer = IdempotencyLayer::new(store, tenant).with_replay_check(move |parts, _scope| {
-    ///     let api_key = parts.headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    ///     let api_key_id = parts.extensions.get::<Caller>().map(|c| c.api_key_id.clone());
     ///     let revoked = revoked.clone();
-    ///     async move { api_key.is_some_and(|key| !revoked.0.contains(&key)) }
+    ///     async move { api_key_id.is_some_and(|id| !revoked.0.contains(&id)) }
     /// });
     /// # axum::Router::new().route_layer(layer)
     /// # }

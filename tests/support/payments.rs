@@ -27,13 +27,19 @@ pub async fn demo(h: &Harness) -> Router {
     })
 }
 
+/// The scope of the demo's payments for the account of bearer `acme`.
+pub fn acme() -> Scope {
+    Scope::new(app::tenant_of("acme"), PAYMENTS).expect("scope")
+}
+
 pub fn charge(amount: i64) -> Value {
     json!({"amount": amount, "currency": "EUR", "customer": "cus_1"})
 }
 
-pub async fn charges(h: &Harness, tenant: &str) -> i64 {
+/// The demo's charges for the account of bearer `token`.
+pub async fn charges(h: &Harness, token: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM charges WHERE tenant = $1")
-        .bind(tenant)
+        .bind(app::tenant_of(token))
         .fetch_one(&h.pool)
         .await
         .expect("count charges")
@@ -46,7 +52,7 @@ pub fn problem_type(body: &[u8]) -> String {
 
 /// Polls the store until the demo's record for `key` is in `state`.
 pub async fn wait_for_state(h: &Harness, key: &str, state: State) {
-    let scope = Scope::new("acme", PAYMENTS).expect("scope");
+    let scope = acme();
     let key = IdempotencyKey::new(key).expect("key");
     for _ in 0..500 {
         if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == state) {
@@ -63,7 +69,7 @@ pub async fn wait_for_state(h: &Harness, key: &str, state: State) {
 /// alone is not enough: the claim takes its table lock when it starts, and a duplicate sent then can
 /// still insert the key first (seen in CI, where the duplicate executed and the first was replayed).
 pub async fn wait_in_flight(h: &Harness, key: &str) {
-    let scope = Scope::new("acme", PAYMENTS).expect("scope");
+    let scope = acme();
     let key = IdempotencyKey::new(key).expect("key");
     for _ in 0..500 {
         if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == State::InProgress) {
@@ -111,13 +117,13 @@ pub async fn post_payment(
     client: &reqwest::Client,
     base: &str,
     key: &str,
-    tenant: &str,
+    token: &str,
     body: &Value,
     delay_ms: u64,
 ) -> reqwest::Response {
     client
         .post(format!("{base}/payments"))
-        .bearer_auth(tenant)
+        .bearer_auth(token)
         .header("idempotency-key", key)
         .header("x-demo-delay-ms", delay_ms.to_string())
         .json(body)
