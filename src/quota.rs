@@ -23,12 +23,15 @@ pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(366 * 86_400);
 ///   weighted by how much of it the sliding window still covers, plus the current one's). Reading it
 ///   costs a row per connection that counted in the last two windows, whatever the limit; no claim
 ///   waits for another connection's counter. Changing a policy's window starts its counts afresh.
-/// - **Live keys** are counted from the tenant's in-progress records, at most `limit` index entries.
+/// - **Live keys** are counted from the tenant's in-progress records, at most `limit` index entries,
+///   and from the claims open inside applications' transactions (`run_once_in_tx`,
+///   `Inbox::receive_in_tx`, the HTTP layer's transactional path), which no other snapshot shows: each
+///   holds one of `limit` transaction-level advisory locks of the tenant and operation until it ends.
+///   Reading them costs a scan of `pg_locks` per claim under a live-key limit.
 ///
 /// Counts are read in the claim's snapshot, so claims of one tenant that run at the same instant do not
-/// see each other: a burst of `k` concurrent claims can pass a limit by at most `k - 1`, and claims made
-/// inside applications' open transactions (`run_once_in_tx`, `Inbox::receive_in_tx`) are not seen
-/// until those commit (a new key counts from then on; a live key never shows, as it commits completed).
+/// see each other: a burst of `k` concurrent claims can pass a limit by at most `k - 1`, and a new key
+/// claimed inside a transaction counts towards the new-key limit once that commits.
 /// A duplicate of a key whose claim has not committed yet may be told [`crate::Begin::QuotaExceeded`]
 /// rather than "in flight". Under `SERIALIZABLE`, concurrent claims of one tenant under a quota read
 /// what the other writes, and one may fail with a serialization error (retry it). Sequential claims
@@ -60,9 +63,7 @@ impl Quota {
     }
 
     /// At most `limit` keys of one tenant in progress at once (live leases; a lease that ran out does
-    /// not count). Claims made inside an application's transaction (`run_once_in_tx`) are refused like
-    /// any other when the limit is reached, but are not seen by others until their transaction commits,
-    /// by when they are complete: they never count towards it.
+    /// not count), claims open inside applications' transactions (`run_once_in_tx`) included.
     pub fn live_keys(mut self, limit: u32) -> Self {
         self.live_keys = Some(limit);
         self

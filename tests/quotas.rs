@@ -17,6 +17,7 @@ suite!(
     live_keys_count_leases_in_progress_only,
     a_burst_past_the_limit_leaves_no_trace_of_refused_keys,
     keys_started_again_are_not_new_and_transactional_claims_count_once_committed,
+    open_transactional_claims_count_as_live_keys,
     the_previous_window_weighs_as_much_as_the_sliding_window_still_covers,
 );
 
@@ -153,6 +154,54 @@ async fn live_keys_count_leases_in_progress_only(mode: Mode) {
     third.complete(b"done").await.expect("complete");
     fourth.complete(b"done").await.expect("complete");
     assert!(matches!(begin("d", 1).await, Begin::Acquired(_)));
+}
+
+/// Claims made inside a transaction are in no snapshot until they commit: two held open fill a limit of
+/// two live keys, so a third transactional claim and a plain one are refused, and nothing of them is
+/// recorded; once both commit (completed, not live) places are free again (before: both passed, and a
+/// tenant could hold any number of pool connections in transactional claims).
+async fn open_transactional_claims_count_as_live_keys(mode: Mode) {
+    use std::sync::Arc;
+
+    let h = harness(mode, Quota::default().live_keys(2)).await;
+    let scope = h.scope("acme");
+    let (started, mut opened) = tokio::sync::mpsc::unbounded_channel();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let in_tx = |name: &'static str, wait: bool| {
+        let (scope, key, h) = (scope.clone(), key(name), &h);
+        let (started, gate) = (started.clone(), Arc::clone(&gate));
+        async move {
+            let payload = json!({});
+            let outcome = h.store.run_once_in_tx(&scope, &key, &payload, move |tx| {
+                Box::pin(async move {
+                    if wait {
+                        started.send(()).expect("the test listens");
+                        gate.acquire().await.expect("open").forget();
+                    }
+                    sqlx::query_scalar::<_, i64>("SELECT 1::int8").fetch_one(tx).await
+                })
+            });
+            outcome.await.expect("answer")
+        }
+    };
+    let held = futures::future::join(in_tx("held-1", true), in_tx("held-2", true));
+    let refused = async {
+        opened.recv().await.expect("first open");
+        opened.recv().await.expect("second open");
+        let third = in_tx("third", false).await;
+        let plain = h.store.begin(&scope, &key("plain"), &fingerprint(1)).await.expect("begin");
+        gate.add_permits(2);
+        (third, plain)
+    };
+    let ((first, second), (third, plain)) = tokio::join!(held, refused);
+    assert_eq!((first, second), (RunOutcome::Executed(1), RunOutcome::Executed(1)));
+    assert!(matches!(third, RunOutcome::QuotaExceeded { limit: QuotaLimit::LiveKeys, .. }), "{third:?}");
+    assert!(matches!(plain, Begin::QuotaExceeded { limit: QuotaLimit::LiveKeys, .. }), "{plain:?}");
+    for name in ["third", "plain"] {
+        assert!(!holds(&h, &h.store, "acme", name).await, "nothing recorded for {name}");
+    }
+    assert_eq!(in_tx("third", false).await, RunOutcome::Executed(1));
+    assert!(matches!(h.store.begin(&scope, &key("plain"), &fingerprint(1)).await, Ok(Begin::Acquired(_))));
 }
 
 async fn a_burst_past_the_limit_leaves_no_trace_of_refused_keys(mode: Mode) {

@@ -18,9 +18,9 @@
 //!
 //! The handler's statements run on the store's connection, so they inherit its server-side timeouts
 //! (`statement_timeout` at 4/5 and `lock_timeout` at 1/2 of the store's Postgres timeout, when the store
-//! opened its pool or the pool was built with [`crate::server_bounded`]). A tenant's
-//! [`Quota`](crate::Quota) does not see claims whose transaction has not committed yet: concurrent new
-//! keys of one tenant on this path may pass a live-key limit together.
+//! opened its pool or the pool was built with [`crate::server_bounded`]). A tenant's live-key
+//! [`Quota`](crate::Quota) counts the claims open on this path; its new-key limit counts them once
+//! they commit.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;

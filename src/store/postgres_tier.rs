@@ -80,7 +80,8 @@ macro_rules! in_progress_expiry {
 /// a sliding window: the previous window's count, weighted by how much of it the sliding window still
 /// covers, plus the current one's. Reading it costs a row per connection that counted in those two
 /// windows, whatever the limit. Live keys are counted from the in-progress records (a partial index),
-/// at most `$14` entries.
+/// at most `$14` entries, plus the claims open in other transactions ([`TAKE_LIVE_SLOT`], slots of the
+/// namespace `$15`), which no snapshot shows.
 macro_rules! quota_ctes {
     () => {
         "new_keys_used AS (
@@ -101,12 +102,19 @@ macro_rules! quota_ctes {
         FROM new_keys_used
         WHERE previous * (1 - (now_in_windows - floor(now_in_windows))) + current + 1 > $12::int4
     ), over_live_keys AS (
-        SELECT 'l'::\"char\" AS quota_limit, min(lease_expires_at) AS frees_at FROM (
+        SELECT 'l'::\"char\" AS quota_limit,
+               coalesce(min(lease_expires_at), now() + $6::float8 * interval '1 millisecond') AS frees_at
+        FROM (
             SELECT lease_expires_at FROM idempotency_records
             WHERE $14::int4 IS NOT NULL AND tenant = $1 AND operation = $2
               AND state = 'p' AND lease_expires_at > now()
             ORDER BY lease_expires_at LIMIT $14::int4) AS live
-        HAVING count(*) >= $14::int4
+        HAVING count(*) + CASE WHEN $14::int4 IS NULL THEN 0 ELSE (
+            SELECT count(*) FROM pg_locks
+            WHERE locktype = 'advisory' AND objsubid = 2 AND classid = $15::int4::oid AND granted
+              AND pid <> pg_backend_pid()
+              AND database = (SELECT oid FROM pg_database WHERE datname = current_database())) END
+            >= $14::int4
     ), "
     };
 }
@@ -248,6 +256,30 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
         ),
     ),
 );
+
+/// A place among a tenant's live keys for a claim made inside the caller's transaction (`$1`, the
+/// namespace of the tenant and operation; `$2`, the live-key limit): one of `$2` transaction-level
+/// advisory locks, held until that transaction ends, or no row when all are held. Such a claim is in no
+/// snapshot until it commits (and then it is completed, not live), so the locks are what the live-key
+/// quota counts of it ([`quota_ctes`]); unlike rows, other backends see them at once.
+const TAKE_LIVE_SLOT: Statement = Statement::new(
+    "live_slot",
+    "SELECT slot FROM generate_series(0, $2::int4 - 1) AS slot WHERE pg_try_advisory_xact_lock($1::int4, slot) LIMIT 1",
+);
+
+/// The advisory-lock namespace of a tenant's live-key slots under one operation ([`TAKE_LIVE_SLOT`]):
+/// 32 bits of a digest. Two scopes that share it count each other's open transactional claims, which
+/// can only refuse early; so can an application's own two-key advisory locks of the same first key.
+fn live_slots(scope: &Scope) -> i32 {
+    use sha2::{Digest as _, Sha256};
+    let mut hasher = Sha256::new();
+    for part in [b"idemstore live keys".as_slice(), scope.tenant().as_bytes(), scope.operation().as_bytes()] {
+        hasher.update((part.len() as u64).to_le_bytes());
+        hasher.update(part);
+    }
+    let digest = hasher.finalize();
+    i32::from_le_bytes([digest[0], digest[1], digest[2], digest[3]])
+}
 
 /// The claim of a key that is most likely new (Redis had nothing of it), without a quota: the new record,
 /// unless the key has a record or a live tombstone, and then no row, and [`CLAIM`] answers. Same
@@ -438,6 +470,7 @@ impl PostgresTier {
         conn: Option<&mut PgConnection>,
     ) -> Result<ClaimAnswer, StoreError> {
         let mut pooled;
+        let in_tx = conn.is_some();
         let conn = match conn {
             Some(conn) => conn,
             None => {
@@ -450,6 +483,14 @@ impl PostgresTier {
         let full = if quota.is_off() { &CLAIM } else { &CLAIM_UNDER_QUOTA };
         // Limits fit an int4: `Quota::check` refused larger ones.
         let limit = |limit: u32| i32::try_from(limit).unwrap_or(i32::MAX);
+        let slots = live_slots(&lease.scope);
+        if let Some(live_keys) = quota.live_key_limit().filter(|_| in_tx) {
+            let take = sqlx::query(TAKE_LIVE_SLOT.sql).bind(slots).bind(limit(live_keys));
+            if self.bounded(&TAKE_LIVE_SLOT, take.fetch_optional(&mut *conn)).await?.is_none() {
+                // Every slot is another open transaction's claim, which ends within its lease.
+                return Ok(ClaimAnswer::OverQuota { limit: QuotaLimit::LiveKeys, retry_after: policy.lease });
+            }
+        }
         let digest = key_digest(&lease.scope, &lease.key);
         let mut new_key_first = likely_new && quota.is_off();
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
@@ -475,7 +516,8 @@ impl PostgresTier {
                 claim = claim
                     .bind(new_keys.map(|(n, _)| limit(n)))
                     .bind(new_keys.map(|(_, window)| millis(window) as f64))
-                    .bind(quota.live_key_limit().map(limit));
+                    .bind(quota.live_key_limit().map(limit))
+                    .bind(slots);
             }
             let row = self.bounded(statement, claim.fetch_optional(&mut *conn)).await?;
             if std::mem::take(&mut new_key_first) {
