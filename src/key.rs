@@ -52,11 +52,15 @@ impl IdempotencyKey {
     /// The key as the store keeps it for a request to `target` (a concrete path, such as
     /// `/accounts/A/transfers`), so that one key sent to two targets of one operation names two records:
     /// `<target>#<key>`, or `idem-t-` and a digest of both when that would be longer than 255 bytes or
-    /// the target is not visible ASCII (the target as sent, percent-encoding included). The HTTP layer
-    /// keeps the keys of routes with path parameters this way
-    /// ([`KeySpace::Target`](crate::http::KeySpace::Target)): look their records up (in code, or as
-    /// `idemctl inspect`'s key) in this form.
+    /// the target is not visible ASCII. The target's percent-encoding is normalized first (RFC 3986
+    /// section 6.2.2: an encoded unreserved character is decoded, the other escapes' hex digits
+    /// upper-cased), so that `/accounts/%41` and `/accounts/A`, one resource, are one key space; other
+    /// bytes stay as sent. The HTTP layer keeps the keys of routes with path parameters this way
+    /// ([`KeySpace::Target`](crate::http::KeySpace::Target)): look their records up in this form (in
+    /// code, or with `idemctl inspect --target`).
     pub fn for_target(&self, target: &str) -> IdempotencyKey {
+        let target = normalize_percent_encoding(target);
+        let target = target.as_ref();
         let readable = target.len() + 1 + self.0.len() <= Self::MAX_LEN && target.bytes().all(|b| b.is_ascii_graphic());
         if readable {
             // A request target never holds '#' (it starts a fragment, which is never sent), so the
@@ -70,6 +74,41 @@ impl IdempotencyKey {
     pub(crate) fn outbox(id: i64, nonce: i64) -> Self {
         IdempotencyKey(format!("outbox-{id}-{nonce:x}"))
     }
+}
+
+/// `target` with its percent-encoding normalized (RFC 3986 section 6.2.2.1-2): `%41` is `A`, `%7e` is
+/// `~`, `%2f` is `%2F` (a reserved character stays encoded: `/accounts/A%2FB` is not `/accounts/A/B`).
+/// Borrowed when nothing changes, which is every target a client built from unescaped parts.
+fn normalize_percent_encoding(target: &str) -> std::borrow::Cow<'_, str> {
+    let bytes = target.as_bytes();
+    if !bytes.contains(&b'%') {
+        return std::borrow::Cow::Borrowed(target);
+    }
+    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    let mut normalized = String::with_capacity(target.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escape = (bytes[i] == b'%').then(|| Some((hex(*bytes.get(i + 1)?)?, hex(*bytes.get(i + 2)?)?))).flatten();
+        match escape {
+            Some((high, low)) => {
+                let decoded = high << 4 | low;
+                if decoded.is_ascii_alphanumeric() || b"-._~".contains(&decoded) {
+                    normalized.push(decoded as char);
+                } else {
+                    normalized.push('%');
+                    normalized.push_str(&target[i + 1..i + 3].to_ascii_uppercase());
+                }
+                i += 3;
+            }
+            None => {
+                // Not an escape: the character as sent (whole, if it is not ASCII).
+                let width = target[i..].chars().next().map_or(1, char::len_utf8);
+                normalized.push_str(&target[i..i + width]);
+                i += width;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(normalized)
 }
 
 /// How a key qualified by a target begins when it is a digest ([`IdempotencyKey::for_target`]).
@@ -286,6 +325,25 @@ mod tests {
         all.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         all.dedup();
         assert_eq!(all.len(), forms.len() + 1, "one form per (target, key)");
+    }
+
+    /// One resource spelled with and without percent-encoding is one key space (before: `%41` and `A`
+    /// named two records, so a retry through a proxy that normalizes the path ran the work again);
+    /// a reserved character encoded stays distinct from the character itself.
+    #[test]
+    fn a_target_is_compared_with_its_percent_encoding_normalized() {
+        let key = IdempotencyKey::new("t1").expect("key");
+        let same = [("/accounts/%41/transfers", "/accounts/A/transfers"), ("/a/%7e%2d%5F%2E", "/a/~-_.")];
+        for (encoded, plain) in same {
+            assert_eq!(key.for_target(encoded), key.for_target(plain), "{encoded}");
+        }
+        assert_eq!(key.for_target("/a/%2f").as_str(), "/a/%2F#t1");
+        assert_ne!(key.for_target("/a/B%2FC"), key.for_target("/a/B/C"));
+        assert_eq!(key.for_target("/a/%c3%a9"), key.for_target("/a/%C3%A9"));
+        // Not escapes: left as sent.
+        assert_eq!(key.for_target("/a/%4").as_str(), "/a/%4#t1");
+        assert_eq!(key.for_target("/a/%zz%").as_str(), "/a/%zz%#t1");
+        assert_eq!(key.for_target("/ä/%41"), key.for_target("/ä/A"));
     }
 
     #[test]

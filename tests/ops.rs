@@ -333,10 +333,18 @@ async fn idemctl_commands(mode: Mode) {
         _ => assert!(inspected["redis"].is_null()),
     }
 
+    // A key the HTTP layer kept per request path, named with --target (percent-encoding normalized).
+    let targeted = key("sent").for_target("/accounts/A/transfers");
+    let fp = fingerprint(&h, &json!({"n": 2}));
+    let Ok(Begin::Acquired(owner)) = h.store.begin(&h.scope("acme"), &targeted, &fp).await else { panic!() };
+    owner.complete(b"{}").await.expect("complete");
+    let (code, inspected) = idemctl(&h, &["inspect", "acme", &op, "sent", "--target", "/accounts/%41/transfers"]);
+    assert_eq!((code, &inspected["postgres"]["state"]), (0, &json!("completed")), "{inspected}");
+
     let (code, stats) = idemctl(&h, &["stats", "--window", "1h"]);
     assert_eq!(code, 0);
     assert_eq!(stats["rows"][0]["operation"], op.as_str());
-    assert_eq!(stats["rows"][0]["records"], 1);
+    assert_eq!(stats["rows"][0]["records"], 2);
 
     let fp = fingerprint(&h, &json!({"n": 1}));
     let Ok(Begin::Acquired(_abandoned)) = h.store.begin(&h.scope("acme"), &key("stuck"), &fp).await else { panic!() };

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! idemctl migrate [--partitions N]
-//! idemctl inspect <tenant> <operation> <key> [--response]
+//! idemctl inspect <tenant> <operation> <key> [--target PATH] [--response]
 //! idemctl purge [--dry-run] [--batch N]
 //! idemctl recover [--dry-run] [--batch N]
 //! idemctl resolve <tenant> <operation> <key> (--complete-with FILE | --release)
@@ -54,6 +54,10 @@ struct RecordId {
     tenant: String,
     operation: String,
     key: String,
+    /// The request path the key was sent to, on a route with path parameters (`/accounts/A/transfers`):
+    /// the HTTP layer keeps such keys per path, and this names the record as it does.
+    #[arg(long, value_name = "PATH")]
+    target: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -298,6 +302,10 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
     let record = |id: &RecordId| -> Result<(Scope, IdempotencyKey), CliError> {
         let scope = Scope::new(id.tenant.clone(), id.operation.clone()).map_err(|e| CliError::Input(e.to_string()))?;
         let key = IdempotencyKey::new(id.key.clone()).map_err(|e| CliError::Input(e.to_string()))?;
+        let key = match &id.target {
+            Some(target) => key.for_target(target),
+            None => key,
+        };
         Ok((scope, key))
     };
     Ok(match &cli.command {
