@@ -133,6 +133,16 @@ pub use store::{
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+/// Compiles the guide's examples as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide.md")]
+pub struct GuideDoctests;
+
+/// Compiles the HTTP page's examples as doc tests.
+#[cfg(all(doctest, feature = "axum"))]
+#[doc = include_str!("../docs/http.md")]
+pub struct HttpDoctests;
+
 /// Compiles the scale-out guide's examples as doc tests.
 #[cfg(all(doctest, feature = "cluster"))]
 #[doc = include_str!("../docs/scale-out.md")]

@@ -1,5 +1,5 @@
 //! A real Prometheus (Debian's `prometheus`, which `.ci/run` installs) scrapes the demo every second with
-//! the rules of `ops/` loaded: after a known sequence the README's PromQL and every rule evaluate through
+//! the rules of `ops/` loaded: after a known sequence the PromQL of docs/metrics.md and every rule evaluate through
 //! Prometheus's HTTP API to the right, non-zero values, and the Redis fallback alert goes pending on the
 //! first Redis outage after start. Skipped, with a message, where `prometheus` is not installed.
 
@@ -17,7 +17,7 @@ use support::{Harness, Servers};
 
 suite!(prometheus_sees_the_first_burst_and_the_first_outage);
 
-/// The README's duplicate-rate and conflict-rate queries.
+/// The duplicate-rate and conflict-rate queries of docs/metrics.md.
 const DUPLICATE_RATE: &str = r#"sum(rate(idemstore_outcomes_total{outcome=~"replayed|in_flight"}[5m])) / sum(rate(idemstore_outcomes_total[5m]))"#;
 const CONFLICT_RATE: &str =
     r#"sum(rate(idemstore_outcomes_total{outcome="mismatch"}[5m])) / sum(rate(idemstore_outcomes_total[5m]))"#;

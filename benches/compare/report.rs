@@ -175,7 +175,7 @@ quota the load never reaches (`Policy::quota`: 10^9 new keys a minute, 10^5 live
     md
 }
 
-/// Replay and new keys in both modes, with both floors: the comparisons the README reads.
+/// Replay and new keys in both modes, with both floors: the comparisons docs/performance.md reads.
 fn plot(rows: &[Row], path: &Path) -> Result<(), Box<dyn std::error::Error>> {
     let shown = |r: &&Row| matches!(r.workload, None | Some(Workload::Replay | Workload::New));
     let rows: Vec<&Row> = rows.iter().filter(shown).collect();
