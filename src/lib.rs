@@ -62,8 +62,9 @@
 //! - [`key`](IdempotencyKey), [`Scope`], [`Fingerprint`]: what identifies a request, validated.
 //! - [`Policy`]: lease, Redis TTL, Postgres retention and lease-expiry rule, per operation; [`config`]
 //!   loads tiers and operation patterns from TOML.
-//! - [`Store`]: the protocol (`begin`, `lookup`) on both tiers, and the operator jobs (`purge_expired`,
-//!   `recover_stale`, `resolve`, `stats`, `inspect`, `evict`).
+//! - [`Store`]: the request path (`begin`, `run_once`, the inbox and outbox) on both tiers;
+//!   [`Store::admin`] the operator's and scheduler's [`Admin`] (`lookup`, `inspect`, `evict`,
+//!   `purge_expired`, `recover_stale`, `resolve`, `stats`, `refresh_gauges`, `partition_by_tenant`).
 //! - [`Owner`]: the one owner lifecycle every entry point shares: `begin` -> [`Begin::Acquired`] ->
 //!   `owner.run(work)` (heartbeat) -> `owner.complete(bytes)` or `owner.release()`; a dropped owner is
 //!   settled by its rule. [`RunOptions`] is the one way to change a claim (policy, wait, heartbeat).
@@ -124,8 +125,8 @@ pub use quota::{Quota, QuotaLimit};
 pub use record::{Record, State, StoredResponse};
 pub use run_once::{RunError, RunOutcome, TxFuture};
 pub use store::{
-    Inspection, MIGRATOR, Mode, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder, pool_options,
-    server_bounded,
+    Admin, Inspection, MIGRATOR, Mode, Purging, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder,
+    pool_options, server_bounded,
 };
 
 /// Compiles the README's examples as doc tests.

@@ -66,7 +66,7 @@ pub const REDIS_CALLS: &str = "idemstore_redis_calls_total";
 pub const PURGED: &str = "idemstore_purged_records_total";
 /// Stale in-progress records recovered by `recover_stale`; label `action`: released, marked_indeterminate.
 pub const RECOVERED: &str = "idemstore_recovered_records_total";
-/// Records awaiting an operator: counted by `Store::refresh_gauges` (and `recover_stale`, `resolve`), and
+/// Records awaiting an operator: counted by `Admin::refresh_gauges` (and `recover_stale`, `resolve`), and
 /// raised by the request path when it marks one.
 pub const INDETERMINATE: &str = "idemstore_indeterminate_records";
 /// Rows the outbox sink accepted; label `topic`. A row redelivered after a relay crash counts again.

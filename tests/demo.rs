@@ -88,7 +88,7 @@ async fn unsigned_forged_or_stale_webhooks_are_refused_and_record_nothing(mode: 
         assert_eq!(webhook_events(&h, provider).await, 0, "{provider}: nothing handled");
         let scope = Scope::new(provider, "inbox").expect("scope");
         let key = IdempotencyKey::new("evt_7").expect("key");
-        assert_eq!(h.store.lookup(&scope, &key).await.expect("lookup"), None, "{provider}: nothing recorded");
+        assert_eq!(h.store.admin().lookup(&scope, &key).await.expect("lookup"), None, "{provider}: nothing recorded");
         let real: Value = send(signed, body).await.expect("HTTP").json().await.expect("json");
         assert_eq!(real["status"], "processed", "{provider}: the real delivery is handled");
         assert_eq!(webhook_events(&h, provider).await, 1);
@@ -123,7 +123,10 @@ async fn a_delivery_from_one_sender_is_refused_under_another(mode: Mode) {
     assert_eq!(send("nobody", captured).await.expect("HTTP").status().as_u16(), 404);
     assert_eq!(webhook_events(&h, "partner").await, 0, "nothing handled under partner's name");
     let scope = Scope::new("partner", "inbox").expect("scope");
-    assert_eq!(h.store.lookup(&scope, &IdempotencyKey::new("evt_9").expect("key")).await.expect("lookup"), None);
+    assert_eq!(
+        h.store.admin().lookup(&scope, &IdempotencyKey::new("evt_9").expect("key")).await.expect("lookup"),
+        None
+    );
     let own: Value = send("partner", sign_webhook("partner", "evt_9", SystemTime::now(), &body))
         .await
         .expect("HTTP")
@@ -241,7 +244,7 @@ async fn every_metric_ops_uses_is_emitted(mode: Mode) {
     let base = serve(&h).await;
     let client = reqwest::Client::new();
     post_payment(&client, &base, "ops-1", "acme", &charge(1), 0).await;
-    h.store.refresh_gauges().await.expect("refresh the gauges");
+    h.store.admin().refresh_gauges().await.expect("refresh the gauges");
     let page = client.get(format!("{base}/metrics")).send().await.expect("scrape").text().await.expect("text");
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ops");
     let mut used = std::collections::BTreeSet::new();

@@ -61,7 +61,7 @@ async fn a_live_lease_outlives_the_retention(mode: Mode) {
     assert!(matches!(other, Begin::InFlight { .. } | Begin::Mismatch), "{other:?}");
     let same = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     assert!(matches!(same, Begin::InFlight { .. }), "{same:?}");
-    assert_eq!(h.store.purge_expired(100).await.expect("purge"), 0, "a live lease is never purged");
+    assert_eq!(h.store.admin().purge_expired(100).await.expect("purge"), 0, "a live lease is never purged");
     owner.complete(b"\"done\"").await.expect("the owner completes");
     let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     assert!(matches!(replay, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{replay:?}");
@@ -75,10 +75,10 @@ async fn fences_never_repeat_across_a_purge(mode: Mode) {
     let (scope, k) = (h.scope("acme"), key("reused"));
     let old = acquire(&h, &scope, &k, r#"{"a":1}"#).await;
     h.pass_lease(&scope, &k).await;
-    let recovered = h.store.recover_stale(10).await.expect("recover");
+    let recovered = h.store.admin().recover_stale(10).await.expect("recover");
     assert_eq!(recovered.released, 1);
     h.pass_retention(&scope, &k).await;
-    assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1, "the released record went");
+    assert_eq!(h.store.admin().purge_expired(100).await.expect("purge"), 1, "the released record went");
     let new = acquire(&h, &scope, &k, r#"{"b":2}"#).await;
     assert!(new.fence() > old.fence(), "fences {} then {}", old.fence(), new.fence());
     assert!(matches!(old.complete(b"\"old\"").await, Err(StoreError::LeaseLost { .. })));
@@ -104,7 +104,10 @@ async fn the_records_rule_wins_over_the_callers(mode: Mode) {
     h.pass_lease(&scope, &payout).await;
     let next = h.store.begin(&scope, &payout, &fp).await.expect("begin under TakeOver");
     assert!(matches!(next, Begin::Indeterminate), "the record's rule wins: {next:?}");
-    assert_eq!(h.store.lookup(&scope, &payout).await.expect("lookup").expect("record").state, State::Indeterminate);
+    assert_eq!(
+        h.store.admin().lookup(&scope, &payout).await.expect("lookup").expect("record").state,
+        State::Indeterminate
+    );
 
     let retried = key("retried");
     let Begin::Acquired(first) = h.store.begin(&scope, &retried, &fp).await.expect("begin") else { panic!() };
@@ -131,8 +134,8 @@ async fn a_completed_key_expires_into_a_tombstone(mode: Mode) {
     h.pass_retention(&scope, &k).await;
     for purge in [false, true] {
         if purge {
-            assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1);
-            let tombstone = h.store.lookup(&scope, &k).await.expect("lookup").expect("tombstone");
+            assert_eq!(h.store.admin().purge_expired(100).await.expect("purge"), 1);
+            let tombstone = h.store.admin().lookup(&scope, &k).await.expect("lookup").expect("tombstone");
             assert_eq!((tombstone.state, tombstone.fence), (State::Expired, first_fence));
         }
         let again = h.store.begin(&scope, &k, &fingerprint(mine)).await.expect("begin");
@@ -148,7 +151,7 @@ async fn a_completed_key_expires_into_a_tombstone(mode: Mode) {
     h.pass_tombstone_horizon(&scope, &k).await;
     let reborn = acquire(&h, &scope, &k, other).await;
     assert!(reborn.fence() > first_fence);
-    assert_eq!(h.store.purge_expired(100).await.expect("purge"), 1, "the tombstone went");
+    assert_eq!(h.store.admin().purge_expired(100).await.expect("purge"), 1, "the tombstone went");
 }
 
 /// `run_once_in_tx` on a MarkIndeterminate key whose owner's lease ran out answers `Indeterminate` at
@@ -163,7 +166,7 @@ async fn a_transaction_marks_indeterminate_without_waiting_on_itself(mode: Mode)
     let run = h.store.run_once_in_tx(&scope, &k, &json!({"amount": 5}), ran).await;
     assert!(matches!(run, Ok(RunOutcome::Indeterminate)), "{run:?}");
     assert!(started.elapsed() < Duration::from_secs(2), "answered without waiting for a timeout");
-    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("record");
+    let record = h.store.admin().lookup(&scope, &k).await.expect("lookup").expect("record");
     assert_eq!(record.state, State::Indeterminate, "the mark was committed with the answer");
 }
 
@@ -183,7 +186,7 @@ async fn a_tombstone_takes_at_most_120_bytes(mode: Mode) {
                        1000, 86400000
                 FROM generate_series(1, $2) AS i";
     sqlx::query(seed).bind(&h.operation).bind(rows).execute(&h.pool).await.expect("seed records");
-    assert_eq!(h.store.purge_expired(5_000).await.expect("purge"), rows as u64);
+    assert_eq!(h.store.admin().purge_expired(5_000).await.expect("purge"), rows as u64);
     sqlx::query("VACUUM ANALYZE idempotency_tombstones").execute(&h.pool).await.expect("vacuum");
     let bytes: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('idempotency_tombstones')")
         .fetch_one(&h.pool)
@@ -310,7 +313,8 @@ async fn assert_stale_marker(h: &Harness, scope: &Scope, k: &IdempotencyKey) {
     let state: Option<String> =
         redis::cmd("HGET").arg(h.redis_key(scope, k)).arg("s").query_async(&mut direct).await.expect("HGET");
     assert_eq!(state.as_deref(), Some("p"), "the completion left its in-progress marker behind");
-    let completed = h.store.lookup(scope, k).await.expect("lookup").is_some_and(|r| r.state == State::Completed);
+    let completed =
+        h.store.admin().lookup(scope, k).await.expect("lookup").is_some_and(|r| r.state == State::Completed);
     assert!(completed, "Postgres holds the key completed");
 }
 
@@ -581,7 +585,7 @@ async fn a_resolution_clears_the_redis_copy_after_a_redis_restart() {
         .expect("HGET");
     assert_eq!(copy.as_deref(), Some("i"), "Redis holds the indeterminate copy");
 
-    assert!(operator.resolve(&scope, &k, idemstore::Resolution::Released).await.expect("resolve"));
+    assert!(operator.admin().resolve(&scope, &k, idemstore::Resolution::Released).await.expect("resolve"));
     let next = app.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
     assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
 }

@@ -56,7 +56,7 @@ async fn a_store_without_the_key_never_hands_out_ciphertext(mode: Mode) {
         let from_postgres = plain.run_once(&scope, &k, &payload, counted).await;
         assert!(unknown(&from_postgres), "{from_postgres:?}");
     }
-    let looked_up = plain.lookup(&scope, &k).await;
+    let looked_up = plain.admin().lookup(&scope, &k).await;
     assert!(matches!(looked_up, Err(StoreError::Encryption(EncryptionError::UnknownKey { .. }))), "{looked_up:?}");
     assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 0, "nothing ran again");
 }
@@ -167,7 +167,7 @@ async fn store_canaries(h: &Harness, store: &Store, scope: &Scope) {
         .await
         .expect("mark indeterminate");
     let resolution = Resolution::Completed(json!({ "card": CANARY }).to_string().into_bytes());
-    assert!(store.resolve(scope, &key("resolved"), resolution).await.expect("resolve"));
+    assert!(store.admin().resolve(scope, &key("resolved"), resolution).await.expect("resolve"));
 }
 
 /// Every write path stores ciphertext in both tiers, and every read path replays the plaintext: from
@@ -182,11 +182,11 @@ async fn no_tier_holds_a_response_in_clear(mode: Mode) {
         let replay = run(&store, &scope, name, n, json!(0)).await;
         assert_eq!(replay.expect("replay"), RunOutcome::Replayed(json!({ "card": CANARY })), "{name}");
     }
-    let record = store.lookup(&scope, &key("resolved")).await.expect("lookup").expect("record");
+    let record = store.admin().lookup(&scope, &key("resolved")).await.expect("lookup").expect("record");
     assert!(String::from_utf8_lossy(record.response.expect("response").as_bytes()).contains(CANARY));
     if mode == Mode::TwoTier {
         assert!(redis_copies(&h).await >= 2, "Redis holds the completions");
-        h.store.evict(&scope, &key("run-once")).await.expect("evict");
+        h.store.admin().evict(&scope, &key("run-once")).await.expect("evict");
     }
     let from_postgres = run(&store, &scope, "run-once", 1, json!(0)).await;
     assert_eq!(from_postgres.expect("replay"), RunOutcome::Replayed(json!({ "card": CANARY })));
@@ -238,7 +238,7 @@ async fn rotated_keys_open_old_responses_until_retired(mode: Mode) {
     let rotating = sealing(&h, keys(&[KEY_B, KEY_A]));
     for from in ["redis", "postgres"] {
         if from == "postgres" && mode == Mode::TwoTier {
-            h.store.evict(&scope, &k).await.expect("evict");
+            h.store.admin().evict(&scope, &k).await.expect("evict");
         }
         let replay = rotating.run_once(&scope, &k, &json!({"n": 1}), || h.charge("acme", &k)).await.expect("replay");
         assert_eq!(replay, RunOutcome::Replayed(answer.clone()), "from {from}");
@@ -311,26 +311,26 @@ async fn tampered_or_moved_ciphertext_is_refused_and_nothing_runs_again(mode: Mo
     for change in moves {
         sqlx::query(change).execute(&h.pool).await.expect("change the stored response");
         if mode == Mode::TwoTier {
-            h.store.evict(&scope, &victim).await.expect("evict"); // Redis still holds the good copy
+            h.store.admin().evict(&scope, &victim).await.expect("evict"); // Redis still holds the good copy
         }
         let refused = store.run_once(&scope, &victim, &json!({"n": 1}), || h.charge("acme", &victim)).await;
         assert!(
             matches!(refused, Err(RunError::Store(StoreError::Encryption(EncryptionError::Tampered)))),
             "{refused:?}"
         );
-        let inspected = store.inspect(&scope, &key("victim")).await.expect("inspect");
+        let inspected = store.admin().inspect(&scope, &key("victim")).await.expect("inspect");
         assert_eq!(inspected.unreadable, Some(EncryptionError::Tampered));
     }
     assert_eq!(h.effects("acme", &key("victim")).await, 1, "refusals never run the work again");
 
     // An operator settles it: the completed record's unreadable response is replaced, and replayed.
     let repaired = Resolution::Completed(json!({ "charge": "restored" }).to_string().into_bytes());
-    assert!(store.resolve(&scope, &victim, repaired).await.expect("resolve"));
+    assert!(store.admin().resolve(&scope, &victim, repaired).await.expect("resolve"));
     let replay = store.run_once(&scope, &victim, &json!({"n": 1}), || h.charge("acme", &victim)).await;
     assert_eq!(replay.expect("replay"), RunOutcome::Replayed(json!({ "charge": "restored" })));
     // A readable completed record is not the operator's to change.
     let again = Resolution::Completed(b"\"other\"".to_vec());
-    assert!(!store.resolve(&scope, &victim, again).await.expect("resolve"));
+    assert!(!store.admin().resolve(&scope, &victim, again).await.expect("resolve"));
     assert_eq!(h.effects("acme", &victim).await, 1);
 }
 
@@ -364,7 +364,7 @@ async fn an_operator_replaces_a_response_written_in_clear(mode: Mode) {
     assert!(matches!(refused, Err(RunError::Store(StoreError::Encryption(EncryptionError::Unsealed)))), "{refused:?}");
     let repaired = Resolution::Completed(json!("sealed now").to_string().into_bytes());
     assert!(
-        encrypted.resolve(&scope, &key("in-clear"), repaired).await.expect("resolve"),
+        encrypted.admin().resolve(&scope, &key("in-clear"), repaired).await.expect("resolve"),
         "the clear response is replaced"
     );
     let replay = run(&encrypted, &scope, "in-clear", 1, json!(0)).await;
@@ -402,18 +402,21 @@ async fn an_operator_without_the_key_cannot_resolve_in_clear(mode: Mode) {
 
     let settled = || Resolution::Completed(json!("by hand").to_string().into_bytes());
     let keyless = keyless_builder(&h).build().expect("store");
-    let refused = keyless.resolve(&scope, &stuck, settled()).await;
+    let refused = keyless.admin().resolve(&scope, &stuck, settled()).await;
     assert!(matches!(refused, Err(StoreError::Encryption(EncryptionError::WouldWriteClear))), "{refused:?}");
-    let record = encrypted.lookup(&scope, &stuck).await.expect("lookup").expect("record");
+    let record = encrypted.admin().lookup(&scope, &stuck).await.expect("lookup").expect("record");
     assert_eq!(record.state, State::Indeterminate, "the refused resolve changed nothing");
-    assert!(encrypted.resolve(&scope, &stuck, settled()).await.expect("resolve"), "the key's holder resolves it");
+    assert!(
+        encrypted.admin().resolve(&scope, &stuck, settled()).await.expect("resolve"),
+        "the key's holder resolves it"
+    );
     assert_eq!(
         run(&encrypted, &scope, "stuck", 1, json!(0)).await.expect("replay"),
         RunOutcome::Replayed(json!("by hand"))
     );
     // Another tenant and operation, with no response of their own yet: the deployment seals all the same.
     let elsewhere = Scope::new("newcomer", "another-operation").expect("scope");
-    let refused = keyless.resolve(&elsewhere, &stuck, settled()).await;
+    let refused = keyless.admin().resolve(&elsewhere, &stuck, settled()).await;
     assert!(matches!(refused, Err(StoreError::Encryption(EncryptionError::WouldWriteClear))), "{refused:?}");
 }
 
@@ -447,7 +450,7 @@ async fn a_store_without_the_key_refuses_to_write_in_clear_where_responses_are_s
         "{in_tx:?}"
     );
     assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 0, "no work ran");
-    assert_eq!(encrypted.lookup(&scope, &key("fresh")).await.expect("lookup"), None, "nothing was claimed");
+    assert_eq!(encrypted.admin().lookup(&scope, &key("fresh")).await.expect("lookup"), None, "nothing was claimed");
     h.clear_allowed.store(true, std::sync::atomic::Ordering::Relaxed);
     let allowed = without_encryption(&h).run_once(&scope, &key("fresh"), &json!({ "n": 2 }), work).await;
     assert!(matches!(allowed, Ok(RunOutcome::Executed(_))), "{allowed:?}");

@@ -93,7 +93,7 @@ async fn owner_process_killed_mid_transaction_leaves_nothing(mode: Mode) {
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
     support::kill_child_at(&h, module_path!(), "child_tx_owner", "OWNER IN TRANSACTION");
     let (scope, k, payload) = (h.scope("acme"), key("in-tx"), json!({"amount": 1}));
-    assert_eq!(h.store.lookup(&scope, &k).await.expect("lookup"), None, "the claim never committed");
+    assert_eq!(h.store.admin().lookup(&scope, &k).await.expect("lookup"), None, "the claim never committed");
     let executed = loop {
         let outcome = h.store.run_once_in_tx(&scope, &k, &payload, |tx| effect_in_tx(tx, "in-tx"));
         match outcome.await.expect("the store answers") {
@@ -422,7 +422,7 @@ async fn owner_task_aborted_mid_work_goes_indeterminate(mode: Mode) {
     let outcomes = retry_storm(&h, "aborted").await;
     assert!(outcomes.iter().all(|o| matches!(o, RunOutcome::Indeterminate)), "{outcomes:?}");
     assert_eq!(h.effects("acme", &key("aborted")).await, 1);
-    let record = h.store.lookup(&h.scope("acme"), &key("aborted")).await.expect("lookup").expect("record");
+    let record = h.store.admin().lookup(&h.scope("acme"), &key("aborted")).await.expect("lookup").expect("record");
     assert_eq!(record.state, State::Indeterminate);
 }
 

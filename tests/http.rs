@@ -278,6 +278,7 @@ async fn oversized_response_is_never_run_again(mode: Mode) {
     assert_eq!(first.bytes().await.expect("body").len(), 5 << 20);
     let record = h
         .store
+        .admin()
         .lookup(&Scope::new(payments::app::tenant_of("acme"), "big-response").expect("scope"), &support::key("r1"))
         .await;
     assert_eq!(record.expect("lookup").expect("record").state, State::Completed, "settled before the last byte");
@@ -350,7 +351,8 @@ async fn a_known_length_response_is_settled_before_the_client_has_it(mode: Mode)
         assert_eq!(first.status(), reqwest::StatusCode::CREATED);
         first.bytes().await.expect("body");
         let scope = payments::acme();
-        let record = h.store.lookup(&scope, &IdempotencyKey::new(key.clone()).expect("key")).await.expect("lookup");
+        let record =
+            h.store.admin().lookup(&scope, &IdempotencyKey::new(key.clone()).expect("key")).await.expect("lookup");
         assert_eq!(record.map(|r| r.state), Some(State::Completed), "settled before the client had the body");
         let retry = post_payment(&client, &base, &key, "acme", &charge(1), 0).await;
         assert_eq!(retry.headers()["idempotent-replayed"], "true");
@@ -567,7 +569,7 @@ async fn one_key_on_two_targets_names_two_records(mode: Mode) {
     let scope = Scope::new(payments::app::tenant_of("acme"), format!("POST {route}")).expect("scope");
     let stored = support::key("t1").for_target("/accounts/A/transfers");
     assert_eq!(stored.as_str(), "/accounts/A/transfers#t1");
-    let record = h.store.lookup(&scope, &stored).await.expect("lookup").expect("A's record");
+    let record = h.store.admin().lookup(&scope, &stored).await.expect("lookup").expect("A's record");
     assert_eq!(record.state, State::Completed);
 
     // The handler finds the stored key (to derive downstream keys from) in the request's extensions.
@@ -583,7 +585,7 @@ async fn one_key_on_two_targets_names_two_records(mode: Mode) {
     let request = Request::post("/api/payments").header("authorization", "Bearer acme").header("idempotency-key", "n1");
     send(&nested, request.body(Body::from(charge(1).to_string())).expect("request")).await;
     let scope = Scope::new(payments::app::tenant_of("acme"), "POST /api/payments").expect("scope");
-    assert!(h.store.lookup(&scope, &support::key("n1")).await.expect("lookup").is_some(), "the bare key");
+    assert!(h.store.admin().lookup(&scope, &support::key("n1")).await.expect("lookup").is_some(), "the bare key");
 
     let shared = layer(&h).with_key_space(KeySpace::Operation);
     let (router, runs) = counting_at(route, shared, ok_body);

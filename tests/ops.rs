@@ -67,20 +67,20 @@ async fn purge_in_batches_leaves_tombstones_that_refuse_retries(mode: Mode) {
     for i in 0..40 {
         complete(&h, &format!("old-{i}")).await;
     }
-    eventually("all 40 expired", async || h.store.count_expired().await.expect("count") == 40).await;
+    eventually("all 40 expired", async || h.store.admin().count_expired().await.expect("count") == 40).await;
     let (retried, scope, payload) = (key("old-7"), h.scope("acme"), json!({"n": "old-7"}));
     let (purged, retry) = tokio::join!(
-        h.store.purge_expired(7),
+        h.store.admin().purge_expired(7),
         h.store.run_once(&scope, &retried, &payload, || h.charge("acme", &retried)),
     );
     assert!(matches!(retry, Ok(RunOutcome::<Value>::Expired)), "an expired key is not a new key: {retry:?}");
     assert_eq!(purged.expect("purge"), 40);
     assert_eq!(h.effects("acme", &retried).await, 1, "the retry did not run the work again");
-    let tombstone = h.store.lookup(&scope, &retried).await.expect("lookup").expect("a tombstone");
+    let tombstone = h.store.admin().lookup(&scope, &retried).await.expect("lookup").expect("a tombstone");
     assert_eq!(tombstone.state, State::Expired);
     let other = h.store.run_once(&scope, &retried, &json!({"n": "other"}), || h.charge("acme", &retried)).await;
     assert!(matches!(other, Ok(RunOutcome::<Value>::Mismatch)), "another payload is still refused: {other:?}");
-    assert_eq!(h.store.count_expired().await.expect("count"), 0);
+    assert_eq!(h.store.admin().count_expired().await.expect("count"), 0);
     assert!(support::total("idemstore_purged_records_total") >= 40.0);
 }
 
@@ -93,9 +93,9 @@ async fn a_tombstone_under_a_multibyte_tenant_refuses_its_retry(mode: Mode) {
     let scope = h.scope(tenant);
     let first = h.store.run_once(&scope, &retried, &payload, || h.charge(tenant, &retried)).await;
     assert!(matches!(first, Ok(RunOutcome::<Value>::Executed(_))), "{first:?}");
-    eventually("the record expired", async || h.store.count_expired().await.expect("count") == 1).await;
-    assert_eq!(h.store.purge_expired(10).await.expect("purge"), 1);
-    let tombstone = h.store.lookup(&scope, &retried).await.expect("lookup");
+    eventually("the record expired", async || h.store.admin().count_expired().await.expect("count") == 1).await;
+    assert_eq!(h.store.admin().purge_expired(10).await.expect("purge"), 1);
+    let tombstone = h.store.admin().lookup(&scope, &retried).await.expect("lookup");
     assert_eq!(tombstone.map(|t| t.state), Some(State::Expired), "the lookup finds the tombstone");
     let retry = h.store.run_once(&scope, &retried, &payload, || h.charge(tenant, &retried)).await;
     assert!(matches!(retry, Ok(RunOutcome::<Value>::Expired)), "the claim finds the tombstone: {retry:?}");
@@ -129,8 +129,8 @@ async fn a_tombstone_in_a_latin1_database_refuses_its_retry(mode: Mode) {
     };
     let first = store.run_once(&scope, &retried, &payload, work).await;
     assert!(matches!(first, Ok(RunOutcome::<Value>::Executed(_))), "{first:?}");
-    eventually("the record expired", async || store.count_expired().await.expect("count") == 1).await;
-    assert_eq!(store.purge_expired(10).await.expect("purge"), 1);
+    eventually("the record expired", async || store.admin().count_expired().await.expect("count") == 1).await;
+    assert_eq!(store.admin().purge_expired(10).await.expect("purge"), 1);
     let retry = store.run_once(&scope, &retried, &payload, work).await;
     assert!(matches!(retry, Ok(RunOutcome::<Value>::Expired)), "the claim finds the tombstone: {retry:?}");
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1, "the retry did not run the work again");
@@ -157,9 +157,9 @@ async fn recover_stale_reports_a_record_it_cannot_read_and_recovers_the_rest(mod
         .await
         .expect("a stale record");
     }
-    let recovery = h.store.recover_stale(10).await.expect("the readable record is recovered");
+    let recovery = h.store.admin().recover_stale(10).await.expect("the readable record is recovered");
     assert_eq!((recovery.found, recovery.released, recovery.unreadable), (2, 1, 1), "{recovery:?}");
-    let good = h.store.lookup(&scope, &key("good")).await.expect("lookup").expect("a record");
+    let good = h.store.admin().lookup(&scope, &key("good")).await.expect("lookup").expect("a record");
     assert_eq!(good.state, idemstore::State::Released);
 }
 
@@ -191,16 +191,17 @@ async fn recover_stale_spares_live_owners(mode: Mode) {
     eventually("the dead and strict leases ran out", async || {
         let mut ran_out = true;
         for name in ["dead", "strict"] {
-            let record = h.store.lookup(&scope, &key(name)).await.expect("lookup").expect("record");
+            let record = h.store.admin().lookup(&scope, &key(name)).await.expect("lookup").expect("record");
             ran_out &= record.lease_remaining == Some(Duration::ZERO);
         }
         ran_out
     })
     .await;
-    assert_eq!(h.store.count_stale().await.expect("count"), 2, "counting changes nothing");
-    let recovery = h.store.recover_stale(100).await.expect("recover");
+    assert_eq!(h.store.admin().count_stale().await.expect("count"), 2, "counting changes nothing");
+    let recovery = h.store.admin().recover_stale(100).await.expect("recover");
     assert_eq!((recovery.found, recovery.released, recovery.marked_indeterminate), (2, 1, 1));
-    let state = async |name: &str| h.store.lookup(&scope, &key(name)).await.expect("lookup").expect("record").state;
+    let state =
+        async |name: &str| h.store.admin().lookup(&scope, &key(name)).await.expect("lookup").expect("record").state;
     assert_eq!(state("dead").await, State::Released);
     assert_eq!(state("strict").await, State::Indeterminate);
     assert_eq!(state("live").await, State::InProgress);
@@ -226,28 +227,29 @@ async fn resolve_settles_indeterminate_records(mode: Mode) {
         matches!((a, b), (Ok(Begin::Indeterminate), Ok(Begin::Indeterminate)))
     })
     .await;
-    let done = h.store.resolve(&scope, &key("settle-done"), Resolution::Completed(b"\"by hand\"".to_vec())).await;
+    let done =
+        h.store.admin().resolve(&scope, &key("settle-done"), Resolution::Completed(b"\"by hand\"".to_vec())).await;
     assert!(done.expect("resolve"));
     let Ok(Begin::Completed(stored)) = h.store.begin(&scope, &key("settle-done"), &fp).await else { panic!() };
     assert_eq!(stored.as_bytes(), b"\"by hand\"");
-    assert!(h.store.resolve(&scope, &key("settle-redo"), Resolution::Released).await.expect("resolve"));
+    assert!(h.store.admin().resolve(&scope, &key("settle-redo"), Resolution::Released).await.expect("resolve"));
     let k = key("settle-redo");
     let again = h.store.run_once(&scope, &k, &payload, || h.charge("acme", &k)).await;
     assert!(matches!(again, Ok(RunOutcome::Executed(_))), "{again:?}");
-    assert!(!h.store.resolve(&scope, &k, Resolution::Released).await.expect("resolve"), "completed: untouched");
+    assert!(!h.store.admin().resolve(&scope, &k, Resolution::Released).await.expect("resolve"), "completed: untouched");
 }
 
 /// The tier a record was stored under is recorded with it, and a ledger record never expires.
 async fn tier_is_recorded_with_each_record(mode: Mode) {
     let h = Harness::with(mode, Policy::tier(Tier::Ledger), Servers::Any).await;
     complete(&h, "ledger-1").await;
-    let record = h.store.lookup(&h.scope("acme"), &key("ledger-1")).await.expect("lookup").expect("record");
+    let record = h.store.admin().lookup(&h.scope("acme"), &key("ledger-1")).await.expect("lookup").expect("record");
     assert_eq!((record.tier.as_deref(), record.expires_in), (Some("ledger"), None));
     let custom = Policy::builder().tier(Tier::Webhook).name("partner-webhooks").build().expect("policy");
     let other = h.new_store(custom);
     let k = key("hook-1");
     other.run_once(&h.scope("acme"), &k, &json!({}), || h.charge("acme", &k)).await.expect("run");
-    let record = h.store.lookup(&h.scope("acme"), &k).await.expect("lookup").expect("record");
+    let record = h.store.admin().lookup(&h.scope("acme"), &k).await.expect("lookup").expect("record");
     assert_eq!(record.tier.as_deref(), Some("partner-webhooks"));
     assert!(record.expires_in.is_some_and(|d| d > Duration::from_secs(6 * 86_400)), "7 days: {record:?}");
 }
@@ -273,7 +275,7 @@ async fn tiers_are_selected_by_operation_from_a_config_file(mode: Mode) {
     assert_eq!(store.policy("POST /refunds").name(), "ephemeral");
     let k = key("configured");
     store.run_once(&h.scope("acme"), &k, &json!({}), || h.charge("acme", &k)).await.expect("run");
-    let record = store.lookup(&h.scope("acme"), &k).await.expect("lookup").expect("record");
+    let record = store.admin().lookup(&h.scope("acme"), &k).await.expect("lookup").expect("record");
     assert_eq!((record.tier.as_deref(), record.expires_in), (Some("ledger"), None));
 }
 
@@ -471,7 +473,7 @@ async fn gauges_follow_the_database(mode: Mode) {
     }
     let h = Harness::with(mode, policy(200, 400, 800, LeaseExpiry::MarkIndeterminate), Servers::Any).await;
     let gauge = |name: &str| support::total(name);
-    h.store.refresh_gauges().await.expect("refresh");
+    h.store.admin().refresh_gauges().await.expect("refresh");
     assert_eq!(gauge("idemstore_indeterminate_records"), 0.0);
 
     let (scope, fp) = (h.scope("acme"), fingerprint(&h, &json!({"n": 1})));
@@ -483,13 +485,13 @@ async fn gauges_follow_the_database(mode: Mode) {
 
     assert_eq!(idemctl(&h, &["resolve", "acme", &h.operation, "stuck", "--release"]).1["resolved"], true);
     assert_eq!(gauge("idemstore_indeterminate_records"), 1.0, "another process resolved it");
-    h.store.refresh_gauges().await.expect("refresh");
+    h.store.admin().refresh_gauges().await.expect("refresh");
     assert_eq!(gauge("idemstore_indeterminate_records"), 0.0, "counted from Postgres");
 
     let mut tx = h.pool.begin().await.expect("begin");
     h.store.outbox().enqueue(&mut tx, "receipts", &json!({"n": 1})).await.expect("enqueue");
     tx.commit().await.expect("commit");
-    h.store.refresh_gauges().await.expect("refresh");
+    h.store.admin().refresh_gauges().await.expect("refresh");
     assert_eq!(gauge("idemstore_outbox_pending_rows"), 1.0);
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_secs_f64();
     let enqueued = gauge("idemstore_outbox_oldest_pending_enqueued_timestamp_seconds");

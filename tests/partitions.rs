@@ -1,4 +1,4 @@
-//! The records table hash-partitioned by tenant (`Store::partition_by_tenant`): existing records and a
+//! The records table hash-partitioned by tenant (`Admin::partition_by_tenant`): existing records and a
 //! live owner survive the conversion, names stay as the migrations gave them, tenants spread over the
 //! partitions. (CI also runs the whole suite on this layout: `IDEMSTORE_TEST_PARTITIONS`.)
 
@@ -61,7 +61,7 @@ async fn converting_keeps_records_owners_and_names(mode: Mode) {
         assert!(before.iter().any(|n| n == name), "{name} in {before:?}");
     }
 
-    h.store.partition_by_tenant(partitions).await.expect("partition");
+    h.store.admin().partition_by_tenant(partitions).await.expect("partition");
 
     assert_eq!(relkind(&h).await, "p", "partitioned");
     assert_eq!(names(&h).await, before, "later migrations find the names they expect");
@@ -104,8 +104,8 @@ async fn converting_keeps_records_owners_and_names(mode: Mode) {
         .expect("partitions used");
     assert!(used > 1, "tenants spread over the partitions: {used}");
 
-    h.store.partition_by_tenant(partitions).await.expect("the same count again does nothing");
-    let refused = h.store.partition_by_tenant(if partitions < 1024 { partitions + 1 } else { 1 }).await;
+    h.store.admin().partition_by_tenant(partitions).await.expect("the same count again does nothing");
+    let refused = h.store.admin().partition_by_tenant(if partitions < 1024 { partitions + 1 } else { 1 }).await;
     assert!(matches!(refused, Err(StoreError::Migrate(_))), "{refused:?}");
-    assert!(matches!(h.store.partition_by_tenant(0).await, Err(StoreError::Config(_))));
+    assert!(matches!(h.store.admin().partition_by_tenant(0).await, Err(StoreError::Config(_))));
 }

@@ -137,7 +137,8 @@ async fn prometheus_sees_the_first_burst_and_the_first_outage(mode: Mode) {
     let (scope, slow_key) =
         (Scope::new(app::tenant_of("acme"), "POST /payments").expect("scope"), IdempotencyKey::new("p-slow"));
     let slow_key = slow_key.expect("key");
-    while h.store.lookup(&scope, &slow_key).await.expect("lookup").is_none_or(|r| r.state != State::InProgress) {
+    while h.store.admin().lookup(&scope, &slow_key).await.expect("lookup").is_none_or(|r| r.state != State::InProgress)
+    {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     for _ in 0..5 {

@@ -58,7 +58,7 @@ fn assert_close(actual: Duration, expected: Duration) {
 /// Whether the store holds anything for the key: a record in Postgres, a copy or marker in Redis.
 async fn holds(h: &Harness, store: &Store, tenant: &str, name: &str) -> bool {
     let (scope, key) = (h.scope(tenant), key(name));
-    let in_postgres = store.lookup(&scope, &key).await.expect("lookup").is_some();
+    let in_postgres = store.admin().lookup(&scope, &key).await.expect("lookup").is_some();
     let in_redis = h.mode == Mode::TwoTier && h.redis_keys().await.contains(&h.redis_key(&scope, &key));
     in_postgres || in_redis
 }
@@ -111,7 +111,7 @@ async fn new_keys_beyond_the_window_are_refused_and_nothing_runs(mode: Mode) {
     let spent = "UPDATE idempotency_quota_usage SET expires_at = now() - interval '1 second'
                  WHERE window_index < (SELECT max(window_index) FROM idempotency_quota_usage)";
     sqlx::query(spent).execute(&h.pool).await.expect("spend the old counters");
-    assert_eq!(h.store.purge_expired(100).await.expect("purge"), 0, "no record expired");
+    assert_eq!(h.store.admin().purge_expired(100).await.expect("purge"), 0, "no record expired");
     let counters = "SELECT count(*) FILTER (WHERE expires_at <= now()), count(*) FROM idempotency_quota_usage";
     let (spent, left): (i64, i64) = sqlx::query_as(counters).fetch_one(&h.pool).await.expect("count");
     assert_eq!((spent, left), (0, current), "the spent counters went, this window's stayed");

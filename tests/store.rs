@@ -135,7 +135,7 @@ async fn run_once_in_tx_executes_once_under_64_concurrent_calls(mode: Mode) {
     assert_eq!(executed, 1, "{outcomes:?}");
     assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
     assert_eq!(h.effects("acme", &k).await, 1);
-    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("record");
+    let record = h.store.admin().lookup(&scope, &k).await.expect("lookup").expect("record");
     // Not fence 1: a losing claim's INSERT draws from the fence sequence before its conflict is found.
     assert_eq!(record.state, State::Completed);
 }
@@ -146,7 +146,7 @@ async fn run_once_in_tx_commits_nothing_when_the_work_fails(mode: Mode) {
     let (scope, k, payload) = (h.scope("acme"), key("tx-fail"), json!({"amount": 1}));
     let failed: Outcome = h.store.run_once_in_tx(&scope, &k, &payload, |tx| charge_in_tx(tx, k.clone(), true)).await;
     assert!(matches!(failed, Err(RunError::Work(sqlx::Error::RowNotFound))), "{failed:?}");
-    assert_eq!(h.store.lookup(&scope, &k).await.expect("lookup"), None, "the claim rolled back too");
+    assert_eq!(h.store.admin().lookup(&scope, &k).await.expect("lookup"), None, "the claim rolled back too");
     assert_eq!(h.effects("acme", &k).await, 0);
     if mode == Mode::TwoTier {
         assert!(h.redis_keys().await.is_empty(), "no marker left behind");
@@ -370,10 +370,10 @@ async fn expired_lease_marks_indeterminate_under_that_policy(mode: Mode) {
     let Begin::Acquired(owner) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
     assert!(matches!(begin_after_lease(&h, &scope, &k, &fp).await, Begin::Indeterminate));
     assert!(matches!(h.store.begin(&scope, &k, &fp).await.expect("begin"), Begin::Indeterminate));
-    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("a record");
+    let record = h.store.admin().lookup(&scope, &k).await.expect("lookup").expect("a record");
     assert_eq!(record.state, State::Indeterminate);
     owner.complete(b"\"late\"").await.expect("the owner settles its own record");
-    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("a record");
+    let record = h.store.admin().lookup(&scope, &k).await.expect("lookup").expect("a record");
     assert_eq!(record.state, State::Completed);
 }
 
@@ -384,7 +384,7 @@ async fn release_after_failure_lets_a_retry_run(mode: Mode) {
     let payload = json!({"amount": 3});
     let failed: Outcome = h.store.run_once(&scope, &k, &payload, || async { Err(sqlx::Error::PoolTimedOut) }).await;
     assert!(matches!(failed, Err(RunError::Work(sqlx::Error::PoolTimedOut))));
-    let record = h.store.lookup(&scope, &k).await.expect("lookup").expect("a record");
+    let record = h.store.admin().lookup(&scope, &k).await.expect("lookup").expect("a record");
     assert_eq!(record.state, State::Released);
     assert!(matches!(charge_once(&h, "acme", &k, &payload).await, Ok(RunOutcome::Executed(_))));
     assert!(matches!(charge_once(&h, "acme", &k, &payload).await, Ok(RunOutcome::Replayed(_))));

@@ -87,7 +87,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     });
 
     // Gauges follow the database, whoever changed it (an operator's idemctl included).
-    let observer = store.clone();
+    let observer = store.admin();
     tokio::spawn(async move {
         loop {
             if let Err(e) = observer.refresh_gauges().await {

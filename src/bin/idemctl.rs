@@ -312,7 +312,7 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
         Command::Migrate { partitions } => {
             store.migrate().await?;
             if let Some(partitions) = *partitions {
-                store.partition_by_tenant(partitions).await?;
+                store.admin().partition_by_tenant(partitions).await?;
             }
             match partitions {
                 Some(n) => Output {
@@ -324,29 +324,25 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
         }
         Command::Inspect { id, response } => {
             let (scope, key) = record(id)?;
-            inspection(&store.inspect(&scope, &key).await?, *response, encrypted)
+            inspection(&store.admin().inspect(&scope, &key).await?, *response, encrypted)
         }
         Command::Purge { dry_run: true, .. } => {
-            let expired = store.count_expired().await?;
+            let expired = store.admin().count_expired().await?;
             Output {
                 json: json!({ "expired": expired, "purged": 0 }),
                 text: format!("{expired} expired records (dry run)"),
             }
         }
         Command::Purge { batch, .. } => {
-            let expired = store.count_expired().await?;
+            let expired = store.admin().count_expired().await?;
             let progress = indicatif::ProgressBar::new(expired);
             if cli.json {
                 progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
             }
-            let mut purged = 0;
-            loop {
-                let deleted = store.purge_expired_batch(*batch).await?;
+            let (mut purged, mut purging) = (0, store.admin().purge_expired(*batch));
+            while let Some(deleted) = purging.next_batch().await? {
                 purged += deleted;
                 progress.inc(deleted);
-                if deleted < u64::from(*batch) {
-                    break;
-                }
             }
             progress.finish_and_clear();
             Output {
@@ -355,12 +351,12 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
             }
         }
         Command::Recover { dry_run: true, .. } => {
-            let found = store.count_stale().await?;
+            let found = store.admin().count_stale().await?;
             let text = format!("{found} stale records (dry run)");
             Output { json: json!({ "found": found, "released": 0, "marked_indeterminate": 0, "unreadable": 0 }), text }
         }
         Command::Recover { batch, .. } => {
-            let recovery = store.recover_stale(*batch).await?;
+            let recovery = store.admin().recover_stale(*batch).await?;
             let text = format!(
                 "{} stale records: {} released, {} marked indeterminate, {} unreadable (left for an operator)",
                 recovery.found, recovery.released, recovery.marked_indeterminate, recovery.unreadable
@@ -396,7 +392,7 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
                 }
                 (None, None) => Resolution::Released,
             };
-            let resolved = store.resolve(&scope, &key, resolution).await.map_err(|error| match error {
+            let resolved = store.admin().resolve(&scope, &key, resolution).await.map_err(|error| match error {
                 StoreError::Encryption(idemstore::EncryptionError::WouldWriteClear) => CliError::Input(format!(
                     "{error}: set IDEMSTORE_ENCRYPTION_KEY to the deployment's key (or --allow-clear)"
                 )),
@@ -406,7 +402,7 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
             Output { json: json!({ "resolved": resolved }), text: text.into() }
         }
         Command::Stats { window } => {
-            let rows = store.stats(*window).await?;
+            let rows = store.admin().stats(*window).await?;
             let mut text =
                 format!("{:<32} {:<14} {:<10} {:>10} {:>10}\n", "operation", "state", "tier", "records", "expiring");
             for row in &rows {
@@ -423,7 +419,7 @@ async fn run(cli: &Cli) -> Result<Output, CliError> {
         }
         Command::Evict(id) => {
             let (scope, key) = record(id)?;
-            let evicted = store.evict(&scope, &key).await?;
+            let evicted = store.admin().evict(&scope, &key).await?;
             let text = if evicted { "evicted from Redis" } else { "Redis held no copy" };
             Output { json: json!({ "evicted": evicted }), text: text.into() }
         }

@@ -1,9 +1,9 @@
 //! The store: configuration and lifecycle here, the claim protocol in [`protocol`](self) submodules.
 
+mod admin;
 mod background;
 mod clear_writes;
 mod lagging;
-mod maintenance;
 mod pool;
 mod postgres_tier;
 mod protocol;
@@ -27,8 +27,8 @@ use crate::encryption::Encryption;
 use crate::error::{ConfigError, StoreError};
 use crate::policy::Policy;
 use crate::telemetry;
+pub use admin::{Admin, Inspection, Purging, Recovery, Resolution, StatsRow};
 pub(crate) use background::Background;
-pub use maintenance::{Inspection, Recovery, Resolution, StatsRow};
 pub use pool::{pool_options, server_bounded};
 use postgres_tier::PostgresTier;
 use redis_connection::RedisSource;
@@ -203,38 +203,6 @@ impl Store {
         // The connection leaves the pool's accounting; closing it is a courtesy, its loss harmless.
         let _ = sqlx::Connection::close(conn).await;
         migrated
-    }
-
-    /// Turns the records table into `partitions` hash partitions by tenant (`PARTITION BY HASH
-    /// (tenant)`), after [`Store::migrate`]: the layout a tenant-distributed deployment starts from
-    /// (docs/scale-out.md). Run it with the application stopped, like a migration that rewrites a table:
-    /// existing records are copied under a table lock, in one transaction, keeping their fences, and a
-    /// claim or completion that waits on that lock past its own lock timeout fails. The table keeps its
-    /// schema, owner, grants, index and constraint names; one with triggers, row security, column
-    /// privileges, rules or publications of its own is refused. Running it again with the same number
-    /// does nothing and takes no lock.
-    ///
-    /// # Errors
-    /// [`ConfigError::Partitions`] for 0 or more than 1024 partitions; [`StoreError::Migrate`] when the
-    /// table is already partitioned into another number, has what it refuses above, its lock is not
-    /// granted within 5 s, or Postgres fails.
-    pub async fn partition_by_tenant(&self, partitions: u16) -> Result<(), StoreError> {
-        if !(1..=1024).contains(&partitions) {
-            return Err(ConfigError::Partitions { partitions }.into());
-        }
-        let failed = |e: sqlx::Error| StoreError::Migrate(sqlx::migrate::MigrateError::Execute(e));
-        let mut tx = self.pg_pool().begin().await.map_err(failed)?;
-        sqlx::raw_sql("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")
-            .execute(&mut *tx)
-            .await
-            .map_err(failed)?;
-        sqlx::query("SELECT set_config('idemstore.partitions', $1, true)")
-            .bind(partitions.to_string())
-            .execute(&mut *tx)
-            .await
-            .map_err(failed)?;
-        sqlx::raw_sql(include_str!("partition_by_tenant.sql")).execute(&mut *tx).await.map_err(failed)?;
-        tx.commit().await.map_err(failed)
     }
 }
 

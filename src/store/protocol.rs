@@ -246,14 +246,8 @@ impl Store {
         Ok(())
     }
 
-    /// Reads a record from Postgres, the source of truth, its response opened. A completed record whose
-    /// retention has passed (not purged yet) reads as [`State::Expired`], without its response: what a
-    /// retry is answered, and nothing of the response is shown past its retention.
-    ///
-    /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed; [`StoreError::Encryption`] if the stored
-    /// response cannot be opened.
-    pub async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+    /// A record as [`Admin::lookup`](crate::Admin::lookup) reads it.
+    pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         let record = self.lookup_stored(scope, key).await?.map(past_retention);
         let opened = record.map(|record| self.opened_record(scope, key, record)).transpose();
         if let Err(error) = &opened {

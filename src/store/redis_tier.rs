@@ -80,7 +80,7 @@ impl RedisUnavailable {
     }
 }
 
-/// A record's Redis copy, for operators ([`crate::Store::inspect`]).
+/// A record's Redis copy, for operators ([`crate::Admin::inspect`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisView {

@@ -38,7 +38,7 @@ async fn a_failed_statement_the_handler_ignored_rolls_back_with_500(mode: Mode) 
     let answer = answer(&service, "tx-aborted").await;
     assert_eq!((answer.0, answer.2.as_str()), (StatusCode::INTERNAL_SERVER_ERROR, problem_types::RESPONSE_FAILED));
     assert_eq!((calls.load(Ordering::SeqCst), h.effects("acme", &key("tx-aborted")).await), (1, 0));
-    assert!(h.store.lookup(&h.scope("acme"), &key("tx-aborted")).await.expect("lookup").is_none());
+    assert!(h.store.admin().lookup(&h.scope("acme"), &key("tx-aborted")).await.expect("lookup").is_none());
 }
 
 /// How the test handler behaves.
@@ -143,7 +143,7 @@ async fn a_new_key_commits_its_effect_with_the_claim_and_replays(mode: Mode) {
     let retry = answer(&service, "tx-1").await;
     assert_eq!(retry, (StatusCode::CREATED, true, first.2.clone()));
     assert_eq!((calls.load(Ordering::SeqCst), h.effects("acme", &key("tx-1")).await), (1, 1));
-    let record = h.store.lookup(&h.scope("acme"), &key("tx-1")).await.expect("lookup").expect("a record");
+    let record = h.store.admin().lookup(&h.scope("acme"), &key("tx-1")).await.expect("lookup").expect("a record");
     assert_eq!(record.state, idemstore::State::Completed);
 }
 
@@ -156,7 +156,7 @@ async fn a_released_status_rolls_the_handlers_writes_back(mode: Mode) {
     let failed = answer(&service, "tx-500").await;
     assert_eq!(failed.0, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(h.effects("acme", &key("tx-500")).await, 0, "rolled back with the claim");
-    assert!(h.store.lookup(&h.scope("acme"), &key("tx-500")).await.expect("lookup").is_none(), "no claim left");
+    assert!(h.store.admin().lookup(&h.scope("acme"), &key("tx-500")).await.expect("lookup").is_none(), "no claim left");
     let retry = answer(&service, "tx-500").await;
     assert_eq!((retry.0, retry.1), (StatusCode::CREATED, false));
     assert_eq!((calls.load(Ordering::SeqCst), h.effects("acme", &key("tx-500")).await), (2, 1));

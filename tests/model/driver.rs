@@ -139,10 +139,10 @@ impl World {
     /// What Postgres holds for the key, its response opened by whichever store can open it.
     async fn inspect(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Seen, String> {
         let mut sealing = Sealing::Sealed;
-        let mut found = self.operator().inspect(scope, key).await;
+        let mut found = self.operator().admin().inspect(scope, key).await;
         if matches!(&found, Ok(inspection) if matches!(inspection.unreadable, Some(EncryptionError::Unsealed))) {
             sealing = Sealing::Clear;
-            found = self.store(Rule::TakeOver, Sealing::Clear).inspect(scope, key).await;
+            found = self.store(Rule::TakeOver, Sealing::Clear).admin().inspect(scope, key).await;
         }
         let inspection = found.map_err(|error| format!("inspect failed: {error:?}"))?;
         if let Some(error) = inspection.unreadable {
@@ -535,7 +535,10 @@ impl<'w> Case<'w> {
     }
 
     async fn purge(&mut self, index: usize) -> Result<(), String> {
-        let (purged, span) = self.history.timed(self.world.operator().purge_expired(BATCH)).await;
+        let (purged, span) = self
+            .history
+            .timed(std::future::IntoFuture::into_future(self.world.operator().admin().purge_expired(BATCH)))
+            .await;
         let purged = purged.map_err(|error| format!("purge failed: {error:?}"))?;
         self.history.record(index, span, "purge", format!("{purged} purged"), Effect::None);
         self.model.purge();
@@ -543,7 +546,7 @@ impl<'w> Case<'w> {
     }
 
     async fn recover_stale(&mut self, index: usize) -> Result<(), String> {
-        let (recovered, span) = self.history.timed(self.world.operator().recover_stale(BATCH)).await;
+        let (recovered, span) = self.history.timed(self.world.operator().admin().recover_stale(BATCH)).await;
         let recovered = recovered.map_err(|error| format!("recover_stale failed: {error:?}"))?;
         self.history.record(index, span, "recover stale leases", format!("{recovered:?}"), Effect::None);
         self.model.recover_stale();
@@ -557,7 +560,8 @@ impl<'w> Case<'w> {
         } else {
             (Settle::Released, Resolution::Released)
         };
-        let resolve = self.world.store(Rule::TakeOver, sealing).resolve(&self.scope, &self.key, resolution);
+        let admin = self.world.store(Rule::TakeOver, sealing).admin();
+        let resolve = admin.resolve(&self.scope, &self.key, resolution);
         let (resolved, span) = self.history.timed(resolve).await;
         let resolved = resolved.map_err(|error| format!("resolve failed: {error:?}"))?;
         let replaced = matches!(&self.last_seen, Seen::Record(record) if record.stage == Stage::Completed);

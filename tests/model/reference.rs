@@ -115,7 +115,7 @@ pub enum Order {
     Reversed,
 }
 
-/// What Postgres holds for the key after a step (`Store::lookup`).
+/// What Postgres holds for the key after a step (`Admin::lookup`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Seen {
     Nothing,

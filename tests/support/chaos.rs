@@ -139,7 +139,7 @@ async fn run_until(
         if seen.len() > 1 {
             report.divergent_answers += 1;
         }
-        let stored = store.lookup(&h.scope(tenant), &key).await.expect("lookup after the load");
+        let stored = store.admin().lookup(&h.scope(tenant), &key).await.expect("lookup after the load");
         let stored = stored.and_then(|r| r.response).map(|r| String::from_utf8_lossy(r.as_bytes()).into_owned());
         if seen.iter().any(|answer| Some(answer) != stored.as_ref()) {
             report.lost_completions += 1;

@@ -132,7 +132,7 @@ impl Harness {
         store.migrate().await.expect("migrate");
         // CI runs the suite a second time on the tenant-partitioned layout.
         if let Some(partitions) = std::env::var("IDEMSTORE_TEST_PARTITIONS").ok().and_then(|n| n.parse().ok()) {
-            store.partition_by_tenant(partitions).await.expect("partition the records by tenant");
+            store.admin().partition_by_tenant(partitions).await.expect("partition the records by tenant");
         }
         recorder();
         Self {

@@ -55,7 +55,7 @@ pub async fn wait_for_state(h: &Harness, key: &str, state: State) {
     let scope = acme();
     let key = IdempotencyKey::new(key).expect("key");
     for _ in 0..500 {
-        if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == state) {
+        if h.store.admin().lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == state) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -72,7 +72,7 @@ pub async fn wait_in_flight(h: &Harness, key: &str) {
     let scope = acme();
     let key = IdempotencyKey::new(key).expect("key");
     for _ in 0..500 {
-        if h.store.lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == State::InProgress) {
+        if h.store.admin().lookup(&scope, &key).await.expect("lookup").is_some_and(|r| r.state == State::InProgress) {
             return;
         }
         if claim_open(h).await {

@@ -1,7 +1,10 @@
-//! Jobs for operators and schedulers: purge expired records, recover stale leases, resolve indeterminate
-//! records, inspect and evict keys, and count what the store holds. The library runs none of them by
-//! itself; schedule them (or run `idemctl`).
+//! [`Admin`], the handle for operators and schedulers: purge expired records, recover stale leases,
+//! resolve indeterminate records, look up, inspect and evict keys, and count what the store holds. None
+//! of it is on a request's path, and the library runs none of it by itself: schedule the jobs (or run
+//! `idemctl`).
 
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
 use std::time::Duration;
 
 use sqlx::Row as _;
@@ -135,7 +138,7 @@ const INDETERMINATE: Statement =
     Statement::new("count_indeterminate", "SELECT count(*) FROM idempotency_records WHERE state = 'i'");
 
 /// The purge statements, each run in batches.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Purge {
     /// Expired records (completed ones leave a tombstone).
     Records,
@@ -153,7 +156,7 @@ impl Purge {
     }
 }
 
-/// What [`Store::recover_stale`] did.
+/// What [`Admin::recover_stale`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Recovery {
@@ -179,7 +182,7 @@ pub enum Resolution {
     Released,
 }
 
-/// Records by operation, state and tier ([`Store::stats`]).
+/// Records by operation, state and tier ([`Admin::stats`]).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct StatsRow {
@@ -195,7 +198,7 @@ pub struct StatsRow {
     pub expiring: u64,
 }
 
-/// A key as both tiers hold it ([`Store::inspect`]).
+/// A key as both tiers hold it ([`Admin::inspect`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Inspection {
@@ -209,56 +212,151 @@ pub struct Inspection {
     pub redis: Option<RedisView>,
 }
 
+/// The operator's and the scheduler's handle on a store ([`Store::admin`]): purging, recovery, resolution,
+/// lookup, inspection, eviction and counts. Cheap to make and to clone (it holds the store).
+#[derive(Clone, Debug)]
+pub struct Admin {
+    store: Store,
+}
+
 impl Store {
-    /// Purges expired records, `batch` at a time, until none is left; returns how many records and tombstones
-    /// went (spent quota counters go too, uncounted). A completed record leaves a tombstone until its horizon
-    /// ([`Policy::tombstone`](crate::Policy::tombstone)) ends; in-progress and indeterminate records are never
-    /// purged. Safe to run from several processes at once; each batch is one short statement.
-    ///
-    /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed (batches already purged stay purged).
-    pub async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let mut purged = 0;
-        for statement in [Purge::Records, Purge::Tombstones, Purge::QuotaUsage] {
-            loop {
-                let deleted = self.purge(statement, batch).await?;
-                if statement.counted() {
-                    purged += deleted;
-                }
-                if deleted < u64::from(batch.max(1)) {
-                    break;
-                }
-            }
-        }
-        Ok(purged)
+    /// The jobs and operator tools of this store, apart from the request path.
+    pub fn admin(&self) -> Admin {
+        Admin { store: self.clone() }
     }
 
-    /// Purges one batch of at most `batch` expired records and one of at most `batch` tombstones whose
-    /// horizon ended (and one of spent quota counters, uncounted); returns how many went (fewer than
-    /// `batch`: nothing is left).
+    pub(crate) async fn evict_redis(&self, scope: &Scope, key: &IdempotencyKey) {
+        if let Some(redis) = &self.inner.redis
+            && let Err(error) = redis.evict(&redis.record_key(scope, key)).await
+        {
+            telemetry::redis_fallback(scope.operation(), error.reason());
+        }
+    }
+}
+
+/// A purge under way ([`Admin::purge_expired`]): records first, then tombstones past their horizon, then
+/// spent quota counters, a batch at a time.
+#[must_use = "a purge does nothing until it is awaited or asked for its batches"]
+#[derive(Debug)]
+pub struct Purging {
+    admin: Admin,
+    batch: u32,
+    /// The statements still to run, the current one last.
+    left: Vec<Purge>,
+}
+
+impl Purging {
+    /// Purges the next batch; returns how many records and tombstones it purged (a batch of quota
+    /// counters counts 0), or `None` once nothing expired is left.
     ///
     /// # Errors
-    /// [`StoreError::StoreUnavailable`] if Postgres failed.
-    pub async fn purge_expired_batch(&self, batch: u32) -> Result<u64, StoreError> {
-        let purged = self.purge(Purge::Records, batch).await? + self.purge(Purge::Tombstones, batch).await?;
-        self.purge(Purge::QuotaUsage, batch).await?;
-        Ok(purged)
+    /// [`StoreError::StoreUnavailable`] if Postgres failed (batches already purged stay purged; asking
+    /// again goes on).
+    pub async fn next_batch(&mut self) -> Result<Option<u64>, StoreError> {
+        let Some(&statement) = self.left.last() else { return Ok(None) };
+        let deleted = self.admin.purge(statement, self.batch).await?;
+        if deleted < u64::from(self.batch) {
+            self.left.pop();
+        }
+        Ok(Some(if statement.counted() { deleted } else { 0 }))
+    }
+}
+
+impl IntoFuture for Purging {
+    type Output = Result<u64, StoreError>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send>>;
+
+    /// Purges every batch; returns how many records and tombstones went.
+    fn into_future(mut self) -> Self::IntoFuture {
+        Box::pin(async move {
+            let mut purged = 0;
+            while let Some(deleted) = self.next_batch().await? {
+                purged += deleted;
+            }
+            Ok(purged)
+        })
+    }
+}
+
+impl Admin {
+    /// Reads a record from Postgres, the source of truth, its response opened. A completed record whose
+    /// retention has passed (not purged yet) reads as [`State::Expired`], without its response: what a
+    /// retry is answered, and nothing of the response is shown past its retention.
+    ///
+    /// # Errors
+    /// [`StoreError::StoreUnavailable`] if Postgres failed; [`StoreError::Encryption`] if the stored
+    /// response cannot be opened.
+    pub async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.store.lookup(scope, key).await
+    }
+
+    /// Turns the records table into `partitions` hash partitions by tenant (`PARTITION BY HASH
+    /// (tenant)`), after [`Store::migrate`](crate::Store::migrate): the layout a tenant-distributed deployment starts from
+    /// (docs/scale-out.md). Run it with the application stopped, like a migration that rewrites a table:
+    /// existing records are copied under a table lock, in one transaction, keeping their fences, and a
+    /// claim or completion that waits on that lock past its own lock timeout fails. The table keeps its
+    /// schema, owner, grants, index and constraint names; one with triggers, row security, column
+    /// privileges, rules or publications of its own is refused. Running it again with the same number
+    /// does nothing and takes no lock.
+    ///
+    /// # Errors
+    /// [`ConfigError::Partitions`] for 0 or more than 1024 partitions; [`StoreError::Migrate`] when the
+    /// table is already partitioned into another number, has what it refuses above, its lock is not
+    /// granted within 5 s, or Postgres fails.
+    pub async fn partition_by_tenant(&self, partitions: u16) -> Result<(), StoreError> {
+        if !(1..=1024).contains(&partitions) {
+            return Err(ConfigError::Partitions { partitions }.into());
+        }
+        let failed = |e: sqlx::Error| StoreError::Migrate(sqlx::migrate::MigrateError::Execute(e));
+        let mut tx = self.store.pg_pool().begin().await.map_err(failed)?;
+        sqlx::raw_sql("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        sqlx::query("SELECT set_config('idemstore.partitions', $1, true)")
+            .bind(partitions.to_string())
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        sqlx::raw_sql(include_str!("partition_by_tenant.sql")).execute(&mut *tx).await.map_err(failed)?;
+        tx.commit().await.map_err(failed)
+    }
+
+    /// Purges expired records, `batch` at a time: await it to purge until none is left (it returns how
+    /// many records and tombstones went; spent quota counters go too, uncounted), or take one batch at a
+    /// time with [`Purging::next_batch`] (to show progress, or to pause between batches). A completed
+    /// record leaves a tombstone until its horizon ([`Policy::tombstone`](crate::Policy::tombstone)) ends;
+    /// in-progress and indeterminate records are never purged. Safe to run from several processes at
+    /// once; each batch is one short statement.
+    ///
+    /// ```no_run
+    /// # async fn purge(store: idemstore::Store) -> Result<(), idemstore::StoreError> {
+    /// let purged = store.admin().purge_expired(1000).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn purge_expired(&self, batch: u32) -> Purging {
+        Purging {
+            admin: self.clone(),
+            batch: batch.max(1),
+            left: vec![Purge::QuotaUsage, Purge::Tombstones, Purge::Records],
+        }
     }
 
     async fn purge(&self, statement: Purge, batch: u32) -> Result<u64, StoreError> {
-        let limit = i64::from(batch.max(1));
+        let limit = i64::from(batch);
         let purged = match statement {
             Purge::Records => {
                 let query = sqlx::query_scalar::<_, i64>(PURGE_BATCH.sql).bind(limit);
-                u64::try_from(self.bounded(&PURGE_BATCH, query.fetch_one(self.pg_pool())).await?).unwrap_or(0)
+                u64::try_from(self.store.bounded(&PURGE_BATCH, query.fetch_one(self.store.pg_pool())).await?)
+                    .unwrap_or(0)
             }
             Purge::Tombstones => {
-                let query = sqlx::query(PURGE_TOMBSTONES.sql).bind(limit).execute(self.pg_pool());
-                self.bounded(&PURGE_TOMBSTONES, query).await?.rows_affected()
+                let query = sqlx::query(PURGE_TOMBSTONES.sql).bind(limit).execute(self.store.pg_pool());
+                self.store.bounded(&PURGE_TOMBSTONES, query).await?.rows_affected()
             }
             Purge::QuotaUsage => {
-                let query = sqlx::query(PURGE_QUOTA_USAGE.sql).bind(limit).execute(self.pg_pool());
-                self.bounded(&PURGE_QUOTA_USAGE, query).await?.rows_affected()
+                let query = sqlx::query(PURGE_QUOTA_USAGE.sql).bind(limit).execute(self.store.pg_pool());
+                self.store.bounded(&PURGE_QUOTA_USAGE, query).await?.rows_affected()
             }
         };
         if statement.counted() {
@@ -272,15 +370,15 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn count_expired(&self) -> Result<u64, StoreError> {
-        count(self, &COUNT_EXPIRED).await
+        count(&self.store, &COUNT_EXPIRED).await
     }
 
-    /// How many in-progress records have a lease that ran out: what [`Store::recover_stale`] would find.
+    /// How many in-progress records have a lease that ran out: what [`Admin::recover_stale`] would find.
     ///
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn count_stale(&self) -> Result<u64, StoreError> {
-        count(self, &COUNT_STALE).await
+        count(&self.store, &COUNT_STALE).await
     }
 
     /// Applies the [`LeaseExpiry`] each record was claimed under to in-progress records whose lease ran
@@ -290,8 +388,8 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn recover_stale(&self, batch: u32) -> Result<Recovery, StoreError> {
-        let rows = sqlx::query(STALE.sql).bind(i64::from(batch.max(1))).fetch_all(self.pg_pool());
-        let rows = self.bounded(&STALE, rows).await?;
+        let rows = sqlx::query(STALE.sql).bind(i64::from(batch.max(1))).fetch_all(self.store.pg_pool());
+        let rows = self.store.bounded(&STALE, rows).await?;
         let mut recovery = Recovery { found: rows.len() as u64, ..Recovery::default() };
         for row in rows {
             let Ok((stale, rule)) = self.stale_lease(&row) else {
@@ -307,11 +405,11 @@ impl Store {
                         .bind(stale.scope.operation())
                         .bind(stale.key.as_str())
                         .bind(stale.fence)
-                        .execute(self.pg_pool());
-                    (self.bounded(&RELEASE_STALE, released).await?.rows_affected() == 1, "released")
+                        .execute(self.store.pg_pool());
+                    (self.store.bounded(&RELEASE_STALE, released).await?.rows_affected() == 1, "released")
                 }
                 LeaseExpiry::MarkIndeterminate => {
-                    (self.inner.postgres.mark_indeterminate(&stale, None).await?, "marked_indeterminate")
+                    (self.store.inner.postgres.mark_indeterminate(&stale, None).await?, "marked_indeterminate")
                 }
             };
             if recovered {
@@ -320,7 +418,7 @@ impl Store {
                     "released" => recovery.released += 1,
                     _ => recovery.marked_indeterminate += 1,
                 }
-                self.evict_redis(&stale.scope, &stale.key).await;
+                self.store.evict_redis(&stale.scope, &stale.key).await;
             }
         }
         self.indeterminate_gauge().await?;
@@ -339,7 +437,7 @@ impl Store {
                 .ok_or_else(|| decode(sqlx::Error::Decode("a fingerprint is 32 bytes".into())))?,
             fence: row.try_get(4).map_err(decode)?,
             owner: row.try_get::<Option<String>, _>(5).map_err(decode)?.unwrap_or_default(),
-            policy: self.shared_policy(scope.operation()),
+            policy: self.store.shared_policy(scope.operation()),
             scope,
             key,
         };
@@ -371,12 +469,12 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let (statement, query) = match &resolution {
             Resolution::Completed(response) => {
-                self.refuse_clear_writes().await?;
+                self.store.refuse_clear_writes().await?;
                 // The sealed response is bound to the fingerprint the record holds.
-                let Some(record) = self.lookup_stored(scope, key).await? else { return Ok(false) };
+                let Some(record) = self.store.lookup_stored(scope, key).await? else { return Ok(false) };
                 let tampered = match (&record.response, record.state) {
                     (Some(stored), State::Completed) => {
-                        let opened = self.opened(scope, key, &record.fingerprint, stored.clone(), true);
+                        let opened = self.store.opened(scope, key, &record.fingerprint, stored.clone(), true);
                         // Bytes this store cannot open but may replace: tampered ciphertext, or a response
                         // written in clear into an encrypted deployment (an operator without the key).
                         let replaceable = matches!(opened, Err(EncryptionError::Tampered | EncryptionError::Unsealed));
@@ -384,7 +482,7 @@ impl Store {
                     }
                     _ => None,
                 };
-                let sealed = self.sealed_for(scope, key, &record.fingerprint, response).into_owned();
+                let sealed = self.store.sealed_for(scope, key, &record.fingerprint, response).into_owned();
                 let query = sqlx::query(RESOLVE_COMPLETED.sql)
                     .bind(scope.tenant())
                     .bind(scope.operation())
@@ -401,10 +499,10 @@ impl Store {
                 (&RESOLVE_RELEASED, query)
             }
         };
-        let resolved = self.bounded(statement, query.execute(self.pg_pool())).await?.rows_affected() == 1;
+        let resolved = self.store.bounded(statement, query.execute(self.store.pg_pool())).await?.rows_affected() == 1;
         if resolved {
             // Redis may still answer "indeterminate": drop its copy so the next request reads Postgres.
-            self.evict_redis(scope, key).await;
+            self.store.evict_redis(scope, key).await;
             self.indeterminate_gauge().await?;
         }
         Ok(resolved)
@@ -420,7 +518,7 @@ impl Store {
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn refresh_gauges(&self) -> Result<(), StoreError> {
         self.indeterminate_gauge().await?;
-        self.outbox().refresh_gauges().await
+        self.store.outbox().refresh_gauges().await
     }
 
     /// Records by operation, state and tier, with how many expire within `window`.
@@ -428,8 +526,8 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn stats(&self, window: Duration) -> Result<Vec<StatsRow>, StoreError> {
-        let rows = sqlx::query(COUNTS.sql).bind(millis(window) as f64).fetch_all(self.pg_pool());
-        let rows = self.bounded(&COUNTS, rows).await?;
+        let rows = sqlx::query(COUNTS.sql).bind(millis(window) as f64).fetch_all(self.store.pg_pool());
+        let rows = self.store.bounded(&COUNTS, rows).await?;
         let decode = |e| COUNTS.failed(e);
         rows.iter()
             .map(|row| {
@@ -450,14 +548,14 @@ impl Store {
     /// # Errors
     /// [`StoreError::StoreUnavailable`] if Postgres failed.
     pub async fn inspect(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Inspection, StoreError> {
-        let (postgres, unreadable) = match self.lookup_stored(scope, key).await? {
-            Some(record) => match self.opened_record(scope, key, record.clone()) {
+        let (postgres, unreadable) = match self.store.lookup_stored(scope, key).await? {
+            Some(record) => match self.store.opened_record(scope, key, record.clone()) {
                 Ok(opened) => (Some(opened), None),
                 Err(error) => (Some(Record { response: None, ..record }), Some(error)),
             },
             None => (None, None),
         };
-        let (redis_key, redis) = match &self.inner.redis {
+        let (redis_key, redis) = match &self.store.inner.redis {
             Some(redis) => {
                 let record_key = redis.record_key(scope, key);
                 let view = redis.view(&record_key).await.ok().flatten();
@@ -474,22 +572,14 @@ impl Store {
     /// # Errors
     /// [`ConfigError::NoRedis`] in Postgres-only mode; [`StoreError::RedisUnavailable`] if Redis failed.
     pub async fn evict(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let Some(redis) = &self.inner.redis else {
+        let Some(redis) = &self.store.inner.redis else {
             return Err(ConfigError::NoRedis.into());
         };
         redis.evict(&redis.record_key(scope, key)).await.map_err(|e| StoreError::RedisUnavailable(Box::new(e)))
     }
 
-    pub(crate) async fn evict_redis(&self, scope: &Scope, key: &IdempotencyKey) {
-        if let Some(redis) = &self.inner.redis
-            && let Err(error) = redis.evict(&redis.record_key(scope, key)).await
-        {
-            telemetry::redis_fallback(scope.operation(), error.reason());
-        }
-    }
-
     async fn indeterminate_gauge(&self) -> Result<(), StoreError> {
-        let indeterminate = count(self, &INDETERMINATE).await?;
+        let indeterminate = count(&self.store, &INDETERMINATE).await?;
         telemetry::indeterminate(indeterminate);
         Ok(())
     }
