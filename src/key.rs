@@ -54,8 +54,8 @@ impl IdempotencyKey {
     /// `<target>#<key>`, or `idem-t-` and a digest of both when that would be longer than 255 bytes or
     /// the target is not visible ASCII. The target's percent-encoding is normalized first (RFC 3986
     /// section 6.2.2: an encoded unreserved character is decoded, the other escapes' hex digits
-    /// upper-cased), so that `/accounts/%41` and `/accounts/A`, one resource, are one key space; other
-    /// bytes stay as sent. The HTTP layer keeps the keys of routes with path parameters this way
+    /// upper-cased, a character beyond ASCII encoded), so that `/accounts/%41` and `/accounts/A`, one
+    /// resource, are one key space. The HTTP layer keeps the keys of routes with path parameters this way
     /// ([`KeySpace::Target`](crate::http::KeySpace::Target)): look their records up in this form (in
     /// code, or with `idemctl inspect --target`).
     pub fn for_target(&self, target: &str) -> IdempotencyKey {
@@ -77,11 +77,12 @@ impl IdempotencyKey {
 }
 
 /// `target` with its percent-encoding normalized (RFC 3986 section 6.2.2.1-2): `%41` is `A`, `%7e` is
-/// `~`, `%2f` is `%2F` (a reserved character stays encoded: `/accounts/A%2FB` is not `/accounts/A/B`).
-/// Borrowed when nothing changes, which is every target a client built from unescaped parts.
+/// `~`, `%2f` is `%2F` (a reserved character stays encoded: `/accounts/A%2FB` is not `/accounts/A/B`),
+/// and a character beyond ASCII sent raw is encoded (`/ä` is `/%C3%A4`, as a router decodes both).
+/// Borrowed when nothing changes, which is every ASCII target without escapes.
 fn normalize_percent_encoding(target: &str) -> std::borrow::Cow<'_, str> {
     let bytes = target.as_bytes();
-    if !bytes.contains(&b'%') {
+    if target.is_ascii() && !bytes.contains(&b'%') {
         return std::borrow::Cow::Borrowed(target);
     }
     let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
@@ -100,11 +101,14 @@ fn normalize_percent_encoding(target: &str) -> std::borrow::Cow<'_, str> {
                 }
                 i += 3;
             }
+            None if bytes[i].is_ascii() => {
+                normalized.push(bytes[i] as char);
+                i += 1;
+            }
             None => {
-                // Not an escape: the character as sent (whole, if it is not ASCII).
-                let width = target[i..].chars().next().map_or(1, char::len_utf8);
-                normalized.push_str(&target[i..i + width]);
-                i += width;
+                // A character sent raw that a client may as well send encoded: encoded, one form.
+                normalized.push_str(&format!("%{:02X}", bytes[i]));
+                i += 1;
             }
         }
     }
@@ -319,7 +323,8 @@ mod tests {
         for form in &forms {
             assert!(IdempotencyKey::new(form.as_str()).is_ok(), "a valid key: {form:?}");
         }
-        assert!(forms[1].as_str().starts_with("idem-t-") && forms[3].as_str().starts_with("idem-t-"));
+        assert!(forms[1].as_str().starts_with("idem-t-"));
+        assert_eq!(forms[3].as_str(), "/accounts/%C3%A4/transfers#t1");
         let mut all = forms.to_vec();
         all.push(key.for_target("/accounts/A/transfers"));
         all.sort_by(|a, b| a.as_str().cmp(b.as_str()));
@@ -343,7 +348,9 @@ mod tests {
         // Not escapes: left as sent.
         assert_eq!(key.for_target("/a/%4").as_str(), "/a/%4#t1");
         assert_eq!(key.for_target("/a/%zz%").as_str(), "/a/%zz%#t1");
-        assert_eq!(key.for_target("/ä/%41"), key.for_target("/ä/A"));
+        assert_eq!(key.for_target("/ä/%41"), key.for_target("/%c3%a4/A"));
+        assert_eq!(key.for_target("/a/%é").as_str(), "/a/%%C3%A9#t1");
+        assert_eq!(key.for_target("/a/%4é").as_str(), "/a/%4%C3%A9#t1");
     }
 
     #[test]

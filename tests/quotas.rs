@@ -158,8 +158,9 @@ async fn live_keys_count_leases_in_progress_only(mode: Mode) {
 
 /// Claims made inside a transaction are in no snapshot until they commit: two held open fill a limit of
 /// two live keys, so a third transactional claim and a plain one are refused, and nothing of them is
-/// recorded; once both commit (completed, not live) places are free again (before: both passed, and a
-/// tenant could hold any number of pool connections in transactional claims).
+/// recorded, while a completed key is still replayed; once both commit (completed, not live) places are
+/// free again (before: both passed, and a tenant could hold any number of pool connections in
+/// transactional claims).
 async fn open_transactional_claims_count_as_live_keys(mode: Mode) {
     use std::sync::Arc;
 
@@ -184,16 +185,20 @@ async fn open_transactional_claims_count_as_live_keys(mode: Mode) {
             outcome.await.expect("answer")
         }
     };
+    assert_eq!(in_tx("done", false).await, RunOutcome::Executed(1));
     let held = futures::future::join(in_tx("held-1", true), in_tx("held-2", true));
     let refused = async {
         opened.recv().await.expect("first open");
         opened.recv().await.expect("second open");
         let third = in_tx("third", false).await;
         let plain = h.store.begin(&scope, &key("plain"), &fingerprint(1)).await.expect("begin");
+        // A key with a record is answered from it, slots or not (it starts nothing).
+        let replay = in_tx("done", false).await;
         gate.add_permits(2);
-        (third, plain)
+        (third, plain, replay)
     };
-    let ((first, second), (third, plain)) = tokio::join!(held, refused);
+    let ((first, second), (third, plain, replay)) = tokio::join!(held, refused);
+    assert_eq!(replay, RunOutcome::Replayed(1));
     assert_eq!((first, second), (RunOutcome::Executed(1), RunOutcome::Executed(1)));
     assert!(matches!(third, RunOutcome::QuotaExceeded { limit: QuotaLimit::LiveKeys, .. }), "{third:?}");
     assert!(matches!(plain, Begin::QuotaExceeded { limit: QuotaLimit::LiveKeys, .. }), "{plain:?}");

@@ -5,9 +5,9 @@
 //! idemctl inspect <tenant> <operation> <key> [--target PATH] [--response]
 //! idemctl purge [--dry-run] [--batch N]
 //! idemctl recover [--dry-run] [--batch N]
-//! idemctl resolve <tenant> <operation> <key> (--complete-with FILE | --release)
+//! idemctl resolve <tenant> <operation> <key> [--target PATH] (--complete-with FILE | --release)
 //! idemctl stats [--window 1h]
-//! idemctl evict <tenant> <operation> <key>
+//! idemctl evict <tenant> <operation> <key> [--target PATH]
 //! idemctl outbox status
 //! idemctl outbox drain --exec '<shell command>' [--topic T]... [--batch N] [--concurrency N] [--timeout 30s]
 //! idemctl outbox retry <topic>

@@ -60,13 +60,11 @@ pub enum InputError {
     /// write it as `null`).
     #[error("the payload holds NaN or an infinite number")]
     NonFiniteNumber,
-    /// A webhook delivery verified by one inbox was handed to another ([`crate::Inbox::receive`]): its
-    /// sender's secret vouches for that inbox's events only.
-    #[error("the delivery was verified by the inbox {verified_by:?}, not this one")]
-    DeliveryOfAnotherInbox {
-        /// The consumer whose inbox verified the delivery.
-        verified_by: String,
-    },
+    /// An inbox with a verifier ([`crate::Inbox::verified_by`]) was given a bare event id, or a delivery
+    /// another verifier checked ([`crate::Inbox::receive`]): it takes only what its own verifier
+    /// checked ([`crate::Inbox::verify`]).
+    #[error("this inbox takes only deliveries its own verifier checked")]
+    UnverifiedDelivery,
     /// An ignored-field entry is not an RFC 6901 JSON pointer to a member or element.
     #[error("{pointer:?} is not a JSON pointer to a field (it must start with '/')")]
     InvalidPointer {

@@ -68,8 +68,9 @@ fn replay(stored: &StoredResponse, scope: &Scope, principal: Principal) -> Respo
         }
         Some(Stored::Response(captured)) => captured.replay(None),
         Some(Stored::Withheld(withheld)) => not_replayable(format!(
-            "a request with this key completed with status {}, but its {}-byte response was not stored for \
-             replay (larger than the capture limit, or cut short); it is not executed again",
+            "a request with this key completed with status {}, but its response ({} bytes when settled) was \
+             not stored for replay (larger than the capture limit, cut short, or streamed past the bound); \
+             it is not executed again",
             withheld.status, withheld.bytes
         )),
         // Completed by another writer of the key (an operator's raw bytes): done, but not replayable here.

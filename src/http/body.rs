@@ -184,8 +184,10 @@ async fn settle_owner(owner: Owner, stored: Option<Vec<u8>>) {
 }
 
 /// After `streaming`, settles a record whose body has not ended: as a response sent but not stored (the
-/// work ran, so a retry is told so and never runs it again), or released for a status that is not
-/// stored. The body goes on streaming to the client; its end then finds the record settled.
+/// work ran, so a retry is told so and never runs it again). A status that is not stored is not
+/// released (a retry would run the handler while the first body may still be producing): its lease is
+/// no longer extended, and the record's rule decides when it runs out. The body goes on streaming to the
+/// client; its end then finds the record settled.
 async fn bound(
     streaming: Duration,
     owner: SharedOwner,
@@ -195,11 +197,13 @@ async fn bound(
     tokio::time::sleep(streaming).await;
     // No await between taking the owner and handing it on: an abort here would drop it unsettled.
     let Some(owner) = take(&owner) else { return };
+    let Some((status, principal)) = withheld else {
+        tracing::warn!(?streaming, "the response streamed past the layer's bound; its key is left to its lease");
+        return owner.abandon();
+    };
     tracing::warn!(?streaming, "the response streamed past the layer's bound; its record is settled as not replayable");
-    let stored = withheld.map(|(status, principal)| {
-        Stored::Withheld(Withheld::new(status, sent.load(Ordering::Relaxed), principal)).encode()
-    });
-    owner.background().settle(settle_owner(owner, stored));
+    let stored = Stored::Withheld(Withheld::new(status, sent.load(Ordering::Relaxed), principal)).encode();
+    owner.background().settle(settle_owner(owner, Some(stored)));
 }
 
 impl Drop for Settlement {
@@ -354,7 +358,7 @@ impl Drop for SettlingBody {
             background.settle(settling);
             return;
         }
-        let Some(settlement) = self.settlement.take() else { return };
+        let Some(settlement) = self.settlement.take().filter(|s| s.background().is_some()) else { return };
         let inner = self.inner.take().filter(|_| settlement.needs_the_rest());
         background.settle(drain_and_settle(inner, settlement));
     }

@@ -77,7 +77,8 @@ pub(crate) struct Withheld {
     version: u8,
     /// The status the handler answered.
     pub(crate) status: u16,
-    /// How many body bytes it sent (at least the capture limit).
+    /// How many body bytes it had sent when it was settled: past the capture limit, or fewer when the body
+    /// was cut short or streamed past the layer's bound.
     pub(crate) bytes: u64,
     /// Who the response answered.
     principal: Principal,

@@ -61,7 +61,7 @@ impl MismatchStatus {
 #[non_exhaustive]
 pub enum KeySpace {
     /// The request's target: on an axum route with path parameters (`/accounts/{id}/transfers`), each
-    /// path as sent (`/accounts/A/transfers`, `/accounts/B/transfers`) is a key space of its own, so a key
+    /// path (`/accounts/A/transfers`, `/accounts/B/transfers`, percent-encoding normalized) is a key space of its own, so a key
     /// sent to one is never answered with, or refused for, a record of another (the store keeps the key
     /// as [`IdempotencyKey::for_target`](crate::IdempotencyKey::for_target); a handler finds it in
     /// [`IdempotencyContext`](super::IdempotencyContext)). Metrics and policies still follow the route

@@ -166,9 +166,11 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// extended while the body streams; past this bound (a client that stopped reading, an endless
     /// stream) the record is settled as completed but not replayable, as for a body over
     /// [the capture limit](Self::with_max_response_body): retries get 409 `not-replayable` and never run
-    /// the handler again, and the body goes on to the client. A status that is not stored releases the
-    /// key instead. Bodies known to fit the capture limit are settled before the response starts, so
-    /// this bound only applies to the others.
+    /// the handler again, and the body goes on to the client. A status that is not stored is left to its
+    /// lease instead (no longer extended; the record's rule decides), never released while its body may
+    /// still be producing. A gRPC stream's status comes in its trailers: one past the bound is settled as
+    /// not replayable whatever status it ends with. Bodies known to fit the capture limit are settled
+    /// before the response starts, so this bound only applies to the others.
     pub fn with_max_streaming(mut self, bound: Duration) -> Self {
         self.config.max_streaming = bound;
         self

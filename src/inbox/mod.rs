@@ -7,9 +7,11 @@
 //! body is not compared at all; [`Inbox::compare_fields`] names the fields whose change is a conflict.
 //!
 //! A delivery's id must come from the provider: [`Inbox::verify`] checks its signature (see
-//! [`WebhookVerifier`]) and takes the id from what was signed. Give each sender its own inbox and its
-//! own secret: the [`VerifiedDelivery`] is bound to the inbox that verified it, and another inbox
-//! refuses it, so one sender's delivery is never handled as another's event.
+//! [`WebhookVerifier`]) and takes the id from what was signed. Give each sender its own inbox, with its
+//! own verifier and secret: an inbox with a verifier takes only the [`VerifiedDelivery`] that verifier
+//! checked, never a bare id or another verifier's delivery, so code that verified with one sender's
+//! verifier cannot record the event in another's inbox. (A secret shared by two senders still lets a
+//! delivery of one verify at the other's endpoint: only separate secrets prevent that.)
 
 mod signature;
 
@@ -140,8 +142,8 @@ impl Inbox {
     }
 
     /// Checks a delivery's signature, before anything is read or written, and returns its event id
-    /// (from the signed material only) for [`Inbox::receive`], bound to this inbox: another inbox
-    /// refuses it. A refused delivery must not be acknowledged: its sender was not the provider, or it
+    /// (from the signed material only) for [`Inbox::receive`], which takes it only from this inbox's
+    /// verifier. A refused delivery must not be acknowledged: its sender was not the provider, or it
     /// was captured and sent again too late.
     ///
     /// ```
@@ -165,9 +167,7 @@ impl Inbox {
         headers: &H,
         body: &[u8],
     ) -> Result<VerifiedDelivery, SignatureError> {
-        let mut delivery = self.verifier.as_ref().ok_or(SignatureError::NoVerifier)?.verify(headers, body)?;
-        delivery.verified_by = Some(self.scope.tenant().to_owned());
-        Ok(delivery)
+        self.verifier.as_ref().ok_or(SignatureError::NoVerifier)?.verify(headers, body)
     }
 
     /// Refuses a delivery as [`Received::Conflict`] when one of these fields (JSON pointers, such as
@@ -187,12 +187,12 @@ impl Inbox {
     /// Runs `handler` for the first delivery of `event` and records its outcome; later deliveries
     /// are acknowledged from the record. A handler `Err` records nothing, so the next delivery runs it
     /// again, whatever changed in the body (unless a [compared field](Inbox::compare_fields) did).
-    /// `event` is the [`VerifiedDelivery`] of [`Inbox::verify`] (or a bare id, for messages no
-    /// signature vouches for).
+    /// `event` is the [`VerifiedDelivery`] of [`Inbox::verify`], or, for an inbox without a verifier
+    /// (messages no signature vouches for), a bare id.
     ///
     /// # Errors
-    /// [`InputError`] for an event id that is not a valid key, or
-    /// [`InputError::DeliveryOfAnotherInbox`] for a delivery another inbox verified; otherwise as
+    /// [`InputError`] for an event id that is not a valid key, or [`InputError::UnverifiedDelivery`]
+    /// for a bare id or another verifier's delivery given to an inbox with a verifier; otherwise as
     /// [`Store::run_once`].
     pub async fn receive<'e, P, T, E, F, Fut>(
         &self,
@@ -244,8 +244,10 @@ impl Inbox {
         event: EventId<'_>,
         payload: &P,
     ) -> Result<(IdempotencyKey, Fingerprint), StoreError> {
-        if let Some(verified_by) = event.verified_by.filter(|&inbox| inbox != self.scope.tenant()) {
-            return Err(InputError::DeliveryOfAnotherInbox { verified_by: verified_by.to_owned() }.into());
+        if let Some(verifier) = &self.verifier
+            && event.verifier != Some(verifier.id)
+        {
+            return Err(InputError::UnverifiedDelivery.into());
         }
         let key = IdempotencyKey::new(event.id)?;
         let identity = match &self.compared {

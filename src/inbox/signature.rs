@@ -50,37 +50,40 @@ pub struct VerifiedDelivery {
     pub event_id: String,
     /// When the provider signed the delivery.
     pub signed_at: SystemTime,
-    /// The consumer whose inbox verified it ([`Inbox::verify`](crate::Inbox::verify)); `None` from a
-    /// bare [`WebhookVerifier`].
-    pub(crate) verified_by: Option<String>,
+    /// The verifier that checked it ([`WebhookVerifier`]'s identity, shared by its clones).
+    pub(crate) verifier: u64,
 }
 
 /// The event a delivery is received as ([`Inbox::receive`](crate::Inbox::receive)): a
-/// [`VerifiedDelivery`], which only the inbox that verified it accepts, or a bare event id (a queue
-/// message's id, which no signature vouches for).
+/// [`VerifiedDelivery`], or a bare event id (a queue message's id, which no signature vouches for). An
+/// inbox with a verifier ([`Inbox::verified_by`](crate::Inbox::verified_by)) takes only deliveries
+/// that its own verifier checked.
 #[derive(Clone, Copy, Debug)]
 pub struct EventId<'a> {
     pub(crate) id: &'a str,
-    pub(crate) verified_by: Option<&'a str>,
+    pub(crate) verifier: Option<u64>,
 }
 
 impl<'a> From<&'a VerifiedDelivery> for EventId<'a> {
     fn from(delivery: &'a VerifiedDelivery) -> Self {
-        Self { id: &delivery.event_id, verified_by: delivery.verified_by.as_deref() }
+        Self { id: &delivery.event_id, verifier: Some(delivery.verifier) }
     }
 }
 
 impl<'a> From<&'a str> for EventId<'a> {
     fn from(id: &'a str) -> Self {
-        Self { id, verified_by: None }
+        Self { id, verifier: None }
     }
 }
 
 impl<'a> From<&'a String> for EventId<'a> {
     fn from(id: &'a String) -> Self {
-        Self { id, verified_by: None }
+        Self { id, verifier: None }
     }
 }
+
+/// Identities of verifiers, one per [`WebhookVerifier::new`].
+static VERIFIERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A delivery's headers, looked up by name, ignoring case.
 pub trait DeliveryHeaders {
@@ -121,6 +124,8 @@ pub struct WebhookVerifier {
     /// HMAC keys, newest first.
     keys: Vec<Zeroizing<Vec<u8>>>,
     tolerance: Duration,
+    /// Which verifier this is: its deliveries are received only by inboxes that hold it (or a clone).
+    pub(crate) id: u64,
 }
 
 impl std::fmt::Debug for WebhookVerifier {
@@ -153,7 +158,8 @@ impl WebhookVerifier {
         if keys.is_empty() {
             return Err(ConfigError::WebhookSecret { reason: "no secret given" });
         }
-        Ok(Self { scheme, keys, tolerance: DEFAULT_TOLERANCE })
+        let id = VERIFIERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Self { scheme, keys, tolerance: DEFAULT_TOLERANCE, id })
     }
 
     /// How far a delivery's signed timestamp may be from now, either way (default 5 minutes; at most
@@ -216,7 +222,7 @@ impl WebhookVerifier {
             Some(id) => id.to_owned(),
             None => event_id_of(body)?,
         };
-        Ok(VerifiedDelivery { event_id, signed_at, verified_by: None })
+        Ok(VerifiedDelivery { event_id, signed_at, verifier: self.id })
     }
 
     /// The headers that sign `body` as event `event_id` at `at` with the newest secret: what the

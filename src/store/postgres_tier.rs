@@ -81,7 +81,9 @@ macro_rules! in_progress_expiry {
 /// covers, plus the current one's. Reading it costs a row per connection that counted in those two
 /// windows, whatever the limit. Live keys are counted from the in-progress records (a partial index),
 /// at most `$14` entries, plus the claims open in other transactions ([`TAKE_LIVE_SLOT`], slots of the
-/// namespace `$15`), which no snapshot shows.
+/// namespace `$15`: a lock's key is the namespace shifted left 16 bits, and the slot), which no snapshot
+/// shows. A claim that found no free slot binds `$14` = 0: new keys and re-acquisitions are held back, and
+/// keys with a record are answered from it as ever.
 macro_rules! quota_ctes {
     () => {
         "new_keys_used AS (
@@ -111,7 +113,8 @@ macro_rules! quota_ctes {
             ORDER BY lease_expires_at LIMIT $14::int4) AS live
         HAVING count(*) + CASE WHEN $14::int4 IS NULL THEN 0 ELSE (
             SELECT count(*) FROM pg_locks
-            WHERE locktype = 'advisory' AND objsubid = 2 AND classid = $15::int4::oid AND granted
+            WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+              AND classid = ($15::int8 >> 16)::oid AND (objid::int8 >> 16) = ($15::int8 & 65535)
               AND pid <> pg_backend_pid()
               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())) END
             >= $14::int4
@@ -258,19 +261,23 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
 );
 
 /// A place among a tenant's live keys for a claim made inside the caller's transaction (`$1`, the
-/// namespace of the tenant and operation; `$2`, the live-key limit): one of `$2` transaction-level
-/// advisory locks, held until that transaction ends, or no row when all are held. Such a claim is in no
-/// snapshot until it commits (and then it is completed, not live), so the locks are what the live-key
-/// quota counts of it ([`quota_ctes`]); unlike rows, other backends see them at once.
+/// namespace of the tenant and operation; `$2`, the live-key limit, at most 65,536 slots): one
+/// transaction-level advisory lock (key: `$1` shifted left 16 bits, and the slot), held until that
+/// transaction ends, or no row when all are held. Such a claim is in no snapshot until it commits (and
+/// then it is completed, not live), so the locks are what the live-key quota counts of it
+/// ([`quota_ctes`]); unlike rows, other backends see them at once. The slots are a set-returning function
+/// in the select list, so they are tried one at a time and the first lock taken ends the statement.
 const TAKE_LIVE_SLOT: Statement = Statement::new(
     "live_slot",
-    "SELECT slot FROM generate_series(0, $2::int4 - 1) AS slot WHERE pg_try_advisory_xact_lock($1::int4, slot) LIMIT 1",
+    "SELECT slot FROM (SELECT generate_series(0, least($2::int4, 65536) - 1) AS slot) AS slots
+     WHERE pg_try_advisory_xact_lock(($1::int8 << 16) | slot) LIMIT 1",
 );
 
 /// The advisory-lock namespace of a tenant's live-key slots under one operation ([`TAKE_LIVE_SLOT`]):
-/// 32 bits of a digest. Two scopes that share it count each other's open transactional claims, which
-/// can only refuse early; so can an application's own two-key advisory locks of the same first key.
-fn live_slots(scope: &Scope) -> i32 {
+/// 47 bits of a digest, so that no tenant can pick a name whose slots are another's (a second preimage
+/// of 47 bits) and every lock key is positive. An application's own single-key advisory locks that fall
+/// in the same range count towards the limit: they can only refuse early.
+fn live_slots(scope: &Scope) -> i64 {
     use sha2::{Digest as _, Sha256};
     let mut hasher = Sha256::new();
     for part in [b"idemstore live keys".as_slice(), scope.tenant().as_bytes(), scope.operation().as_bytes()] {
@@ -278,7 +285,9 @@ fn live_slots(scope: &Scope) -> i32 {
         hasher.update(part);
     }
     let digest = hasher.finalize();
-    i32::from_le_bytes([digest[0], digest[1], digest[2], digest[3]])
+    let mut bytes = [0; 8];
+    bytes.copy_from_slice(&digest[..8]);
+    (u64::from_le_bytes(bytes) >> 17) as i64
 }
 
 /// The claim of a key that is most likely new (Redis had nothing of it), without a quota: the new record,
@@ -484,11 +493,13 @@ impl PostgresTier {
         // Limits fit an int4: `Quota::check` refused larger ones.
         let limit = |limit: u32| i32::try_from(limit).unwrap_or(i32::MAX);
         let slots = live_slots(&lease.scope);
-        if let Some(live_keys) = quota.live_key_limit().filter(|_| in_tx) {
-            let take = sqlx::query(TAKE_LIVE_SLOT.sql).bind(slots).bind(limit(live_keys));
+        let mut live_keys = quota.live_key_limit().map(limit);
+        if let Some(live) = live_keys.filter(|_| in_tx) {
+            let take = sqlx::query(TAKE_LIVE_SLOT.sql).bind(slots).bind(live);
             if self.bounded(&TAKE_LIVE_SLOT, take.fetch_optional(&mut *conn)).await?.is_none() {
-                // Every slot is another open transaction's claim, which ends within its lease.
-                return Ok(ClaimAnswer::OverQuota { limit: QuotaLimit::LiveKeys, retry_after: policy.lease });
+                // Every slot is another open transaction's claim: nothing may start, and a key with a
+                // record is still answered from it.
+                live_keys = Some(0);
             }
         }
         let digest = key_digest(&lease.scope, &lease.key);
@@ -516,7 +527,7 @@ impl PostgresTier {
                 claim = claim
                     .bind(new_keys.map(|(n, _)| limit(n)))
                     .bind(new_keys.map(|(_, window)| millis(window) as f64))
-                    .bind(quota.live_key_limit().map(limit))
+                    .bind(live_keys)
                     .bind(slots);
             }
             let row = self.bounded(statement, claim.fetch_optional(&mut *conn)).await?;
