@@ -125,7 +125,7 @@ async fn one_round(
     let completing = Instant::now();
     lease.complete(b"done").await?;
     let (answer, answered) = waiting.await?;
-    if !matches!(answer?, Begin::Completed(_)) {
+    if !matches!(answer?, Begin::Replayed(_)) {
         return Err("the waiter did not replay".into());
     }
     Ok(answered.duration_since(completing).as_secs_f64() * 1000.0)

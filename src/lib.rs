@@ -86,7 +86,6 @@
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations, unreachable_pub)]
 
-mod begin;
 pub mod config;
 mod encryption;
 mod error;
@@ -97,7 +96,7 @@ mod inbox;
 mod key;
 mod options;
 mod outbox;
-mod owner;
+mod outcome;
 mod policy;
 mod quota;
 mod record;
@@ -107,7 +106,6 @@ pub mod telemetry;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use begin::Begin;
 pub use config::{PolicyConfig, parse_duration};
 pub use encryption::{Encryption, SEALING_OVERHEAD};
 pub use error::{ConfigError, EncryptionError, InputError, SignatureError, StoreError};
@@ -119,14 +117,14 @@ pub use inbox::{
 pub use key::{IdempotencyKey, Scope};
 pub use options::{Heartbeat, RunOptions};
 pub use outbox::{Drained, Message, Outbox, TopicBacklog};
-pub use owner::{KeepAlive, Owner};
+pub use outcome::Outcome;
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use quota::{Quota, QuotaLimit};
 pub use record::{Record, State, StoredResponse};
 pub use run_once::{RunError, RunOutcome, TxFuture};
 pub use store::{
-    Admin, Inspection, MIGRATOR, Mode, Purging, Recovery, RedisView, Resolution, StatsRow, Store, StoreBuilder,
-    pool_options, server_bounded,
+    Admin, Begin, Inspection, KeepAlive, MIGRATOR, Mode, Owner, Purging, Recovery, RedisView, Resolution, StatsRow,
+    Store, StoreBuilder, pool_options, server_bounded,
 };
 
 /// Compiles the README's examples as doc tests.

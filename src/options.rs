@@ -83,7 +83,7 @@ impl RunOptions {
     /// authorization (the record's tenant and operation are in the scope). It is not asked for new
     /// work, which authorizes itself. [`Store::run_once_with`](crate::Store::run_once_with) and
     /// [`Store::run_once_in_tx_with`](crate::Store::run_once_in_tx_with) ask it;
-    /// [`Store::begin_with`](crate::Store::begin_with) hands [`Begin::Completed`](crate::Begin::Completed)
+    /// [`Store::begin_with`](crate::Store::begin_with) hands [`Begin::Replayed`](crate::Begin::Replayed)
     /// to its caller, whose check it is (as the HTTP layer's
     /// [`with_replay_check`](crate::http::IdempotencyLayer::with_replay_check)). Refusals count in
     /// `idemstore_replays_refused_total`.

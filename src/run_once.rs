@@ -9,15 +9,15 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::postgres::PgConnection;
 
-use crate::begin::Begin;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::RunOptions;
-use crate::owner::Owner;
+use crate::store::Begin;
+use crate::store::Owner;
 use crate::store::{COMMIT, Store};
 
-/// What [`Store::run_once`] did.
+/// What [`Store::run_once`] did, named as in every API ([`crate::Outcome`]).
 #[derive(Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum RunOutcome<T> {
@@ -51,6 +51,24 @@ pub enum RunOutcome<T> {
         /// When a place should free up (see [`Begin::QuotaExceeded`]).
         retry_after: Duration,
     },
+}
+
+impl<T> RunOutcome<T> {
+    /// This answer in the vocabulary every API shares.
+    pub fn outcome(&self) -> crate::Outcome {
+        use crate::Outcome;
+        match self {
+            RunOutcome::Executed(_) => Outcome::Executed,
+            RunOutcome::Replayed(_) => Outcome::Replayed,
+            RunOutcome::InFlight { .. } => Outcome::InFlight,
+            RunOutcome::Mismatch => Outcome::Mismatch,
+            RunOutcome::Indeterminate => Outcome::Indeterminate,
+            RunOutcome::Expired => Outcome::Expired,
+            RunOutcome::NotReplayable => Outcome::NotReplayable,
+            RunOutcome::ReplayRefused => Outcome::ReplayRefused,
+            RunOutcome::QuotaExceeded { .. } => Outcome::QuotaExceeded,
+        }
+    }
 }
 
 /// Why [`Store::run_once`] could not give an outcome.
@@ -92,9 +110,9 @@ async fn claimed<T: DeserializeOwned, E>(
 ) -> Result<Claimed<T>, RunError<E>> {
     Ok(match answer {
         Begin::Acquired(owner) => Claimed::Owner(owner),
-        Begin::Completed(stored) if stored.as_bytes() == NOT_REPLAYABLE => Claimed::Answered(RunOutcome::NotReplayable),
-        Begin::Completed(_) if !options.allows_replay(scope, key).await => Claimed::Answered(RunOutcome::ReplayRefused),
-        Begin::Completed(stored) => Claimed::Answered(RunOutcome::Replayed(
+        Begin::Replayed(stored) if stored.as_bytes() == NOT_REPLAYABLE => Claimed::Answered(RunOutcome::NotReplayable),
+        Begin::Replayed(_) if !options.allows_replay(scope, key).await => Claimed::Answered(RunOutcome::ReplayRefused),
+        Begin::Replayed(stored) => Claimed::Answered(RunOutcome::Replayed(
             serde_json::from_slice(stored.as_bytes()).map_err(RunError::Decode)?,
         )),
         Begin::InFlight { retry_after } => Claimed::Answered(RunOutcome::InFlight { retry_after }),

@@ -13,6 +13,7 @@ use std::fmt;
 use std::sync::RwLock;
 use std::time::Duration;
 
+use crate::outcome::Outcome;
 use crate::quota::QuotaLimit;
 
 /// Answers per operation, exactly one per claim (a `begin`, a `run_once`, an HTTP request, an inbox
@@ -123,8 +124,18 @@ pub fn describe() {
 
 /// The values of each label, registered at 0 ahead of their first increment: a series that appears with
 /// its first increment has no earlier sample, so Prometheus's `rate()` and `increase()` never count it.
-const OUTCOME_NAMES: [&str; 8] =
-    ["executed", "replayed", "in_flight", "mismatch", "indeterminate", "expired", "quota_exceeded", "error"];
+/// The outcomes a claim answers (the layer's and `run_once`'s refinements of a replay, not replayable and
+/// replay refused, have counters of their own).
+const CLAIM_OUTCOMES: [Outcome; 8] = [
+    Outcome::Executed,
+    Outcome::Replayed,
+    Outcome::InFlight,
+    Outcome::Mismatch,
+    Outcome::Indeterminate,
+    Outcome::Expired,
+    Outcome::QuotaExceeded,
+    Outcome::Error,
+];
 const LOOKUP_RESULTS: [&str; 3] = ["hit", "miss", "error"];
 const UNREADABLE_REASONS: [&str; 3] = ["unknown_key", "tampered", "unsealed"];
 const FALLBACK_REASONS: [&str; 4] = ["error", "timeout", "circuit_open", "cluster"];
@@ -149,7 +160,7 @@ impl Registered {
             register_jobs();
         }
         if seen.len() < MAX_REGISTERED_OPERATIONS && seen.insert(operation.to_owned()) {
-            for outcome in OUTCOME_NAMES {
+            for outcome in CLAIM_OUTCOMES.map(Outcome::label) {
                 metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
             }
             metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);

@@ -245,7 +245,7 @@ async fn a_waiter_on_a_cluster_is_woken_through_postgres() {
     };
     h.wait_until_flagged(&scope, &k, false).await;
     owner.complete(b"the result").await.expect("complete");
-    let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
+    let Begin::Replayed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
     assert_eq!(stored.as_bytes(), b"the result");
     assert_eq!(h.counter("idemstore_wait_wakeups_total", &[("by", "notification")]), 1.0);
 }

@@ -64,7 +64,7 @@ async fn a_live_lease_outlives_the_retention(mode: Mode) {
     assert_eq!(h.store.admin().purge_expired(100).await.expect("purge"), 0, "a live lease is never purged");
     owner.complete(b"\"done\"").await.expect("the owner completes");
     let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
-    assert!(matches!(replay, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{replay:?}");
+    assert!(matches!(replay, Begin::Replayed(ref r) if r.as_bytes() == b"\"done\""), "{replay:?}");
 }
 
 /// A record released and purged is claimed again under a fence higher than every earlier one, so the
@@ -84,7 +84,7 @@ async fn fences_never_repeat_across_a_purge(mode: Mode) {
     assert!(matches!(old.complete(b"\"old\"").await, Err(StoreError::LeaseLost { .. })));
     new.complete(b"\"new\"").await.expect("the new owner completes");
     let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await.expect("begin");
-    assert!(matches!(replay, Begin::Completed(ref r) if r.as_bytes() == b"\"new\""), "{replay:?}");
+    assert!(matches!(replay, Begin::Replayed(ref r) if r.as_bytes() == b"\"new\""), "{replay:?}");
 }
 
 /// A record claimed under MarkIndeterminate whose lease ran out is marked indeterminate even when the
@@ -293,17 +293,17 @@ async fn redis_never_answers_in_flight_after_postgres_settled(mode: Mode) {
         if h.counter("idemstore_redis_lookups_total", &[("result", "miss")]) > 1.0 || mode == Mode::PostgresOnly {
             break;
         }
-        assert!(matches!(answer, Begin::Completed(_)), "{answer:?}");
+        assert!(matches!(answer, Begin::Replayed(_)), "{answer:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
         answer = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
     }
-    assert!(matches!(answer, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{answer:?}");
+    assert!(matches!(answer, Begin::Replayed(ref r) if r.as_bytes() == b"\"done\""), "{answer:?}");
     if mode == Mode::TwoTier {
         let misses = h.counter("idemstore_redis_lookups_total", &[("result", "miss")]);
         assert!(misses > 1.0, "Redis answered again (a miss: the stale marker was gone): {misses}");
     }
     let again = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
-    assert!(matches!(again, Begin::Completed(_)), "Redis was repaired: {again:?}");
+    assert!(matches!(again, Begin::Replayed(_)), "Redis was repaired: {again:?}");
 }
 
 /// The window the stale-marker tests are about: Redis (read directly, not through the store's proxy)
@@ -346,7 +346,7 @@ async fn a_malformed_redis_record_is_a_miss() {
             .await
             .expect("corrupt");
         let answer = h.store.begin(&scope, &k, &fp).await.expect("begin");
-        assert!(matches!(answer, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{name}: {answer:?}");
+        assert!(matches!(answer, Begin::Replayed(ref r) if r.as_bytes() == b"\"done\""), "{name}: {answer:?}");
     }
     // A completed record's string too short to hold its fingerprint, and a key of another type.
     for (name, command, value) in [("truncated", "SET", "short"), ("a-list", "RPUSH", "x")] {
@@ -365,7 +365,7 @@ async fn a_malformed_redis_record_is_a_miss() {
             .await
             .expect("corrupt");
         let answer = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
-        assert!(matches!(answer, Begin::Completed(ref r) if r.as_bytes() == b"\"done\""), "{name}: {answer:?}");
+        assert!(matches!(answer, Begin::Replayed(ref r) if r.as_bytes() == b"\"done\""), "{name}: {answer:?}");
         let kind: String = redis::cmd("TYPE").arg(&record_key).query_async(&mut conn).await.expect("TYPE");
         assert_eq!(kind, "string", "{name}: repaired from Postgres");
     }
@@ -466,7 +466,7 @@ async fn another_process_stops_reading_a_stale_marker_once_redis_is_back() {
             answer => break answer,
         }
     };
-    assert!(matches!(answer, Begin::Completed(_)), "{answer:?}");
+    assert!(matches!(answer, Begin::Replayed(_)), "{answer:?}");
     // The background task tries every cool-down (10 s here); the lease is 30 s.
     assert!(started.elapsed() < Duration::from_secs(15), "stale for {:?}", started.elapsed());
 }
@@ -525,7 +525,7 @@ async fn a_completed_record_costs_redis_at_most_200_bytes_beyond_its_response() 
     assert_eq!(kind, "string");
     assert!(usage <= 360, "{usage} bytes for a 160-byte response");
     let replay = h.store.begin(&scope, &k, &fingerprint(r#"{"a":1}"#)).await.expect("begin");
-    assert!(matches!(&replay, Begin::Completed(stored) if stored.as_bytes() == [b'x'; 160]), "{replay:?}");
+    assert!(matches!(&replay, Begin::Replayed(stored) if stored.as_bytes() == [b'x'; 160]), "{replay:?}");
 }
 
 /// begin.lua sent twice by the same caller (a Redis Cluster client re-sends a call whose connection

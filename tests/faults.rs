@@ -161,7 +161,7 @@ async fn assert_redis_serves_again(h: &Harness) {
     );
     let fp = fp.expect("fp");
     for _ in 0..100 {
-        assert!(matches!(h.store.begin(&scope, &k, &fp).await, Ok(Begin::Completed(_))));
+        assert!(matches!(h.store.begin(&scope, &k, &fp).await, Ok(Begin::Replayed(_))));
         if h.counter("idemstore_redis_lookups_total", &[("result", "hit")]) > hits {
             return;
         }
@@ -458,7 +458,7 @@ async fn crash_between_postgres_commit_and_redis_write(mode: Mode) {
         assert_eq!(h.counter("idemstore_reconciliations_total", &[]), 1.0);
         let fp = Fingerprint::of_serialize(&json!({"amount": 1}), h.store.policy(scope.operation()).fingerprint());
         let hits = h.counter("idemstore_redis_lookups_total", &[("result", "hit")]);
-        assert!(matches!(h.store.begin(&scope, &k, &fp.expect("fp")).await, Ok(Begin::Completed(_))));
+        assert!(matches!(h.store.begin(&scope, &k, &fp.expect("fp")).await, Ok(Begin::Replayed(_))));
         assert_eq!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]), hits + 1.0, "repaired");
     }
 }

@@ -30,7 +30,7 @@ async fn a_redelivery_with_changed_bookkeeping_is_handled_after_a_failure(mode: 
     assert!(matches!(failed, Err(RunError::Work(_))), "{failed:?}");
     let k = key("evt_1");
     let handled = inbox.receive("evt_1", None, &event(1), || h.charge("stripe", &k)).await.expect("second");
-    assert!(matches!(handled, Received::Handled(_)), "{handled:?}");
+    assert!(matches!(handled, Received::Executed(_)), "{handled:?}");
     assert_eq!(h.effects("stripe", &k).await, 1);
 }
 
@@ -41,10 +41,10 @@ async fn a_redelivery_with_changed_bookkeeping_is_a_duplicate_after_success(mode
     let inbox = h.store.inbox(format!("stripe-{}", h.id())).expect("inbox");
     let k = key("evt_1");
     let first = inbox.receive("evt_1", Some(7), &event(2), || h.charge("stripe", &k)).await.expect("first");
-    let Received::Handled(outcome) = first else { panic!("{first:?}") };
+    let Received::Executed(outcome) = first else { panic!("{first:?}") };
     for pending in [1, 0] {
         let again = inbox.receive("evt_1", Some(8), &event(pending), || h.charge("stripe", &k)).await;
-        assert_eq!(again.expect("re-delivery"), Received::Duplicate { outcome: outcome.clone(), sequence: Some(7) });
+        assert_eq!(again.expect("re-delivery"), Received::Replayed { outcome: outcome.clone(), sequence: Some(7) });
     }
     assert_eq!(h.effects("stripe", &k).await, 1);
 }
@@ -56,13 +56,13 @@ async fn compared_fields_decide_a_conflict(mode: Mode) {
     let inbox = inbox.compare_fields(["/type", "/data/amount"]).expect("pointers");
     let k = key("evt_1");
     let first = inbox.receive("evt_1", None, &event(2), || h.charge("stripe", &k)).await.expect("first");
-    assert!(matches!(first, Received::Handled(_)));
+    assert!(matches!(first, Received::Executed(_)));
     let recounted = inbox.receive("evt_1", None, &event(1), || h.charge("stripe", &k)).await.expect("second");
-    assert!(matches!(recounted, Received::Duplicate { .. }), "{recounted:?}");
+    assert!(matches!(recounted, Received::Replayed { .. }), "{recounted:?}");
     let mut altered = event(1);
     altered["data"]["amount"] = json!(1300);
     let conflict = inbox.receive("evt_1", None, &altered, || h.charge("stripe", &k)).await.expect("third");
-    assert_eq!(conflict, Received::Conflict);
+    assert_eq!(conflict, Received::Mismatch);
     assert_eq!(h.effects("stripe", &k).await, 1);
 }
 
@@ -94,7 +94,7 @@ async fn a_delivery_verified_by_one_inbox_is_refused_by_another(mode: Mode) {
     }
     assert_eq!((h.effects("github", &k).await, h.effects("stripe", &k).await), (0, 0));
     let handled = stripe.receive(&delivery, None, &event(1), || h.charge("stripe", &k)).await.expect("own inbox");
-    assert!(matches!(handled, Received::Handled(_)), "{handled:?}");
+    assert!(matches!(handled, Received::Executed(_)), "{handled:?}");
     assert_eq!(h.effects("stripe", &k).await, 1);
 }
 
@@ -111,12 +111,12 @@ async fn receive_in_tx_commits_the_handlers_writes_with_the_record(mode: Mode) {
     let deliveries =
         (0..5).map(|_| inbox.receive_in_tx("evt_tx", None, &redelivered, insert(consumer.clone(), "evt_tx", false)));
     let received = futures::future::join_all(deliveries).await;
-    let handled = received.iter().filter(|r| matches!(r, Ok(Received::Handled(_)))).count();
+    let handled = received.iter().filter(|r| matches!(r, Ok(Received::Executed(_)))).count();
     assert_eq!(handled, 1, "{received:?}");
     assert!(
         received
             .iter()
-            .all(|r| matches!(r, Ok(Received::Handled(_) | Received::Duplicate { .. } | Received::InProgress { .. })))
+            .all(|r| matches!(r, Ok(Received::Executed(_) | Received::Replayed { .. } | Received::InFlight { .. })))
     );
     assert_eq!(h.effects(&consumer, &key("evt_tx")).await, 1);
 }

@@ -230,7 +230,7 @@ async fn resolve_settles_indeterminate_records(mode: Mode) {
     let done =
         h.store.admin().resolve(&scope, &key("settle-done"), Resolution::Completed(b"\"by hand\"".to_vec())).await;
     assert!(done.expect("resolve"));
-    let Ok(Begin::Completed(stored)) = h.store.begin(&scope, &key("settle-done"), &fp).await else { panic!() };
+    let Ok(Begin::Replayed(stored)) = h.store.begin(&scope, &key("settle-done"), &fp).await else { panic!() };
     assert_eq!(stored.as_bytes(), b"\"by hand\"");
     assert!(h.store.admin().resolve(&scope, &key("settle-redo"), Resolution::Released).await.expect("resolve"));
     let k = key("settle-redo");
@@ -357,7 +357,7 @@ async fn idemctl_commands(mode: Mode) {
     let path = response.to_string_lossy().into_owned();
     assert_eq!(idemctl(&h, &["resolve", "acme", &op, "stuck", "--complete-with", &path]).1["resolved"], true);
     let _ = std::fs::remove_file(&response);
-    let Ok(Begin::Completed(stored)) = h.store.begin(&h.scope("acme"), &key("stuck"), &fp).await else { panic!() };
+    let Ok(Begin::Replayed(stored)) = h.store.begin(&h.scope("acme"), &key("stuck"), &fp).await else { panic!() };
     assert_eq!(stored.as_bytes(), b"{\"settled\":true}");
 
     eventually("both records expired", async || idemctl(&h, &["purge", "--dry-run"]).1["expired"] == 2).await;

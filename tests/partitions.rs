@@ -91,7 +91,7 @@ async fn converting_keeps_records_owners_and_names(mode: Mode) {
     assert_eq!(h.effects("acme", &done).await, 1);
     assert!(matches!(h.store.begin(&scope, &live, &fingerprint).await, Ok(Begin::InFlight { .. })));
     owner.complete(b"{\"late\":true}").await.expect("the owner's fence still matches its row");
-    assert!(matches!(h.store.begin(&scope, &live, &fingerprint).await, Ok(Begin::Completed(_))));
+    assert!(matches!(h.store.begin(&scope, &live, &fingerprint).await, Ok(Begin::Replayed(_))));
 
     for tenant in 0..32 {
         let (tenant, k) = (format!("tenant-{tenant}"), key("spread"));

@@ -82,27 +82,27 @@ async fn inbox_handles_a_redelivered_event_once(mode: Mode) {
     let (event, payload) = (key("evt_1"), json!({"type": "payment_intent.succeeded", "id": "evt_1"}));
     let deliveries = (0..5).map(|_| inbox.receive("evt_1", Some(7), &payload, || h.charge(&consumer, &event)));
     let received = join_all(deliveries).await;
-    let handled = received.iter().filter(|r| matches!(r, Ok(Received::Handled(_)))).count();
+    let handled = received.iter().filter(|r| matches!(r, Ok(Received::Executed(_)))).count();
     assert_eq!(handled, 1, "{received:?}");
     assert!(
         received
             .iter()
-            .all(|r| matches!(r, Ok(Received::Handled(_) | Received::Duplicate { .. } | Received::InProgress { .. })))
+            .all(|r| matches!(r, Ok(Received::Executed(_) | Received::Replayed { .. } | Received::InFlight { .. })))
     );
     assert_eq!(h.effects(&consumer, &event).await, 1);
     let again: Result<Received<Value>, _> =
         inbox.receive("evt_1", Some(9), &payload, || h.charge(&consumer, &event)).await;
-    assert!(matches!(again, Ok(Received::Duplicate { sequence: Some(7), .. })), "{again:?}");
+    assert!(matches!(again, Ok(Received::Replayed { sequence: Some(7), .. })), "{again:?}");
     // The event id is the identity: another body is the same event (compared fields: tests/inbox.rs).
     let altered = inbox.receive("evt_1", None, &json!({"type": "other"}), || h.charge(&consumer, &event)).await;
-    assert!(matches!(altered, Ok(Received::Duplicate { .. })), "{altered:?}");
+    assert!(matches!(altered, Ok(Received::Replayed { .. })), "{altered:?}");
     // A failed handler records nothing: the next delivery runs it.
     let failing: Result<Received<Value>, _> =
         inbox.receive("evt_2", None, &payload, || async { Err(sqlx::Error::RowNotFound) }).await;
     assert!(matches!(failing, Err(RunError::Work(_))));
     let second = key("evt_2");
     let retried = inbox.receive("evt_2", None, &payload, || h.charge(&consumer, &second)).await;
-    assert!(matches!(retried, Ok(Received::Handled(_))), "{retried:?}");
+    assert!(matches!(retried, Ok(Received::Executed(_))), "{retried:?}");
     assert!(matches!(h.store.inbox("").map(drop), Err(InputError::InvalidScope { .. })));
 }
 
@@ -350,7 +350,7 @@ async fn stale_owner_is_fenced_after_takeover(mode: Mode) {
     assert!(matches!(stale.complete(b"\"stale\"").await, Err(StoreError::LeaseLost { .. })));
     assert!(matches!(staler.release().await, Err(StoreError::LeaseLost { .. })));
     fresh.complete(b"\"fresh\"").await.expect("the new owner completes");
-    let Begin::Completed(stored) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
+    let Begin::Replayed(stored) = h.store.begin(&scope, &k, &fp).await.expect("begin") else { panic!() };
     assert_eq!(stored.as_bytes(), b"\"fresh\"");
     assert_eq!(h.counter("idemstore_lease_takeovers_total", &[]), 2.0);
     assert_eq!(h.counter("idemstore_settle_failures_total", &[("reason", "lease_lost")]), 2.0);
@@ -615,7 +615,7 @@ async fn one_outcome_per_claim(mode: Mode) {
     };
     assert!(matches!(stale.complete(b"1").await, Err(StoreError::LeaseLost { .. })));
     fresh.complete(b"2").await.expect("the new owner completes");
-    assert!(matches!(h.store.begin(&scope, &k, &fp).await.expect("claim 3"), Begin::Completed(_)));
+    assert!(matches!(h.store.begin(&scope, &k, &fp).await.expect("claim 3"), Begin::Replayed(_)));
     let other = fingerprint(br#"{"amount":2}"#);
     assert!(matches!(h.store.begin(&scope, &k, &other).await.expect("claim 4"), Begin::Mismatch));
     assert_eq!(h.counter("idemstore_outcomes_total", &[]), 4.0, "one outcome per claim");

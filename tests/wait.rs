@@ -54,7 +54,7 @@ async fn a_waiter_in_another_store_is_woken_when_the_owner_completes(mode: Mode)
     let waiter = wait_on(&h.new_store(long_lease()), &scope, &k, Duration::from_secs(30));
     h.wait_until_flagged(&scope, &k, mode == Mode::TwoTier).await;
     owner.complete(b"the result").await.expect("complete");
-    let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
+    let Begin::Replayed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
     assert_eq!(stored.as_bytes(), b"the result");
     assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
     assert_eq!(h.counter(WAKEUPS, &[("by", "timer")]), 0.0, "woken by the owner, not by a re-check");
@@ -145,7 +145,7 @@ async fn a_waiter_follows_postgres_when_redis_lost_the_marker() {
     let waiter = wait_on(&h.new_store(long_lease()), &scope, &k, Duration::from_secs(30));
     h.wait_until_flagged(&scope, &k, false).await;
     owner.complete(b"the result").await.expect("complete");
-    let Begin::Completed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
+    let Begin::Replayed(stored) = waiter.await.expect("join") else { panic!("the waiter replays") };
     assert_eq!(stored.as_bytes(), b"the result");
     assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
     assert_eq!(h.counter(WAKEUPS, &[("by", "timer")]), 0.0);
@@ -170,7 +170,7 @@ async fn waiters_do_not_wake_each_other_in_turn() {
     assert!(woken <= 2.0, "{woken} wake-ups while the owner worked");
     owner.complete(b"the result").await.expect("complete");
     for waiter in [first, second] {
-        assert!(matches!(waiter.await.expect("join"), Begin::Completed(_)));
+        assert!(matches!(waiter.await.expect("join"), Begin::Replayed(_)));
     }
 }
 
@@ -188,14 +188,14 @@ async fn shutdown_stops_the_followers_though_redis_is_down(mode: Mode) {
         proxy.set(idemstore::testkit::ProxyMode::Blackhole);
     }
     owner.complete(b"the result").await.expect("Postgres completes");
-    let Begin::Completed(_) = waiter.await.expect("join") else { panic!("the waiter replays") };
+    let Begin::Replayed(_) = waiter.await.expect("join") else { panic!("the waiter replays") };
     tokio::time::timeout(Duration::from_secs(10), h.store.shutdown()).await.expect("the shutdown ends");
     if let Some(proxy) = &h.redis_proxy {
         proxy.set(idemstore::testkit::ProxyMode::Pass);
     }
     subscribed(&h, |(redis, postgres)| redis + postgres == 0).await;
     let again = h.store.begin(&scope, &k, &fingerprint()).await.expect("an answer after the shutdown");
-    assert!(matches!(again, Begin::Completed(ref stored) if stored.as_bytes() == b"the result"), "{again:?}");
+    assert!(matches!(again, Begin::Replayed(ref stored) if stored.as_bytes() == b"the result"), "{again:?}");
 }
 
 /// Waits (at most 10 s) until the store's wake-up subscriptions, counted on the servers (Redis

@@ -330,9 +330,9 @@ async fn receive_webhook(
     let handle = record_event(provider.clone(), delivery.event_id.clone());
     // The delivery is bound to this inbox: no other sender's inbox would take it.
     match inbox.receive_in_tx(&delivery, sequence, &event, handle).await {
-        Ok(Received::Handled(_)) => Json(json!({ "status": "processed" })).into_response(),
-        Ok(Received::Duplicate { .. }) => Json(json!({ "status": "duplicate" })).into_response(),
-        Ok(Received::InProgress { .. }) => error(StatusCode::CONFLICT, "this event is being handled; retry later"),
+        Ok(Received::Executed(_)) => Json(json!({ "status": "processed" })).into_response(),
+        Ok(Received::Replayed { .. }) => Json(json!({ "status": "duplicate" })).into_response(),
+        Ok(Received::InFlight { .. }) => error(StatusCode::CONFLICT, "this event is being handled; retry later"),
         Ok(Received::QuotaExceeded { retry_after, .. }) => {
             let mut refused = error(StatusCode::TOO_MANY_REQUESTS, "this sender reached its quota; retry later");
             let seconds = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);

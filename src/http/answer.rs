@@ -11,11 +11,18 @@ use super::boxed::Boxed;
 use super::capture::{Principal, Stored};
 use super::config::{Config, MismatchStatus};
 use super::problem::{Problem, problem_types as types};
-use crate::begin::Begin;
 use crate::error::{EncryptionError, StoreError};
 use crate::key::{IdempotencyKey, Scope};
+use crate::outcome::Outcome;
 use crate::quota::QuotaLimit;
 use crate::record::StoredResponse;
+use crate::store::Begin;
+
+/// The status of an answer the layer gives itself: the vocabulary's ([`Outcome::http_status`]), the one
+/// mapping of answers to statuses.
+fn status(outcome: Outcome) -> StatusCode {
+    outcome.http_status().and_then(|code| StatusCode::from_u16(code).ok()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
 
 /// The answer to a claim that did not acquire the key (of `scope`, asked by `principal`): refused with
 /// 403 when it would show a stored response the application's replay check does not let this request
@@ -30,29 +37,30 @@ pub(crate) async fn refusal<T>(
         return replay_refused();
     }
     match answer {
-        Begin::Completed(stored) => replay(&stored, scope, principal),
+        Begin::Replayed(stored) => replay(&stored, scope, principal),
         Begin::InFlight { retry_after } => {
             let detail = "a request with this Idempotency-Key is being processed; retry later";
-            Problem::new(StatusCode::CONFLICT, types::IN_FLIGHT, "Request in flight", detail)
+            Problem::new(status(Outcome::InFlight), types::IN_FLIGHT, "Request in flight", detail)
                 .retry_after(retry_after)
                 .into_response()
         }
         Begin::Mismatch => mismatch(config, scope, key, principal).await,
         Begin::Indeterminate => {
             let detail = "an earlier attempt with this key ended without an answer; it must be resolved first";
-            Problem::new(StatusCode::CONFLICT, types::INDETERMINATE, "Outcome unknown", detail).into_response()
+            Problem::new(status(Outcome::Indeterminate), types::INDETERMINATE, "Outcome unknown", detail)
+                .into_response()
         }
         Begin::Expired => {
             let detail =
                 "a request with this key completed, and its response is no longer kept; it is not executed again";
-            Problem::new(StatusCode::GONE, types::EXPIRED, "Response expired", detail).into_response()
+            Problem::new(status(Outcome::Expired), types::EXPIRED, "Response expired", detail).into_response()
         }
         Begin::QuotaExceeded { limit, retry_after } => {
             let detail = match limit {
                 QuotaLimit::NewKeys => "this tenant started as many new requests as its quota allows for now",
                 QuotaLimit::LiveKeys => "this tenant has as many requests in progress as its quota allows",
             };
-            Problem::new(StatusCode::TOO_MANY_REQUESTS, types::QUOTA_EXCEEDED, "Quota exceeded", detail)
+            Problem::new(status(Outcome::QuotaExceeded), types::QUOTA_EXCEEDED, "Quota exceeded", detail)
                 .retry_after(retry_after)
                 .into_response()
         }
@@ -83,7 +91,8 @@ fn replay(stored: &StoredResponse, scope: &Scope, principal: Principal) -> Respo
 }
 
 fn not_replayable(detail: String) -> Response<Boxed> {
-    Problem::new(StatusCode::CONFLICT, types::NOT_REPLAYABLE, "Response not replayable", detail).into_response()
+    Problem::new(status(Outcome::NotReplayable), types::NOT_REPLAYABLE, "Response not replayable", detail)
+        .into_response()
 }
 
 async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey, principal: Principal) -> Response<Boxed> {
@@ -102,7 +111,7 @@ async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey, pr
 
 pub(crate) fn replay_refused() -> Response<Boxed> {
     let detail = "this request may not see the stored response of its Idempotency-Key";
-    Problem::new(StatusCode::FORBIDDEN, types::REPLAY_REFUSED, "Replay not authorized", detail).into_response()
+    Problem::new(status(Outcome::ReplayRefused), types::REPLAY_REFUSED, "Replay not authorized", detail).into_response()
 }
 
 pub(crate) fn missing_key() -> Response<Boxed> {
@@ -158,7 +167,7 @@ pub(crate) fn unavailable() -> Response<Boxed> {
 
 /// 503 `unavailable`, retried after a second, saying why.
 fn unavailable_because(detail: &'static str) -> Response<Boxed> {
-    Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
+    Problem::new(status(Outcome::Error), types::UNAVAILABLE, "Store unavailable", detail)
         .retry_after(Duration::from_secs(1))
         .into_response()
 }
@@ -177,7 +186,7 @@ pub(crate) fn unreadable() -> Response<Boxed> {
 /// answer is not sent (its effects may not exist). A retry replays what was committed, or runs once.
 pub(crate) fn not_committed() -> Response<Boxed> {
     let detail = "the idempotency store could not confirm the commit; retry with the same key";
-    Problem::new(StatusCode::SERVICE_UNAVAILABLE, types::UNAVAILABLE, "Store unavailable", detail)
+    Problem::new(status(Outcome::Error), types::UNAVAILABLE, "Store unavailable", detail)
         .retry_after(Duration::from_secs(1))
         .into_response()
 }

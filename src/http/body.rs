@@ -22,8 +22,8 @@ use tower::BoxError;
 use super::boxed::Boxed;
 use super::capture::{self, Captured, Principal, Stored, Withheld};
 use super::config::StoredStatuses;
-use crate::owner::{KeepAlive, Owner};
 use crate::store::Background;
+use crate::store::{KeepAlive, Owner};
 
 /// The owner, until one of three settles it: the body's end, the body's drop, or the streaming bound.
 type SharedOwner = Arc<Mutex<Option<Owner>>>;

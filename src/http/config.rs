@@ -130,9 +130,9 @@ pub(crate) struct Config<T> {
 impl<T> Config<T> {
     /// Whether this answer would show the caller a stored response: a replay, or a mismatch answered
     /// with the original.
-    pub(crate) fn reveals(&self, answer: &crate::begin::Begin) -> bool {
-        use crate::begin::Begin;
-        matches!(answer, Begin::Completed(_))
+    pub(crate) fn reveals(&self, answer: &crate::store::Begin) -> bool {
+        use crate::store::Begin;
+        matches!(answer, Begin::Replayed(_))
             || (matches!(answer, Begin::Mismatch) && self.mismatch == MismatchStatus::ConflictWithOriginal)
     }
 

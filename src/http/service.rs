@@ -22,8 +22,8 @@ use super::body::{Settlement, SettlingBody, fits, settle_whole};
 use super::boxed::{Boxed, own, with_trailers};
 use super::config::Config;
 use super::transaction;
-use crate::begin::Begin;
 use crate::policy::LeaseExpiry;
+use crate::store::Begin;
 
 /// The request body the inner service gets: the caller's as it came (a request the layer passes
 /// through), or the bytes the layer read to fingerprint it.

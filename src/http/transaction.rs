@@ -40,7 +40,7 @@ use super::answer;
 use super::boxed::{Boxed, with_trailers};
 use super::capture::{self, Captured, Stored, Withheld};
 use super::config::Config;
-use crate::begin::Begin;
+use crate::store::Begin;
 use crate::store::COMMIT;
 
 type Transaction = sqlx::Transaction<'static, Postgres>;

@@ -48,26 +48,26 @@ pub struct Inbox {
     verifier: Option<WebhookVerifier>,
 }
 
-/// What [`Inbox::receive`] did with a delivery.
+/// What [`Inbox::receive`] did with a delivery, named as in every API ([`crate::Outcome`]).
 #[derive(Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Received<T> {
     /// First delivery of this event: the handler ran and its outcome is recorded.
-    Handled(T),
+    Executed(T),
     /// The event was handled before: acknowledge it; `outcome` is what the handler answered then.
-    Duplicate {
+    Replayed {
         /// The recorded outcome.
         outcome: T,
         /// The provider's sequence number of the first delivery, if it sent one.
         sequence: Option<i64>,
     },
     /// Another delivery of this event is being handled now: ask the provider to retry later.
-    InProgress {
+    InFlight {
         /// Time left on that delivery's lease.
         retry_after: Duration,
     },
     /// The same event id arrived with a different payload: not handled; look into it.
-    Conflict,
+    Mismatch,
     /// An earlier delivery ended without an answer (`MarkIndeterminate`); an operator must resolve it.
     Indeterminate,
     /// The event was handled so long ago that its record was purged; a tombstone says it ran. Acknowledge it.
@@ -83,6 +83,23 @@ pub enum Received<T> {
         /// When a place should free up (see [`crate::Begin::QuotaExceeded`]).
         retry_after: Duration,
     },
+}
+
+impl<T> Received<T> {
+    /// This answer in the vocabulary every API shares.
+    pub fn outcome(&self) -> crate::Outcome {
+        use crate::Outcome;
+        match self {
+            Received::Executed(_) => Outcome::Executed,
+            Received::Replayed { .. } => Outcome::Replayed,
+            Received::InFlight { .. } => Outcome::InFlight,
+            Received::Mismatch => Outcome::Mismatch,
+            Received::Indeterminate => Outcome::Indeterminate,
+            Received::Expired => Outcome::Expired,
+            Received::NotReplayable => Outcome::NotReplayable,
+            Received::QuotaExceeded { .. } => Outcome::QuotaExceeded,
+        }
+    }
 }
 
 /// The handler of [`Inbox::receive_in_tx`], its outcome wrapped in an [`Entry`].
@@ -170,7 +187,7 @@ impl Inbox {
         self.verifier.as_ref().ok_or(SignatureError::NoVerifier)?.verify(headers, body)
     }
 
-    /// Refuses a delivery as [`Received::Conflict`] when one of these fields (JSON pointers, such as
+    /// Refuses a delivery as [`Received::Mismatch`] when one of these fields (JSON pointers, such as
     /// `/type` or `/data/object/amount`) differs from the first delivery's; all other fields may change.
     /// Without it, deliveries of one event are never compared.
     ///
@@ -262,15 +279,15 @@ impl Inbox {
 /// What a delivery's run means for the inbox.
 fn received<T>(outcome: RunOutcome<Entry<T>>) -> Received<T> {
     match outcome {
-        RunOutcome::Executed(entry) => Received::Handled(entry.outcome),
-        RunOutcome::Replayed(entry) => Received::Duplicate { outcome: entry.outcome, sequence: entry.sequence },
-        RunOutcome::InFlight { retry_after } => Received::InProgress { retry_after },
-        RunOutcome::Mismatch => Received::Conflict,
+        RunOutcome::Executed(entry) => Received::Executed(entry.outcome),
+        RunOutcome::Replayed(entry) => Received::Replayed { outcome: entry.outcome, sequence: entry.sequence },
+        RunOutcome::InFlight { retry_after } => Received::InFlight { retry_after },
+        RunOutcome::Mismatch => Received::Mismatch,
         RunOutcome::Indeterminate => Received::Indeterminate,
         RunOutcome::Expired => Received::Expired,
         RunOutcome::NotReplayable => Received::NotReplayable,
         RunOutcome::QuotaExceeded { limit, retry_after } => Received::QuotaExceeded { limit, retry_after },
         // An inbox asks no replay check: this is never answered.
-        RunOutcome::ReplayRefused => Received::Conflict,
+        RunOutcome::ReplayRefused => Received::Mismatch,
     }
 }

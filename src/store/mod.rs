@@ -2,8 +2,10 @@
 
 mod admin;
 mod background;
+mod begin;
 mod clear_writes;
 mod lagging;
+mod owner;
 mod pool;
 mod postgres_tier;
 mod protocol;
@@ -29,6 +31,8 @@ use crate::policy::Policy;
 use crate::telemetry;
 pub use admin::{Admin, Inspection, Purging, Recovery, Resolution, StatsRow};
 pub(crate) use background::Background;
+pub use begin::Begin;
+pub use owner::{KeepAlive, Owner};
 pub use pool::{pool_options, server_bounded};
 use postgres_tier::PostgresTier;
 use redis_connection::RedisSource;

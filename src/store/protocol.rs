@@ -18,14 +18,14 @@ use super::postgres_tier::{ClaimAnswer, Retained};
 use super::redis_tier::{RedisTier, Takeback};
 use super::scripts::RedisBegin;
 use super::wakeup::{self, Watch};
-use crate::begin::Begin;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::{Heartbeat, RunOptions};
-use crate::owner::Owner;
 use crate::policy::{LeaseExpiry, Policy, millis};
 use crate::record::{Lease, Record, State, StoredResponse};
+use crate::store::Begin;
+use crate::store::Owner;
 use crate::telemetry;
 use tracing::Instrument;
 
@@ -199,51 +199,48 @@ impl Store {
     /// Stores `response` as the result of the leased key ([`Owner::complete`]).
     /// Boxed, as [`Store::claim`] is: the caller's future does not nest the write's.
     pub(crate) fn complete<'a>(&'a self, lease: &'a Lease, response: &'a [u8]) -> Boxed<'a, Result<(), StoreError>> {
-        Box::pin(self.complete_traced(lease, response).instrument(lease.span("complete")))
-    }
-
-    async fn complete_traced(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
-        let stored = self.inner.postgres.complete(lease, response, None).await;
-        let retained = self.fenced_step(lease, "complete", stored)?;
-        // Fault tests: the process "dies" after the commit, before Redis hears of it.
-        #[cfg(feature = "failpoints")]
-        fail::fail_point!("complete-before-redis", |_| Ok(()));
-        self.cache_completion(lease, response, &retained).await;
-        Ok(())
+        let completing = async move {
+            let stored = self.inner.postgres.complete(lease, response, None).await;
+            let retained = self.fenced_step(lease, "complete", stored)?;
+            // Fault tests: the process "dies" after the commit, before Redis hears of it.
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("complete-before-redis", |_| Ok(()));
+            self.cache_completion(lease, response, &retained).await;
+            Ok(())
+        };
+        Box::pin(completing.instrument(lease.span("complete")))
     }
 
     /// Gives the key up ([`Owner::release`]).
     pub(crate) fn release<'a>(&'a self, lease: &'a Lease) -> Boxed<'a, Result<(), StoreError>> {
-        Box::pin(self.release_traced(lease).instrument(lease.span("release")))
-    }
-
-    async fn release_traced(&self, lease: &Lease) -> Result<(), StoreError> {
-        let released = self.inner.postgres.release(lease).await;
-        let waited = self.fenced_step(lease, "release", released)?;
-        if let Some(redis) = &self.inner.redis {
-            let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, Takeback::Released).await;
-            self.degrade(lease.scope.operation(), deleted);
-        }
-        if waited {
-            self.announce(lease).await;
-        }
-        Ok(())
+        let releasing = async move {
+            let released = self.inner.postgres.release(lease).await;
+            let waited = self.fenced_step(lease, "release", released)?;
+            if let Some(redis) = &self.inner.redis {
+                let deleted = redis.release(&self.record_key(redis, lease), &lease.owner, Takeback::Released).await;
+                self.degrade(lease.scope.operation(), deleted);
+            }
+            if waited {
+                self.announce(lease).await;
+            }
+            Ok(())
+        };
+        Box::pin(releasing.instrument(lease.span("release")))
     }
 
     /// Extends the lease by the policy's lease duration from now ([`Owner::extend`]).
     pub(crate) fn extend<'a>(&'a self, lease: &'a Lease) -> Boxed<'a, Result<(), StoreError>> {
-        Box::pin(self.extend_traced(lease).instrument(lease.span("extend")))
-    }
-
-    async fn extend_traced(&self, lease: &Lease) -> Result<(), StoreError> {
-        let extended = self.inner.postgres.extend(lease).await;
-        self.fenced_step(lease, "extend", extended.map(|matched| matched.then_some(())))?;
-        if let Some(redis) = &self.inner.redis {
-            let lease_ms = millis(lease.policy.lease);
-            let extended = redis.extend(&self.record_key(redis, lease), &lease.owner, lease_ms).await;
-            self.degrade(lease.scope.operation(), extended);
-        }
-        Ok(())
+        let extending = async move {
+            let extended = self.inner.postgres.extend(lease).await;
+            self.fenced_step(lease, "extend", extended.map(|matched| matched.then_some(())))?;
+            if let Some(redis) = &self.inner.redis {
+                let lease_ms = millis(lease.policy.lease);
+                let extended = redis.extend(&self.record_key(redis, lease), &lease.owner, lease_ms).await;
+                self.degrade(lease.scope.operation(), extended);
+            }
+            Ok(())
+        };
+        Box::pin(extending.instrument(lease.span("extend")))
     }
 
     /// A record as [`Admin::lookup`](crate::Admin::lookup) reads it.
@@ -308,7 +305,7 @@ impl Store {
                     RedisBegin::Completed(response) => {
                         let (scope, key) = (&candidate.scope, &candidate.key);
                         match self.opened_for(&candidate.fingerprint, scope, key, StoredResponse::new(response)) {
-                            Ok(opened) => Some(Begin::Completed(opened)),
+                            Ok(opened) => Some(Begin::Replayed(opened)),
                             // A copy that does not open is not trusted: it is dropped and Postgres, which
                             // holds the record, answers (the next request's miss repairs the copy).
                             Err(error) => {
@@ -461,7 +458,7 @@ impl Store {
                 let stored = record.response.clone().unwrap_or_else(|| StoredResponse::new(Vec::new()));
                 let (scope, key) = (&candidate.scope, &candidate.key);
                 match self.opened(scope, key, &record.fingerprint, stored, true) {
-                    Ok(opened) => Begin::Completed(opened),
+                    Ok(opened) => Begin::Replayed(opened),
                     Err(error) => {
                         telemetry::unreadable_response(scope.operation(), "postgres", error.reason());
                         return Err(error.into());
@@ -579,16 +576,7 @@ fn redis_ttl(ttl: Duration, expires_in: Option<Duration>) -> Duration {
 
 /// Counts the answer of a claim by operation, and records it in the claim's span.
 fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>, span: &tracing::Span) {
-    let outcome = match answer {
-        Ok(Begin::Acquired(_)) => "executed",
-        Ok(Begin::Completed(_)) => "replayed",
-        Ok(Begin::InFlight { .. }) => "in_flight",
-        Ok(Begin::Mismatch) => "mismatch",
-        Ok(Begin::Indeterminate) => "indeterminate",
-        Ok(Begin::Expired) => "expired",
-        Ok(Begin::QuotaExceeded { .. }) => "quota_exceeded",
-        Err(_) => "error",
-    };
+    let outcome = answer.as_ref().map_or(crate::Outcome::Error, Begin::outcome).label();
     span.record("outcome", outcome);
     if let Ok(Begin::Acquired(owner)) = answer {
         span.record("fence", owner.fence());

@@ -84,9 +84,10 @@ fn shape(reply: &Value) -> String {
 }
 
 impl RedisBegin {
+    /// Moves the stored response out of the reply (a replay's bytes are not copied).
     pub(crate) fn decode(reply: Value) -> Result<Self, UnexpectedReply> {
-        let Value::Array(items) = &reply else { return Err(UnexpectedReply(reply)) };
-        let answer = match items.as_slice() {
+        let Value::Array(mut items) = reply else { return Err(UnexpectedReply(reply)) };
+        let answer = match items.as_mut_slice() {
             [Value::BulkString(tag)] => match tag.as_slice() {
                 b"claimed" => Some(RedisBegin::Claimed),
                 b"unconfirmed" => Some(RedisBegin::Unconfirmed),
@@ -100,11 +101,11 @@ impl RedisBegin {
                 Some(RedisBegin::InFlight { retry_after: Duration::from_millis(millis) })
             }
             [Value::BulkString(tag), Value::BulkString(response)] if tag == b"completed" => {
-                Some(RedisBegin::Completed(response.clone()))
+                Some(RedisBegin::Completed(std::mem::take(response)))
             }
             _ => None,
         };
-        answer.ok_or(UnexpectedReply(reply))
+        answer.ok_or(UnexpectedReply(Value::Array(items)))
     }
 }
 

@@ -280,7 +280,7 @@ fn read(begun: Result<Begin, StoreError>, sealing: Sealing) -> Result<(Answer, O
     let answer = match begun {
         Ok(Begin::Acquired(owner)) => return Ok((Answer::Acquired { fence: owner.fence() }, Some(owner))),
         Ok(Begin::InFlight { .. }) => Answer::InFlight,
-        Ok(Begin::Completed(response)) => Answer::Completed(text(response.as_bytes())),
+        Ok(Begin::Replayed(response)) => Answer::Completed(text(response.as_bytes())),
         Ok(Begin::Mismatch) => Answer::Mismatch,
         Ok(Begin::Indeterminate) => Answer::Indeterminate,
         Ok(Begin::Expired) => Answer::Expired,

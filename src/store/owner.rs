@@ -11,13 +11,12 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tracing::Instrument as _;
 
+use super::{COMMIT, Store};
 use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::Heartbeat;
 use crate::policy::{LeaseExpiry, Policy};
 use crate::record::{Lease, State};
-use crate::store::COMMIT;
-use crate::store::Store;
 
 /// The caller owns a key ([`Begin::Acquired`](crate::Begin::Acquired)): run the work, then
 /// [`complete`](Owner::complete) or [`release`](Owner::release).
@@ -79,7 +78,7 @@ impl Owner {
 
     /// Where a settlement that must outlive its caller runs (a shutdown waits for it).
     #[cfg(feature = "http")]
-    pub(crate) fn background(&self) -> crate::store::Background {
+    pub(crate) fn background(&self) -> super::Background {
         self.store.background().clone()
     }
 

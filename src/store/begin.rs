@@ -3,10 +3,11 @@
 
 use std::time::Duration;
 
-use crate::owner::Owner;
+use super::owner::Owner;
+use crate::outcome::Outcome;
 use crate::record::StoredResponse;
 
-/// The store's answer to [`crate::Store::begin`].
+/// The store's answer to [`crate::Store::begin`], named as in every API ([`Outcome`]).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Begin {
@@ -18,7 +19,7 @@ pub enum Begin {
         retry_after: Duration,
     },
     /// The request already completed: replay this response.
-    Completed(StoredResponse),
+    Replayed(StoredResponse),
     /// The key was used before with a different payload; nothing is executed.
     Mismatch,
     /// An owner's lease ran out without an answer, under [`crate::LeaseExpiry::MarkIndeterminate`];
@@ -38,4 +39,19 @@ pub enum Begin {
         /// later).
         retry_after: Duration,
     },
+}
+
+impl Begin {
+    /// This answer in the vocabulary every API shares.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            Begin::Acquired(_) => Outcome::Executed,
+            Begin::InFlight { .. } => Outcome::InFlight,
+            Begin::Replayed(_) => Outcome::Replayed,
+            Begin::Mismatch => Outcome::Mismatch,
+            Begin::Indeterminate => Outcome::Indeterminate,
+            Begin::Expired => Outcome::Expired,
+            Begin::QuotaExceeded { .. } => Outcome::QuotaExceeded,
+        }
+    }
 }

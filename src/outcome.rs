@@ -1,0 +1,129 @@
+//! [`Outcome`]: the one vocabulary of answers. The run-once API ([`crate::RunOutcome`]), the claim
+//! ([`crate::Begin`]), the inbox ([`crate::Received`]), the HTTP layer and the metrics' `outcome` label
+//! all name an answer by one of these, and the HTTP status of each is decided here only.
+
+/// What became of a request for a key, by the same name in every API.
+///
+/// | outcome | label | `Begin` | `RunOutcome` | `Received` | HTTP |
+/// |---|---|---|---|---|---|
+/// | [`Executed`](Outcome::Executed) | `executed` | `Acquired` | `Executed` | `Executed` | the handler's answer |
+/// | [`Replayed`](Outcome::Replayed) | `replayed` | `Replayed` | `Replayed` | `Replayed` | the stored response |
+/// | [`InFlight`](Outcome::InFlight) | `in_flight` | `InFlight` | `InFlight` | `InFlight` | 409 |
+/// | [`Mismatch`](Outcome::Mismatch) | `mismatch` | `Mismatch` | `Mismatch` | `Mismatch` | 422 |
+/// | [`Indeterminate`](Outcome::Indeterminate) | `indeterminate` | `Indeterminate` | `Indeterminate` | `Indeterminate` | 409 |
+/// | [`Expired`](Outcome::Expired) | `expired` | `Expired` | `Expired` | `Expired` | 410 |
+/// | [`NotReplayable`](Outcome::NotReplayable) | `not_replayable` | `Replayed` (its marker) | `NotReplayable` | `NotReplayable` | 409 |
+/// | [`ReplayRefused`](Outcome::ReplayRefused) | `replay_refused` | `Replayed` (refused) | `ReplayRefused` | never | 403 |
+/// | [`QuotaExceeded`](Outcome::QuotaExceeded) | `quota_exceeded` | `QuotaExceeded` | `QuotaExceeded` | `QuotaExceeded` | 429 |
+/// | [`Error`](Outcome::Error) | `error` | `Err` | `Err` | `Err` | 503 (store unavailable) |
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The caller owned the key and the work ran.
+    Executed,
+    /// The key completed before: its stored result is the answer.
+    Replayed,
+    /// Another caller owns the key and may be running the work: retry later.
+    InFlight,
+    /// The key was used with another payload: refused, nothing runs.
+    Mismatch,
+    /// An earlier owner's lease ran out under `MarkIndeterminate`: an operator decides.
+    Indeterminate,
+    /// The key completed so long ago that its result is gone: refused, nothing runs.
+    Expired,
+    /// The key completed, and its result was not stored for replay: nothing runs again.
+    NotReplayable,
+    /// The application's replay check (or the principal binding) refused to show the stored result.
+    ReplayRefused,
+    /// The tenant reached a limit of its quota: nothing runs, nothing is recorded.
+    QuotaExceeded,
+    /// The store could not answer (Postgres unavailable): nothing runs.
+    Error,
+}
+
+impl Outcome {
+    /// Every outcome, in the order of the table above.
+    pub const ALL: [Outcome; 10] = [
+        Outcome::Executed,
+        Outcome::Replayed,
+        Outcome::InFlight,
+        Outcome::Mismatch,
+        Outcome::Indeterminate,
+        Outcome::Expired,
+        Outcome::NotReplayable,
+        Outcome::ReplayRefused,
+        Outcome::QuotaExceeded,
+        Outcome::Error,
+    ];
+
+    /// The value of the metrics' `outcome` label.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::InFlight => "in_flight",
+            Outcome::Mismatch => "mismatch",
+            Outcome::Indeterminate => "indeterminate",
+            Outcome::Expired => "expired",
+            Outcome::NotReplayable => "not_replayable",
+            Outcome::ReplayRefused => "replay_refused",
+            Outcome::QuotaExceeded => "quota_exceeded",
+            Outcome::Error => "error",
+        }
+    }
+
+    /// The HTTP status the layer answers with when it answers itself: `None` for the outcomes whose
+    /// answer is the handler's (executed) or the stored response (replayed). A mismatch is 422 unless the
+    /// layer is configured otherwise ([`MismatchStatus`](crate::http::MismatchStatus)).
+    pub const fn http_status(self) -> Option<u16> {
+        match self {
+            Outcome::Executed | Outcome::Replayed => None,
+            Outcome::InFlight | Outcome::Indeterminate | Outcome::NotReplayable => Some(409),
+            Outcome::Mismatch => Some(422),
+            Outcome::Expired => Some(410),
+            Outcome::ReplayRefused => Some(403),
+            Outcome::QuotaExceeded => Some(429),
+            Outcome::Error => Some(503),
+        }
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// docs/protocol.md's table of answers is this vocabulary: each row names an outcome's label, its
+    /// variant in each API and its HTTP status, as the code has them.
+    #[test]
+    fn the_protocol_table_is_the_vocabulary() {
+        let doc = include_str!("../docs/protocol.md");
+        let start = doc.find("| outcome | label |").expect("docs/protocol.md has the table of answers");
+        let rows: Vec<Vec<&str>> = doc[start..]
+            .lines()
+            .skip(2)
+            .take_while(|line| line.starts_with('|'))
+            .map(|line| line.trim_matches('|').split('|').map(str::trim).collect())
+            .collect();
+        assert_eq!(rows.len(), Outcome::ALL.len(), "one row per outcome");
+        for (row, outcome) in rows.iter().zip(Outcome::ALL) {
+            assert_eq!(row[0], format!("`{outcome:?}`"), "{row:?}");
+            assert_eq!(row[1], format!("`{}`", outcome.label()), "{row:?}");
+            let status = outcome.http_status().map_or(String::new(), |status| status.to_string());
+            assert!(row[5].starts_with(&status), "{outcome:?}: {:?} against {status}", row[5]);
+        }
+    }
+
+    #[test]
+    fn labels_are_distinct() {
+        let mut labels: Vec<_> = Outcome::ALL.iter().map(|o| o.label()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), Outcome::ALL.len());
+    }
+}
