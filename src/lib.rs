@@ -63,7 +63,7 @@
 //! - [`Policy`]: lease, Redis TTL, Postgres retention and lease-expiry rule, per operation; [`config`]
 //!   loads tiers and operation patterns from TOML.
 //! - [`Store`]: the request path (`begin`, `run_once`, the inbox and outbox) on both tiers;
-//!   [`Store::admin`] the operator's and scheduler's [`Admin`] (`lookup`, `inspect`, `evict`,
+//!   [`Store::admin`] the operator's and scheduler's [`Admin`](admin::Admin) (`lookup`, `inspect`, `evict`,
 //!   `purge_expired`, `recover_stale`, `resolve`, `stats`, `refresh_gauges`, `partition_by_tenant`).
 //! - [`Owner`]: the one owner lifecycle every entry point shares: `begin` -> [`Begin::Acquired`] ->
 //!   `owner.run(work)` (heartbeat) -> `owner.complete(bytes)` or `owner.release()`; a dropped owner is
@@ -92,40 +92,39 @@ mod error;
 mod fingerprint;
 #[cfg(feature = "http")]
 pub mod http;
-mod inbox;
+pub mod inbox;
 mod key;
 mod options;
-mod outbox;
+pub mod outbox;
 mod outcome;
 mod policy;
 mod quota;
 mod record;
 mod run_once;
 mod store;
+
+/// The operator's and the scheduler's side of a store ([`Store::admin`]): what its jobs and tools
+/// take and return.
+pub mod admin {
+    pub use crate::store::{Admin, Inspection, Purging, Recovery, RedisView, Resolution, StatsRow};
+}
 pub mod telemetry;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use config::{PolicyConfig, parse_duration};
 pub use encryption::{Encryption, SEALING_OVERHEAD};
 pub use error::{ConfigError, EncryptionError, InputError, SignatureError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};
-pub use inbox::{
-    DEFAULT_TOLERANCE, DeliveryHeaders, EventId, Inbox, MAX_TOLERANCE, Received, SignatureScheme, VerifiedDelivery,
-    WebhookVerifier,
-};
+pub use inbox::{Inbox, Received, SignatureScheme, WebhookVerifier};
 pub use key::{IdempotencyKey, Scope};
 pub use options::{Heartbeat, RunOptions};
-pub use outbox::{Drained, Message, Outbox, TopicBacklog};
+pub use outbox::{Message, Outbox};
 pub use outcome::Outcome;
 pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use quota::{Quota, QuotaLimit};
 pub use record::{Record, State, StoredResponse};
 pub use run_once::{RunError, RunOutcome, TxFuture};
-pub use store::{
-    Admin, Begin, Inspection, KeepAlive, MIGRATOR, Mode, Owner, Purging, Recovery, RedisView, Resolution, StatsRow,
-    Store, StoreBuilder, pool_options, server_bounded,
-};
+pub use store::{Begin, KeepAlive, MIGRATOR, Mode, Owner, Store, StoreBuilder, pool_options, server_bounded};
 
 /// Compiles the README's examples as doc tests.
 #[cfg(doctest)]

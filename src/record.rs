@@ -119,7 +119,7 @@ impl Lease {
     }
 }
 
-/// A record as Postgres holds it, for operators and tests ([`crate::Admin::lookup`]).
+/// A record as Postgres holds it, for operators and tests ([`crate::admin::Admin::lookup`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Record {

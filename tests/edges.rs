@@ -585,7 +585,7 @@ async fn a_resolution_clears_the_redis_copy_after_a_redis_restart() {
         .expect("HGET");
     assert_eq!(copy.as_deref(), Some("i"), "Redis holds the indeterminate copy");
 
-    assert!(operator.admin().resolve(&scope, &k, idemstore::Resolution::Released).await.expect("resolve"));
+    assert!(operator.admin().resolve(&scope, &k, idemstore::admin::Resolution::Released).await.expect("resolve"));
     let next = app.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
     assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
 }

@@ -7,10 +7,11 @@ use support::payments;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
+use idemstore::admin::Resolution;
 use idemstore::http::problem_types;
 use idemstore::{
-    Begin, Encryption, EncryptionError, Fingerprint, LeaseExpiry, Mode, Policy, Resolution, RunError, RunOutcome,
-    Scope, State, Store, StoreError,
+    Begin, Encryption, EncryptionError, Fingerprint, LeaseExpiry, Mode, Policy, RunError, RunOutcome, Scope, State,
+    Store, StoreError,
 };
 use serde_json::{Value, json};
 use support::{Harness, key};

@@ -6,10 +6,9 @@ use crate::support;
 use std::process::Command;
 use std::time::Duration;
 
-use idemstore::{
-    Begin, Fingerprint, LeaseExpiry, Mode, Policy, PolicyConfig, Resolution, RunOptions, RunOutcome, Scope, State,
-    Store, Tier,
-};
+use idemstore::admin::Resolution;
+use idemstore::config::PolicyConfig;
+use idemstore::{Begin, Fingerprint, LeaseExpiry, Mode, Policy, RunOptions, RunOutcome, Scope, State, Store, Tier};
 use serde_json::{Value, json};
 use support::{Harness, Servers, key};
 

@@ -5,7 +5,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use idemstore::{ConfigError, SignatureError, SignatureScheme, VerifiedDelivery, WebhookVerifier};
+use idemstore::inbox::VerifiedDelivery;
+use idemstore::{ConfigError, SignatureError, SignatureScheme, WebhookVerifier};
 use proptest::prelude::*;
 
 const SCHEMES: [SignatureScheme; 2] = [SignatureScheme::Stripe, SignatureScheme::StandardWebhooks];

@@ -27,8 +27,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idemstore::http::{ClaimTx, IdempotencyLayer};
+use idemstore::outbox::Drained;
 use idemstore::{
-    Drained, LeaseExpiry, Message, Policy, Received, RunError, SignatureScheme, Store, StoreError, WebhookVerifier,
+    LeaseExpiry, Message, Policy, Received, RunError, SignatureScheme, Store, StoreError, WebhookVerifier,
 };
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};

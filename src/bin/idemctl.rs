@@ -23,7 +23,9 @@ use std::process::{ExitCode, Stdio};
 use std::time::Duration;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use idemstore::{Encryption, IdempotencyKey, Inspection, Message, Resolution, Scope, Store, StoreError, TopicBacklog};
+use idemstore::admin::{Inspection, Resolution};
+use idemstore::outbox::TopicBacklog;
+use idemstore::{Encryption, IdempotencyKey, Message, Scope, Store, StoreError};
 use serde_json::{Value, json};
 
 #[derive(Parser, Debug)]
@@ -166,7 +168,7 @@ enum OutboxCommand {
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    idemstore::parse_duration(text).map_err(|e| e.to_string())
+    idemstore::config::parse_duration(text).map_err(|e| e.to_string())
 }
 
 /// What went wrong, with the step, for a clear message and exit status.

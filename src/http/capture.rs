@@ -185,7 +185,7 @@ fn header_map(fields: Fields) -> HeaderMap {
 }
 
 /// The stored form of an HTTP response, as the layer writes it: for an operator who settles an
-/// indeterminate record of the layer by hand ([`crate::Admin::resolve`], `idemctl resolve --status`), so
+/// indeterminate record of the layer by hand ([`crate::admin::Admin::resolve`], `idemctl resolve --status`), so
 /// that retries get this response replayed. `headers` are stored as given (choose those to replay),
 /// except those that frame a message rather than describe the response (`Content-Length`,
 /// `Transfer-Encoding`, `Connection` and the other hop-by-hop headers), which a replay computes anew.

@@ -243,7 +243,7 @@ impl Store {
         Box::pin(extending.instrument(lease.span("extend")))
     }
 
-    /// A record as [`Admin::lookup`](crate::Admin::lookup) reads it.
+    /// A record as [`Admin::lookup`](crate::admin::Admin::lookup) reads it.
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         let record = self.lookup_stored(scope, key).await?.map(past_retention);
         let opened = record.map(|record| self.opened_record(scope, key, record)).transpose();

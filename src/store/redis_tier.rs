@@ -80,7 +80,7 @@ impl RedisUnavailable {
     }
 }
 
-/// A record's Redis copy, for operators ([`crate::Admin::inspect`]).
+/// A record's Redis copy, for operators ([`crate::admin::Admin::inspect`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisView {

@@ -13,9 +13,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use idemstore::admin::Resolution;
 use idemstore::{
     Begin, Encryption, EncryptionError, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Owner,
-    Policy, Record, Resolution, RunError, RunOutcome, Scope, State, Store, StoreError, TxFuture,
+    Policy, Record, RunError, RunOutcome, Scope, State, Store, StoreError, TxFuture,
 };
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Value, json};
