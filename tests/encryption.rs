@@ -198,7 +198,7 @@ async fn no_tier_holds_a_response_in_clear(mode: Mode) {
     // The operator's view: idemctl opens the response with the key, and says why without it.
     let inspect = |keys: &[[u8; 32]]| {
         let encoded: Vec<String> = keys.iter().map(|key| BASE64.encode(key)).collect();
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idemctl"));
+        let mut command = std::process::Command::new(support::idemctl());
         command.args(["--json", "--key-prefix", &h.prefix, "inspect", "acme", &h.operation, "run-once", "--response"]);
         command.env("DATABASE_URL", &h.database_url).env("IDEMSTORE_ENCRYPTION_KEY", encoded.join(","));
         let output = command.output().expect("run idemctl");

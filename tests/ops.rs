@@ -280,7 +280,7 @@ async fn tiers_are_selected_by_operation_from_a_config_file(mode: Mode) {
 
 /// Runs `idemctl --json` against the test's servers; returns the exit code and the parsed document.
 fn idemctl(h: &Harness, args: &[&str]) -> (i32, Value) {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idemctl"));
+    let mut command = Command::new(support::idemctl());
     command.args(["--json", "--key-prefix", &h.prefix]).args(args).env("DATABASE_URL", &h.database_url);
     // The harness's stores' keys, when this run encrypts.
     if let Ok(keys) = std::env::var("IDEMSTORE_TEST_ENCRYPTION_KEY") {
@@ -306,18 +306,17 @@ async fn idemctl_commands(mode: Mode) {
     let partitioned = idemctl(&h, &["migrate", "--partitions", &partitions]);
     assert_eq!(partitioned, (0, json!({ "migrated": true, "partitions": partitions.parse::<u16>().expect("n") })));
     // Bad usage exits 2, as the usage says: a missing DATABASE_URL included (before: 1).
-    let bare =
-        Command::new(env!("CARGO_BIN_EXE_idemctl")).args(["--json", "stats"]).env_remove("DATABASE_URL").output();
+    let bare = Command::new(support::idemctl()).args(["--json", "stats"]).env_remove("DATABASE_URL").output();
     assert_eq!(bare.expect("run idemctl").status.code(), Some(2));
     // A password typed on the command line is warned about (before: silently taken); not one from the
     // environment.
-    let typed = Command::new(env!("CARGO_BIN_EXE_idemctl"))
+    let typed = Command::new(support::idemctl())
         .args(["--database-url", "postgres://app:secret@127.0.0.1:1/none", "--json", "stats"])
         .env_remove("DATABASE_URL")
         .output()
         .expect("run idemctl");
     assert!(String::from_utf8_lossy(&typed.stderr).contains("carries a password"), "{typed:?}");
-    let from_env = Command::new(env!("CARGO_BIN_EXE_idemctl"))
+    let from_env = Command::new(support::idemctl())
         .args(["--json", "stats"])
         .env("DATABASE_URL", "postgres://app:secret@127.0.0.1:1/none")
         .output()

@@ -406,6 +406,16 @@ pub fn sealed(builder: idemstore::StoreBuilder) -> idemstore::StoreBuilder {
     }
 }
 
+/// The `idemctl` binary of the workspace's `idemstore-cli` package, beside this test binary (cargo and
+/// nextest build it with the workspace's tests: that package has an integration test of its own).
+pub fn idemctl() -> std::path::PathBuf {
+    let this = std::env::current_exe().expect("the test binary's path");
+    // <target>/<profile>/deps/integration-<hash> -> <target>/<profile>/idemctl
+    let binary = this.parent().and_then(std::path::Path::parent).expect("a target directory").join("idemctl");
+    assert!(binary.exists(), "{} is missing: build it with `cargo build -p idemstore-cli`", binary.display());
+    binary
+}
+
 pub fn key(name: &str) -> IdempotencyKey {
     IdempotencyKey::new(name).expect("valid key")
 }
