@@ -14,8 +14,8 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use idemstore::testkit::{PostgresServer, RedisServer};
 use idemstore::{Begin, Fingerprint, FingerprintOptions, IdempotencyKey, Mode, Policy, RunOptions, Scope, Store};
+use idemstore_testkit::{PostgresServer, RedisServer};
 
 #[derive(Parser, Debug)]
 struct Args {

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use idemstore::Store;
-use idemstore::testkit::{PostgresServer, RedisServer};
+use idemstore_testkit::{PostgresServer, RedisServer};
 
 #[derive(Parser, Debug)]
 struct Args {

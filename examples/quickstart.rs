@@ -9,8 +9,8 @@
 use std::error::Error;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use idemstore::testkit::LocalServers;
 use idemstore::{IdempotencyKey, RunOutcome, Scope};
+use idemstore_testkit::LocalServers;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use serde_json::{Value, json};
 

@@ -78,7 +78,9 @@
 //!   tonic servers), built on the public API like any user's middleware would be.
 //! - [`telemetry`]: metric names (every series registered at 0 when an operation is first seen) and the
 //!   `tracing` spans; the library never installs a recorder, and never logs a key or a payload.
-//! - `testkit` (feature): throwaway Redis and Postgres servers for tests, examples and benchmarks.
+//!
+//! Throwaway Redis and Postgres servers for tests, examples and benchmarks are the `idemstore-testkit`
+//! crate (testkit/), apart from the library: nothing in the library installs or starts software.
 
 #![forbid(unsafe_code)]
 // docs.rs (nightly, `--cfg docsrs`) badges each feature-gated item with the feature it needs.
@@ -109,8 +111,6 @@ pub mod admin {
     pub use crate::store::{Admin, Inspection, Purging, Recovery, RedisView, Resolution, StatsRow};
 }
 pub mod telemetry;
-#[cfg(feature = "testkit")]
-pub mod testkit;
 
 pub use encryption::{Encryption, SEALING_OVERHEAD};
 pub use error::{ConfigError, EncryptionError, InputError, SignatureError, StoreError};

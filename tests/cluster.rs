@@ -9,8 +9,8 @@ use support::payments;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemstore::testkit::RedisCluster;
 use idemstore::{Begin, Fingerprint, LeaseExpiry, Policy, RunError, RunOptions, RunOutcome};
+use idemstore_testkit::RedisCluster;
 use serde_json::json;
 use support::chaos::{Load, assert_once, fallbacks, load_across_fault, print};
 use support::{Harness, key, short_lease};

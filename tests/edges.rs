@@ -7,11 +7,11 @@ use crate::support;
 
 use std::time::Duration;
 
-use idemstore::testkit::ProxyMode;
 use idemstore::{
     Begin, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Policy, RunOptions, RunOutcome, Scope,
     State, StoreError,
 };
+use idemstore_testkit::ProxyMode;
 use serde_json::{Value, json};
 use support::{Harness, Servers, key};
 

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idemstore::testkit::ProxyMode;
 use idemstore::{Begin, Fingerprint, LeaseExpiry, Mode, RunOutcome, Scope, State};
+use idemstore_testkit::ProxyMode;
 use serde_json::json;
 use support::chaos::{
     self, Load, Progress, Report, assert_clean, assert_once, fallbacks, load_with_fault, load_with_fault_at, print,
@@ -498,7 +498,7 @@ async fn three_processes_hammer_the_same_keys(mode: Mode) {
 /// A process whose clock runs two hours ahead (libfaketime) neither takes over a live lease of a process
 /// with a right clock, nor loses its own early to it: leases are measured by the servers' clocks only.
 async fn skewed_clocks_do_not_move_leases(mode: Mode) {
-    idemstore::testkit::ensure_installed("faketime", "faketime").expect("faketime");
+    idemstore_testkit::ensure_installed("faketime", "faketime").expect("faketime");
     let h = Harness::with(mode, short_lease(LeaseExpiry::TakeOver), Servers::Any).await;
     let fp = Fingerprint::of_serialize(&json!({"amount": 1}), h.store.policy(&h.operation).fingerprint()).expect("fp");
     let Ok(Begin::Acquired(held)) = h.store.begin(&h.scope("acme"), &key("skew-held"), &fp).await else { panic!() };

@@ -185,13 +185,13 @@ async fn shutdown_stops_the_followers_though_redis_is_down(mode: Mode) {
     // The waiter's subscription, on Redis or (if Redis did not open it within its budget) Postgres.
     subscribed(&h, |(redis, postgres)| redis + postgres > 0).await;
     if let Some(proxy) = &h.redis_proxy {
-        proxy.set(idemstore::testkit::ProxyMode::Blackhole);
+        proxy.set(idemstore_testkit::ProxyMode::Blackhole);
     }
     owner.complete(b"the result").await.expect("Postgres completes");
     let Begin::Replayed(_) = waiter.await.expect("join") else { panic!("the waiter replays") };
     tokio::time::timeout(Duration::from_secs(10), h.store.shutdown()).await.expect("the shutdown ends");
     if let Some(proxy) = &h.redis_proxy {
-        proxy.set(idemstore::testkit::ProxyMode::Pass);
+        proxy.set(idemstore_testkit::ProxyMode::Pass);
     }
     subscribed(&h, |(redis, postgres)| redis + postgres == 0).await;
     let again = h.store.begin(&scope, &k, &fingerprint()).await.expect("an answer after the shutdown");

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use hdrhistogram::Histogram;
 use idemstore::Store;
-use idemstore::testkit::{PostgresServer, RedisCluster, RedisServer};
+use idemstore_testkit::{PostgresServer, RedisCluster, RedisServer};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;

@@ -33,7 +33,7 @@ use axum::routing::post;
 use clap::Parser;
 use idemstore::Store;
 use idemstore::http::{ClaimTx, IdempotencyLayer};
-use idemstore::testkit::{PostgresServer, RedisServer};
+use idemstore_testkit::{PostgresServer, RedisServer};
 use sqlx::PgPool;
 use wrk::{Keys, Load, Summary};
 

@@ -19,7 +19,7 @@ mod app;
 use std::error::Error;
 use std::time::Duration;
 
-use idemstore::testkit::LocalServers;
+use idemstore_testkit::LocalServers;
 use metrics_exporter_prometheus::PrometheusBuilder;
 
 #[tokio::main]

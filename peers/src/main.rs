@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use clap::Parser;
-use idemstore::testkit::{PostgresServer, RedisServer};
+use idemstore_testkit::{PostgresServer, RedisServer};
 
 use crate::subjects::Subject;
 

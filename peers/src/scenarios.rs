@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use idemstore::testkit::RedisServer;
+use idemstore_testkit::RedisServer;
 use sqlx::PgPool;
 
 use crate::Error;

@@ -12,8 +12,8 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use idemstore::testkit::{PostgresServer, Proxy, RedisServer};
 use idemstore::{IdempotencyKey, LeaseExpiry, Mode, Policy, Scope, Store};
+use idemstore_testkit::{PostgresServer, Proxy, RedisServer};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -153,7 +153,7 @@ impl Harness {
     }
 
     /// A two-tier harness whose hot tier is `cluster` (a throwaway Postgres of its own).
-    pub async fn on_cluster(cluster: &idemstore::testkit::RedisCluster, policy: Policy) -> Self {
+    pub async fn on_cluster(cluster: &idemstore_testkit::RedisCluster, policy: Policy) -> Self {
         let mut h = Self::with(Mode::PostgresOnly, policy.clone(), Servers::Owned).await;
         let builder = Store::builder()
             .database_url(&h.store_url)

@@ -1,5 +1,5 @@
-//! Throwaway Redis and Postgres servers on free loopback ports, in temporary directories, for tests,
-//! examples and benchmarks (feature `testkit`). Each server is stopped when its handle is dropped, and
+//! Throwaway Redis and Postgres servers on free loopback ports, in temporary directories, for
+//! idemstore's tests, examples and benchmarks (and yours). Each server is stopped when its handle is dropped, and
 //! only servers started here are ever stopped. Fault tests use the handles to kill, pause and restart.
 //!
 //! Postgres refuses to run as root; as root, the servers run as the `postgres` system user. A missing
@@ -182,8 +182,8 @@ impl LocalServers {
     }
 
     /// A store builder connected to these servers (Postgres-only when there is no Redis).
-    pub fn store_builder(&self) -> crate::StoreBuilder {
-        let builder = crate::Store::builder().database_url(&self.database_url);
+    pub fn store_builder(&self) -> idemstore::StoreBuilder {
+        let builder = idemstore::Store::builder().database_url(&self.database_url);
         #[cfg(feature = "cluster")]
         if let Some(seeds) = &self.redis_cluster {
             return builder.redis_cluster(seeds.clone());
