@@ -37,13 +37,15 @@ pub enum Outcome {
     ReplayRefused,
     /// The tenant reached a limit of its quota: nothing runs, nothing is recorded.
     QuotaExceeded,
-    /// The store could not answer (Postgres unavailable): nothing runs.
+    /// The store could not answer: nothing runs. 503 (retry) when Postgres was unavailable; the HTTP
+    /// layer answers 500 `unreadable-response` when a stored response cannot be opened (retrying does
+    /// not help), and the error itself says which ([`crate::StoreError`]).
     Error,
 }
 
 impl Outcome {
     /// Every outcome, in the order of the table above.
-    pub const ALL: [Outcome; 10] = [
+    pub const ALL: &'static [Outcome] = &[
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::InFlight,
@@ -74,7 +76,8 @@ impl Outcome {
 
     /// The HTTP status the layer answers with when it answers itself: `None` for the outcomes whose
     /// answer is the handler's (executed) or the stored response (replayed). A mismatch is 422 unless the
-    /// layer is configured otherwise ([`MismatchStatus`](crate::http::MismatchStatus)).
+    /// layer is configured otherwise (`http::MismatchStatus`). [`Outcome::Error`] is 503 for an
+    /// unavailable store (see there).
     pub const fn http_status(self) -> Option<u16> {
         match self {
             Outcome::Executed | Outcome::Replayed => None,
@@ -98,10 +101,47 @@ impl std::fmt::Display for Outcome {
 mod tests {
     use super::*;
 
-    /// docs/protocol.md's table of answers is this vocabulary: each row names an outcome's label, its
-    /// variant in each API and its HTTP status, as the code has them.
+    /// docs/protocol.md's table of answers is this vocabulary: each row names an outcome's label, the
+    /// variants of `RunOutcome` and `Received` whose `outcome()` it is (the code's mapping), `Begin`'s,
+    /// and the HTTP status, as the code has them.
     #[test]
     fn the_protocol_table_is_the_vocabulary() {
+        use crate::{Received, RunOutcome};
+        use std::time::Duration;
+        let wait = Duration::ZERO;
+        let limit = crate::QuotaLimit::NewKeys;
+        let runs: Vec<(RunOutcome<()>, &str)> = vec![
+            (RunOutcome::Executed(()), "Executed"),
+            (RunOutcome::Replayed(()), "Replayed"),
+            (RunOutcome::InFlight { retry_after: wait }, "InFlight"),
+            (RunOutcome::Mismatch, "Mismatch"),
+            (RunOutcome::Indeterminate, "Indeterminate"),
+            (RunOutcome::Expired, "Expired"),
+            (RunOutcome::NotReplayable, "NotReplayable"),
+            (RunOutcome::ReplayRefused, "ReplayRefused"),
+            (RunOutcome::QuotaExceeded { limit, retry_after: wait }, "QuotaExceeded"),
+        ];
+        let received: Vec<(Received<()>, &str)> = vec![
+            (Received::Executed(()), "Executed"),
+            (Received::Replayed { result: (), sequence: None }, "Replayed"),
+            (Received::InFlight { retry_after: wait }, "InFlight"),
+            (Received::Mismatch, "Mismatch"),
+            (Received::Indeterminate, "Indeterminate"),
+            (Received::Expired, "Expired"),
+            (Received::NotReplayable, "NotReplayable"),
+            (Received::QuotaExceeded { limit, retry_after: wait }, "QuotaExceeded"),
+        ];
+        let begins: Vec<(crate::Begin, &str)> = vec![
+            (crate::Begin::Replayed(crate::StoredResponse::new(Vec::new())), "Replayed"),
+            (crate::Begin::InFlight { retry_after: wait }, "InFlight"),
+            (crate::Begin::Mismatch, "Mismatch"),
+            (crate::Begin::Indeterminate, "Indeterminate"),
+            (crate::Begin::Expired, "Expired"),
+            (crate::Begin::QuotaExceeded { limit, retry_after: wait }, "QuotaExceeded"),
+        ];
+        let named = |names: Vec<(Outcome, &'static str)>, outcome: Outcome| {
+            names.into_iter().find(|(o, _)| *o == outcome).map(|(_, name)| format!("`{name}`"))
+        };
         let doc = include_str!("../docs/protocol.md");
         let start = doc.find("| outcome | label |").expect("docs/protocol.md has the table of answers");
         let rows: Vec<Vec<&str>> = doc[start..]
@@ -111,9 +151,17 @@ mod tests {
             .map(|line| line.trim_matches('|').split('|').map(str::trim).collect())
             .collect();
         assert_eq!(rows.len(), Outcome::ALL.len(), "one row per outcome");
-        for (row, outcome) in rows.iter().zip(Outcome::ALL) {
+        for (row, &outcome) in rows.iter().zip(Outcome::ALL) {
             assert_eq!(row[0], format!("`{outcome:?}`"), "{row:?}");
             assert_eq!(row[1], format!("`{}`", outcome.label()), "{row:?}");
+            let begin = named(begins.iter().map(|(b, n)| (b.outcome(), *n)).collect(), outcome);
+            let run = named(runs.iter().map(|(r, n)| (r.outcome(), *n)).collect(), outcome);
+            let inbox = named(received.iter().map(|(r, n)| (r.outcome(), *n)).collect(), outcome);
+            for (column, name) in [(2, begin), (3, run), (4, inbox)] {
+                if let Some(name) = name {
+                    assert!(row[column].starts_with(&name), "{outcome:?}: {:?} is not {name}", row[column]);
+                }
+            }
             let status = outcome.http_status().map_or(String::new(), |status| status.to_string());
             assert!(row[5].starts_with(&status), "{outcome:?}: {:?} against {status}", row[5]);
         }

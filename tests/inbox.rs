@@ -44,7 +44,7 @@ async fn a_redelivery_with_changed_bookkeeping_is_a_duplicate_after_success(mode
     let Received::Executed(outcome) = first else { panic!("{first:?}") };
     for pending in [1, 0] {
         let again = inbox.receive("evt_1", Some(8), &event(pending), || h.charge("stripe", &k)).await;
-        assert_eq!(again.expect("re-delivery"), Received::Replayed { outcome: outcome.clone(), sequence: Some(7) });
+        assert_eq!(again.expect("re-delivery"), Received::Replayed { result: outcome.clone(), sequence: Some(7) });
     }
     assert_eq!(h.effects("stripe", &k).await, 1);
 }

@@ -4,7 +4,7 @@
 #
 #   DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres bash benches/pgbench/run.sh
 #
-# The database needs idemstore's schema (`cargo run --features cli --bin idemctl -- migrate`); the
+# The database needs idemstore's schema (`cargo run -p idemstore-cli -- migrate`); the
 # scripts add their own table (bench_charges). Rows they insert stay: use a throwaway database.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -21,7 +21,8 @@ use crate::store::Begin;
 /// The status of an answer the layer gives itself: the vocabulary's ([`Outcome::http_status`]), the one
 /// mapping of answers to statuses.
 fn status(outcome: Outcome) -> StatusCode {
-    outcome.http_status().and_then(|code| StatusCode::from_u16(code).ok()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    let code = outcome.http_status().expect("the layer answers itself only for outcomes with a status");
+    StatusCode::from_u16(code).expect("the vocabulary's statuses are valid")
 }
 
 /// The answer to a claim that did not acquire the key (of `scope`, asked by `principal`): refused with

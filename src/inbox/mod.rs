@@ -54,10 +54,10 @@ pub struct Inbox {
 pub enum Received<T> {
     /// First delivery of this event: the handler ran and its outcome is recorded.
     Executed(T),
-    /// The event was handled before: acknowledge it; `outcome` is what the handler answered then.
+    /// The event was handled before: acknowledge it; `result` is what the handler answered then.
     Replayed {
-        /// The recorded outcome.
-        outcome: T,
+        /// What the handler answered then.
+        result: T,
         /// The provider's sequence number of the first delivery, if it sent one.
         sequence: Option<i64>,
     },
@@ -280,7 +280,7 @@ impl Inbox {
 fn received<T>(outcome: RunOutcome<Entry<T>>) -> Received<T> {
     match outcome {
         RunOutcome::Executed(entry) => Received::Executed(entry.outcome),
-        RunOutcome::Replayed(entry) => Received::Replayed { outcome: entry.outcome, sequence: entry.sequence },
+        RunOutcome::Replayed(entry) => Received::Replayed { result: entry.outcome, sequence: entry.sequence },
         RunOutcome::InFlight { retry_after } => Received::InFlight { retry_after },
         RunOutcome::Mismatch => Received::Mismatch,
         RunOutcome::Indeterminate => Received::Indeterminate,

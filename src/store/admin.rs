@@ -1,4 +1,4 @@
-//! [`Admin`](admin::Admin), the handle for operators and schedulers: purge expired records, recover stale leases,
+//! [`Admin`], the handle for operators and schedulers: purge expired records, recover stale leases,
 //! resolve indeterminate records, look up, inspect and evict keys, and count what the store holds. None
 //! of it is on a request's path, and the library runs none of it by itself: schedule the jobs (or run
 //! `idemctl`).

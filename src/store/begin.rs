@@ -42,7 +42,9 @@ pub enum Begin {
 }
 
 impl Begin {
-    /// This answer in the vocabulary every API shares.
+    /// This answer in the vocabulary every API shares. `Acquired` is [`Outcome::Executed`]: the work
+    /// runs now. A replay is [`Outcome::Replayed`] even when what was stored is a marker that the
+    /// storing API reads as not replayable (`run_once`'s, the HTTP layer's): those APIs refine it.
     pub fn outcome(&self) -> Outcome {
         match self {
             Begin::Acquired(_) => Outcome::Executed,

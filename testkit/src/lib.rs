@@ -1,9 +1,13 @@
 //! Throwaway Redis and Postgres servers on free loopback ports, in temporary directories, for
-//! idemstore's tests, examples and benchmarks (and yours). Each server is stopped when its handle is dropped, and
+//! idemstore's tests, examples and benchmarks. Each server is stopped when its handle is dropped, and
 //! only servers started here are ever stopped. Fault tests use the handles to kill, pause and restart.
 //!
 //! Postgres refuses to run as root; as root, the servers run as the `postgres` system user. A missing
 //! `redis-server` is installed from Debian's packages when running as root.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+#![warn(missing_debug_implementations, unreachable_pub)]
 
 mod postgres_server;
 mod proxy;

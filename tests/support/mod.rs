@@ -407,12 +407,32 @@ pub fn sealed(builder: idemstore::StoreBuilder) -> idemstore::StoreBuilder {
 }
 
 /// The `idemctl` binary of the workspace's `idemstore-cli` package, beside this test binary (cargo and
-/// nextest build it with the workspace's tests: that package has an integration test of its own).
+/// nextest build it with the workspace's tests: that package has an integration test of its own), or
+/// `IDEMCTL`. Refused when its sources are newer than it: a run of this package's tests alone
+/// (`-p idemstore`) does not rebuild it.
 pub fn idemctl() -> std::path::PathBuf {
-    let this = std::env::current_exe().expect("the test binary's path");
-    // <target>/<profile>/deps/integration-<hash> -> <target>/<profile>/idemctl
-    let binary = this.parent().and_then(std::path::Path::parent).expect("a target directory").join("idemctl");
-    assert!(binary.exists(), "{} is missing: build it with `cargo build -p idemstore-cli`", binary.display());
+    let binary = std::env::var_os("IDEMCTL").map(std::path::PathBuf::from).unwrap_or_else(|| {
+        let this = std::env::current_exe().expect("the test binary's path");
+        // <target>/<profile>/deps/integration-<hash> -> <target>/<profile>/idemctl
+        let profile = this.parent().and_then(std::path::Path::parent).expect("a target directory");
+        profile.join(format!("idemctl{}", std::env::consts::EXE_SUFFIX))
+    });
+    let built = std::fs::metadata(&binary).and_then(|m| m.modified());
+    let Ok(built) = built else {
+        panic!("{} is missing: build it with `cargo build -p idemstore-cli`", binary.display())
+    };
+    let sources = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("cli/src");
+    let newest = std::fs::read_dir(&sources)
+        .expect("cli/src")
+        .flatten()
+        .filter_map(|e| e.metadata().ok()?.modified().ok())
+        .max();
+    assert!(
+        newest.is_none_or(|newest| newest <= built),
+        "{} is older than {}: rebuild it with `cargo build -p idemstore-cli`",
+        binary.display(),
+        sources.display()
+    );
     binary
 }
 
