@@ -23,11 +23,13 @@ pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(366 * 86_400);
 ///   weighted by how much of it the sliding window still covers, plus the current one's). Reading it
 ///   costs a row per connection that counted in the last two windows, whatever the limit; no claim
 ///   waits for another connection's counter. Changing a policy's window starts its counts afresh.
-/// - **Live keys** are counted from the tenant's in-progress records, at most `limit` index entries,
-///   and from the claims open inside applications' transactions (`run_once_in_tx`,
-///   `Inbox::receive_in_tx`, the HTTP layer's transactional path), which no other snapshot shows: each
-///   holds one of `limit` transaction-level advisory locks of the tenant and operation until it ends.
-///   Reading them costs a scan of `pg_locks` per claim under a live-key limit.
+/// - **Live keys** are counted from the tenant's in-progress records, at most `limit` index entries.
+///   Claims open inside applications' transactions (`run_once_in_tx`, `Inbox::receive_in_tx`, the HTTP
+///   layer's transactional path) are in no other snapshot until they commit: each holds one of `limit`
+///   transaction-level advisory locks of the tenant and operation instead, so at most `limit` are open at
+///   once, and they also count the committed leases. Claims outside transactions count the committed
+///   leases only (reading the locks, a scan of `pg_locks`, cost a third of the throughput of new keys):
+///   a tenant that uses both kinds at once holds at most twice the limit.
 ///
 /// Counts are read in the claim's snapshot, so claims of one tenant that run at the same instant do not
 /// see each other: a burst of `k` concurrent claims can pass a limit by at most `k - 1`, and a new key
@@ -63,7 +65,8 @@ impl Quota {
     }
 
     /// At most `limit` keys of one tenant in progress at once (live leases; a lease that ran out does
-    /// not count), claims open inside applications' transactions (`run_once_in_tx`) included.
+    /// not count); claims open inside applications' transactions (`run_once_in_tx`) hold `limit` slots of
+    /// their own, so with both kinds at once at most twice `limit` (see the type's documentation).
     pub fn live_keys(mut self, limit: u32) -> Self {
         self.live_keys = Some(limit);
         self

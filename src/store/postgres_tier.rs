@@ -80,10 +80,9 @@ macro_rules! in_progress_expiry {
 /// a sliding window: the previous window's count, weighted by how much of it the sliding window still
 /// covers, plus the current one's. Reading it costs a row per connection that counted in those two
 /// windows, whatever the limit. Live keys are counted from the in-progress records (a partial index),
-/// at most `$14` entries, plus the claims open in other transactions ([`TAKE_LIVE_SLOT`], slots of the
-/// namespace `$15`: a lock's key is the namespace shifted left 16 bits, and the slot), which no snapshot
-/// shows. A claim that found no free slot binds `$14` = 0: new keys and re-acquisitions are held back, and
-/// keys with a record are answered from it as ever.
+/// at most `$14` entries. Claims open in other transactions are in no snapshot: they hold slots of their
+/// own ([`TAKE_LIVE_SLOT`]), and a claim made in a transaction that found no free slot binds `$14` = 0:
+/// new keys and re-acquisitions are held back, and keys with a record are answered from it as ever.
 macro_rules! quota_ctes {
     () => {
         "new_keys_used AS (
@@ -111,13 +110,7 @@ macro_rules! quota_ctes {
             WHERE $14::int4 IS NOT NULL AND tenant = $1 AND operation = $2
               AND state = 'p' AND lease_expires_at > now()
             ORDER BY lease_expires_at LIMIT $14::int4) AS live
-        HAVING count(*) + CASE WHEN $14::int4 IS NULL THEN 0 ELSE (
-            SELECT count(*) FROM pg_locks
-            WHERE locktype = 'advisory' AND objsubid = 1 AND granted
-              AND classid = ($15::int8 >> 16)::oid AND (objid::int8 >> 16) = ($15::int8 & 65535)
-              AND pid <> pg_backend_pid()
-              AND database = (SELECT oid FROM pg_database WHERE datname = current_database())) END
-            >= $14::int4
+        HAVING count(*) >= $14::int4
     ), "
     };
 }
@@ -264,8 +257,10 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
 /// namespace of the tenant and operation; `$2`, the live-key limit, at most 65,536 slots): one
 /// transaction-level advisory lock (key: `$1` shifted left 16 bits, and the slot), held until that
 /// transaction ends, or no row when all are held. Such a claim is in no snapshot until it commits (and
-/// then it is completed, not live), so the locks are what the live-key quota counts of it
-/// ([`quota_ctes`]); unlike rows, other backends see them at once. The slots are a set-returning function
+/// then it is completed, not live), so the locks are what the live-key quota counts of such claims:
+/// unlike rows, other backends see them at once. (Claims outside transactions do not read them: a scan
+/// of `pg_locks` per claim cost a third of the throughput of new keys under a quota, measured.) The slots
+/// are a set-returning function
 /// in the select list, so they are tried one at a time and the first lock taken ends the statement.
 const TAKE_LIVE_SLOT: Statement = Statement::new(
     "live_slot",
@@ -492,10 +487,9 @@ impl PostgresTier {
         let full = if quota.is_off() { &CLAIM } else { &CLAIM_UNDER_QUOTA };
         // Limits fit an int4: `Quota::check` refused larger ones.
         let limit = |limit: u32| i32::try_from(limit).unwrap_or(i32::MAX);
-        let slots = live_slots(&lease.scope);
         let mut live_keys = quota.live_key_limit().map(limit);
         if let Some(live) = live_keys.filter(|_| in_tx) {
-            let take = sqlx::query(TAKE_LIVE_SLOT.sql).bind(slots).bind(live);
+            let take = sqlx::query(TAKE_LIVE_SLOT.sql).bind(live_slots(&lease.scope)).bind(live);
             if self.bounded(&TAKE_LIVE_SLOT, take.fetch_optional(&mut *conn)).await?.is_none() {
                 // Every slot is another open transaction's claim: nothing may start, and a key with a
                 // record is still answered from it.
@@ -527,8 +521,7 @@ impl PostgresTier {
                 claim = claim
                     .bind(new_keys.map(|(n, _)| limit(n)))
                     .bind(new_keys.map(|(_, window)| millis(window) as f64))
-                    .bind(live_keys)
-                    .bind(slots);
+                    .bind(live_keys);
             }
             let row = self.bounded(statement, claim.fetch_optional(&mut *conn)).await?;
             if std::mem::take(&mut new_key_first) {
