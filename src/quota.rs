@@ -28,8 +28,8 @@ pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(366 * 86_400);
 ///   layer's transactional path) are in no other snapshot until they commit: each holds one of `limit`
 ///   transaction-level advisory locks of the tenant and operation instead, so at most `limit` are open at
 ///   once, and they also count the committed leases. Claims outside transactions count the committed
-///   leases only (reading the locks, a scan of `pg_locks`, cost a third of the throughput of new keys):
-///   a tenant that uses both kinds at once holds at most twice the limit.
+///   leases only (reading the locks would be a scan of `pg_locks`, every lock partition, on every
+///   claim): a tenant that uses both kinds at once holds at most twice the limit.
 ///
 /// Counts are read in the claim's snapshot, so claims of one tenant that run at the same instant do not
 /// see each other: a burst of `k` concurrent claims can pass a limit by at most `k - 1`, and a new key

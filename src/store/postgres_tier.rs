@@ -258,8 +258,8 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
 /// transaction-level advisory lock (key: `$1` shifted left 16 bits, and the slot), held until that
 /// transaction ends, or no row when all are held. Such a claim is in no snapshot until it commits (and
 /// then it is completed, not live), so the locks are what the live-key quota counts of such claims:
-/// unlike rows, other backends see them at once. (Claims outside transactions do not read them: a scan
-/// of `pg_locks` per claim cost a third of the throughput of new keys under a quota, measured.) The slots
+/// unlike rows, other backends see them at once. (Claims outside transactions do not read them: that is
+/// a scan of `pg_locks`, which takes every lock partition, on every claim under the limit.) The slots
 /// are a set-returning function
 /// in the select list, so they are tried one at a time and the first lock taken ends the statement.
 const TAKE_LIVE_SLOT: Statement = Statement::new(
