@@ -110,36 +110,38 @@ mod tests {
         use std::time::Duration;
         let wait = Duration::ZERO;
         let limit = crate::QuotaLimit::NewKeys;
-        let runs: Vec<(RunOutcome<()>, &str)> = vec![
-            (RunOutcome::Executed(()), "Executed"),
-            (RunOutcome::Replayed(()), "Replayed"),
-            (RunOutcome::InFlight { retry_after: wait }, "InFlight"),
-            (RunOutcome::Mismatch, "Mismatch"),
-            (RunOutcome::Indeterminate, "Indeterminate"),
-            (RunOutcome::Expired, "Expired"),
-            (RunOutcome::NotReplayable, "NotReplayable"),
-            (RunOutcome::ReplayRefused, "ReplayRefused"),
-            (RunOutcome::QuotaExceeded { limit, retry_after: wait }, "QuotaExceeded"),
+        let runs: Vec<RunOutcome<()>> = vec![
+            RunOutcome::Executed(()),
+            RunOutcome::Replayed(()),
+            RunOutcome::InFlight { retry_after: wait },
+            RunOutcome::Mismatch,
+            RunOutcome::Indeterminate,
+            RunOutcome::Expired,
+            RunOutcome::NotReplayable,
+            RunOutcome::ReplayRefused,
+            RunOutcome::QuotaExceeded { limit, retry_after: wait },
         ];
-        let received: Vec<(Received<()>, &str)> = vec![
-            (Received::Executed(()), "Executed"),
-            (Received::Replayed { result: (), sequence: None }, "Replayed"),
-            (Received::InFlight { retry_after: wait }, "InFlight"),
-            (Received::Mismatch, "Mismatch"),
-            (Received::Indeterminate, "Indeterminate"),
-            (Received::Expired, "Expired"),
-            (Received::NotReplayable, "NotReplayable"),
-            (Received::QuotaExceeded { limit, retry_after: wait }, "QuotaExceeded"),
+        let received: Vec<Received<()>> = vec![
+            Received::Executed(()),
+            Received::Replayed { result: (), sequence: None },
+            Received::InFlight { retry_after: wait },
+            Received::Mismatch,
+            Received::Indeterminate,
+            Received::Expired,
+            Received::NotReplayable,
+            Received::QuotaExceeded { limit, retry_after: wait },
         ];
-        let begins: Vec<(crate::Begin, &str)> = vec![
-            (crate::Begin::Replayed(crate::StoredResponse::new(Vec::new())), "Replayed"),
-            (crate::Begin::InFlight { retry_after: wait }, "InFlight"),
-            (crate::Begin::Mismatch, "Mismatch"),
-            (crate::Begin::Indeterminate, "Indeterminate"),
-            (crate::Begin::Expired, "Expired"),
-            (crate::Begin::QuotaExceeded { limit, retry_after: wait }, "QuotaExceeded"),
+        let begins: Vec<crate::Begin> = vec![
+            crate::Begin::Replayed(crate::StoredResponse::new(Vec::new())),
+            crate::Begin::InFlight { retry_after: wait },
+            crate::Begin::Mismatch,
+            crate::Begin::Indeterminate,
+            crate::Begin::Expired,
+            crate::Begin::QuotaExceeded { limit, retry_after: wait },
         ];
-        let named = |names: Vec<(Outcome, &'static str)>, outcome: Outcome| {
+        // A variant's name as the code spells it (its Debug form up to its fields).
+        let name = |debug: String| debug.split(['(', ' ', '{']).next().unwrap_or_default().to_owned();
+        let named = |names: Vec<(Outcome, String)>, outcome: Outcome| {
             names.into_iter().find(|(o, _)| *o == outcome).map(|(_, name)| format!("`{name}`"))
         };
         let doc = include_str!("../docs/protocol.md");
@@ -154,9 +156,9 @@ mod tests {
         for (row, &outcome) in rows.iter().zip(Outcome::ALL) {
             assert_eq!(row[0], format!("`{outcome:?}`"), "{row:?}");
             assert_eq!(row[1], format!("`{}`", outcome.label()), "{row:?}");
-            let begin = named(begins.iter().map(|(b, n)| (b.outcome(), *n)).collect(), outcome);
-            let run = named(runs.iter().map(|(r, n)| (r.outcome(), *n)).collect(), outcome);
-            let inbox = named(received.iter().map(|(r, n)| (r.outcome(), *n)).collect(), outcome);
+            let begin = named(begins.iter().map(|b| (b.outcome(), name(format!("{b:?}")))).collect(), outcome);
+            let run = named(runs.iter().map(|r| (r.outcome(), name(format!("{r:?}")))).collect(), outcome);
+            let inbox = named(received.iter().map(|r| (r.outcome(), name(format!("{r:?}")))).collect(), outcome);
             for (column, name) in [(2, begin), (3, run), (4, inbox)] {
                 if let Some(name) = name {
                     assert!(row[column].starts_with(&name), "{outcome:?}: {:?} is not {name}", row[column]);

@@ -19,8 +19,8 @@
 //! The handler's statements run on the store's connection, so they inherit its server-side timeouts
 //! (`statement_timeout` at 4/5 and `lock_timeout` at 1/2 of the store's Postgres timeout, when the store
 //! opened its pool or the pool was built with [`crate::server_bounded`]). A tenant's live-key
-//! [`Quota`](crate::Quota) counts the claims open on this path; its new-key limit counts them once
-//! they commit.
+//! [`Quota`](crate::Quota) bounds the claims open on this path with slots of their own (claims off it do
+//! not see them); its new-key limit counts them once they commit.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
