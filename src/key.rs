@@ -118,17 +118,23 @@ fn normalize_percent_encoding(target: &str) -> std::borrow::Cow<'_, str> {
 /// How a key qualified by a target begins when it is a digest ([`IdempotencyKey::for_target`]).
 pub(crate) const TARGET_DIGEST_PREFIX: &str = "idem-t-";
 
-/// A key named by a digest of `parts` (length-prefixed, so no two different inputs hash the same bytes)
-/// under `domain`: `prefix` and 64 hex digits, a valid key.
-fn digest_key<const N: usize>(domain: &[u8], prefix: &str, parts: [&str; N]) -> IdempotencyKey {
+/// The SHA-256 of `parts` under `domain`, each part length-prefixed, so that no two different inputs
+/// hash the same bytes.
+pub(crate) fn digest_of<const N: usize>(domain: &[u8], parts: [&str; N]) -> [u8; 32] {
     let mut hasher = Sha256::new();
     hasher.update(domain);
     for part in parts {
         hasher.update((part.len() as u64).to_le_bytes());
         hasher.update(part.as_bytes());
     }
+    hasher.finalize().into()
+}
+
+/// A key named by a digest of `parts` under `domain` ([`digest_of`]): `prefix` and 64 hex digits, a
+/// valid key.
+fn digest_key<const N: usize>(domain: &[u8], prefix: &str, parts: [&str; N]) -> IdempotencyKey {
     let mut digits = [0; 64];
-    crate::fingerprint::write_hex(&hasher.finalize(), &mut digits);
+    crate::fingerprint::write_hex(&digest_of(domain, parts), &mut digits);
     IdempotencyKey(format!("{prefix}{}", std::str::from_utf8(&digits).expect("hex digits are ASCII")))
 }
 

@@ -91,6 +91,15 @@ impl Outcome {
     }
 }
 
+impl Outcome {
+    /// Whether a claim ([`crate::Begin`]) answers it, and so the metrics count it per claim: not the
+    /// refinements of a replay that `run_once` and the HTTP layer make (not replayable, replay refused),
+    /// which have counters of their own.
+    pub(crate) const fn answers_a_claim(self) -> bool {
+        !matches!(self, Outcome::NotReplayable | Outcome::ReplayRefused)
+    }
+}
+
 impl std::fmt::Display for Outcome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.label())

@@ -124,18 +124,6 @@ pub fn describe() {
 
 /// The values of each label, registered at 0 ahead of their first increment: a series that appears with
 /// its first increment has no earlier sample, so Prometheus's `rate()` and `increase()` never count it.
-/// The outcomes a claim answers (the layer's and `run_once`'s refinements of a replay, not replayable and
-/// replay refused, have counters of their own).
-const CLAIM_OUTCOMES: [Outcome; 8] = [
-    Outcome::Executed,
-    Outcome::Replayed,
-    Outcome::InFlight,
-    Outcome::Mismatch,
-    Outcome::Indeterminate,
-    Outcome::Expired,
-    Outcome::QuotaExceeded,
-    Outcome::Error,
-];
 const LOOKUP_RESULTS: [&str; 3] = ["hit", "miss", "error"];
 const UNREADABLE_REASONS: [&str; 3] = ["unknown_key", "tampered", "unsealed"];
 const FALLBACK_REASONS: [&str; 4] = ["error", "timeout", "circuit_open", "cluster"];
@@ -160,7 +148,7 @@ impl Registered {
             register_jobs();
         }
         if seen.len() < MAX_REGISTERED_OPERATIONS && seen.insert(operation.to_owned()) {
-            for outcome in CLAIM_OUTCOMES.map(Outcome::label) {
+            for outcome in Outcome::ALL.iter().filter(|o| o.answers_a_claim()).map(|o| o.label()) {
                 metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
             }
             metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);

@@ -273,13 +273,7 @@ const TAKE_LIVE_SLOT: Statement = Statement::new(
 /// of 47 bits) and every lock key is positive. An application's own single-key advisory locks that fall
 /// in the same range count towards the limit: they can only refuse early.
 fn live_slots(scope: &Scope) -> i64 {
-    use sha2::{Digest as _, Sha256};
-    let mut hasher = Sha256::new();
-    for part in [b"idemstore live keys".as_slice(), scope.tenant().as_bytes(), scope.operation().as_bytes()] {
-        hasher.update((part.len() as u64).to_le_bytes());
-        hasher.update(part);
-    }
-    let digest = hasher.finalize();
+    let digest = crate::key::digest_of(b"idemstore-live-keys\0", [scope.tenant(), scope.operation()]);
     let mut bytes = [0; 8];
     bytes.copy_from_slice(&digest[..8]);
     (u64::from_le_bytes(bytes) >> 17) as i64
