@@ -25,7 +25,8 @@ suite!(
     a_claim_that_timed_out_never_commits_later,
     redis_never_answers_in_flight_after_postgres_settled,
     a_claim_that_lost_a_race_asks_again,
-    releasing_an_indeterminate_record_clears_its_redis_copy;
+    releasing_an_indeterminate_record_clears_its_redis_copy,
+    a_superseded_owners_release_through_a_blip_is_refused;
     two_tier only:
     a_dropped_store_stops_repairing_redis,
     a_malformed_redis_record_is_a_miss,
@@ -498,6 +499,44 @@ async fn a_settlement_reaches_redis_while_the_circuit_is_open() {
     owner.release().await.expect("the owner releases under its fence");
     let next = other.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
     assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
+}
+
+/// Found by the model checker (seed 20261203, Postgres-only, case 278, shrunk to five steps): an owner
+/// whose lease ran out and was taken over released through a blip of Postgres. The first attempt failed,
+/// the retry matched no record, and the retry read the new owner's higher fence as "my release landed
+/// and another claim followed it": `Ok` for a release that never happened, by an owner that had lost its
+/// lease. A retry now takes only its own fence, released, as its landed write.
+async fn a_superseded_owners_release_through_a_blip_is_refused(mode: Mode) {
+    let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
+    let (scope, k, payload) = (h.scope("acme"), key("superseded"), r#"{"a":1}"#);
+    // Through the Postgres proxy, with a timeout the stall outlasts.
+    let mut builder = idemstore::Store::builder()
+        .database_url(&h.store_url)
+        .key_prefix(&h.prefix)
+        .postgres_timeout(Duration::from_millis(300))
+        .policy(&h.operation, policy(LeaseExpiry::TakeOver));
+    if let Some(url) = &h.redis_url {
+        builder = builder.redis_url(url);
+    }
+    let stale_store = support::sealed(builder).build().expect("store");
+    let Begin::Acquired(stale) = stale_store.begin(&scope, &k, &fingerprint(payload)).await.expect("begin") else {
+        panic!("acquire")
+    };
+    h.pass_lease(&scope, &k).await;
+    let successor = acquire(&h, &scope, &k, payload).await;
+    assert!(successor.fence() > stale.fence(), "taken over");
+    let retries = h.counter("idemstore_settle_retries_total", &[]);
+    let proxy = h.postgres_proxy.as_ref().expect("proxied");
+    proxy.set(ProxyMode::Blackhole);
+    let heal = async {
+        // The blip's length: longer than the stale store's timeout, far shorter than a lease.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        proxy.set(ProxyMode::Pass);
+    };
+    let (released, ()) = tokio::join!(stale.release(), heal);
+    assert!(h.counter("idemstore_settle_retries_total", &[]) > retries, "the blip failed the first attempt");
+    assert!(matches!(released, Err(StoreError::LeaseLost { .. })), "{released:?}");
+    successor.complete(b"\"done\"").await.expect("the successor completes");
 }
 
 /// A completed record is one compact Redis string (fingerprint, then response): 200 bytes or less beyond

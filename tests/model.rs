@@ -1,9 +1,9 @@
 //! Model-based checking of the store. Random sequences of begins (some concurrent), runs of a work that
 //! writes an effect row (`run_once`, `run_once_in_tx`; results that serialize, that do not, and errors),
 //! completions, releases, extensions, crashed owners, leases running out, retentions and tombstone
-//! horizons passing, purges, recoveries, resolutions and (two-tier) Redis flushes, restarts and pauses
-//! run against real Redis and Postgres, through stores that seal and stores without the key on one
-//! database. Every answer is checked against a reference model of the key
+//! horizons passing, purges, recoveries, resolutions, (two-tier) Redis flushes, restarts and pauses,
+//! and stalls and cuts of the stores' connections to Postgres run against real Redis and Postgres,
+//! through stores that seal and stores without the key on one database. Every answer is checked against a reference model of the key
 //! (`model/reference.rs`), what Postgres holds is compared with the model after every step, and each
 //! case's history is checked as a whole at its end (`model/history.rs`).
 //!
@@ -50,8 +50,12 @@ async fn every_answer_is_one_the_model_allows(mode: Mode) {
     if let Err(report) = verdict {
         panic!("{report}");
     }
-    let (cases, steps, faults) = world.counts();
-    eprintln!("model check, {mode:?}: {cases} cases, {steps} steps, {faults} Redis faults, 0 violations");
+    let counts = world.counts();
+    eprintln!(
+        "model check, {mode:?}: {} cases, {} steps, {} faults, {} calls failed closed ({} of them landed late), \
+         0 violations",
+        counts.cases, counts.steps, counts.faults, counts.failed_closed, counts.landed_late
+    );
 }
 
 /// How many cases of how many steps, drawn from which seed.

@@ -231,9 +231,11 @@ impl Owner {
                 let stored = record.response.is_some_and(|r| r.as_bytes() == &sealed[..]);
                 record.fence == own && record.state == State::Completed && stored
             }
-            // Within this owner's lease nobody else can move the record out of progress: a higher fence
-            // means the release landed and another claim followed it.
-            Goal::Release => (record.fence == own && record.state == State::Released) || record.fence > own,
+            // A higher fence proves nothing: the lease may have run out and been taken over before the
+            // first attempt (the model checker found it), so the write is reported lost. A release that
+            // landed and was claimed again within the backoff is reported lost too: the key was given up
+            // either way.
+            Goal::Release => record.fence == own && record.state == State::Released,
         }))
     }
 

@@ -9,6 +9,11 @@
 //! Time moves only in steps, in the servers' data (the harness's `pass_lease`, `pass_retention` and
 //! `pass_tombstone_horizon`): server time stays the only clock and no case waits for a lease. The stores'
 //! leases and retentions are long enough that nothing runs out by itself during a case.
+//!
+//! The stores reach Postgres through a proxy that the Postgres faults stall or cut; the checker's own
+//! looks (what Postgres holds, the effect rows) go around it. A call that fails closed may still land
+//! once the stall heals: before looking, the case waits until Postgres has nothing of the stores' in
+//! progress.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -18,13 +23,14 @@ use idemstore::{
     Begin, Encryption, EncryptionError, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Owner,
     Policy, Record, RunError, RunOutcome, Scope, State, Store, StoreError, TxFuture,
 };
+use idemstore_testkit::ProxyMode;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Value, json};
 use sqlx::PgConnection;
 
 use super::history::{Effect, History, Span};
 use super::reference::{
-    Answer, Call, Model, Order, Outcome, Payload, Rule, Sealing, Seen, SeenRecord, Settle, Stage, Write,
+    Answer, Call, Model, Order, Outcome, Payload, Pending, Rule, Sealing, Seen, SeenRecord, Settle, Stage, Write,
 };
 use super::steps::{CLIENTS, Path, Step, Work};
 use crate::support::{self, Harness, Servers};
@@ -41,6 +47,15 @@ const REDIS_PAUSE_MS: u64 = 250;
 /// After a pause ends, the commands Redis queued meanwhile run and the stores' cool-down ends; the next
 /// step waits for both.
 const AFTER_PAUSE: Duration = Duration::from_millis(50);
+/// How long the stores wait for Postgres, and how long a stall holds their connections: longer, so that
+/// the calls of the step during a stall fail closed (or, for a settlement, are asked again).
+const POSTGRES_TIMEOUT: Duration = Duration::from_millis(300);
+const POSTGRES_STALL: Duration = Duration::from_millis(500);
+/// The checker's own looks are never the ones to fail on a loaded machine.
+const LOOKER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Postgres has none of the stores' statements in progress (the checker's own session aside).
+const BUSY_BACKENDS: &str = "SELECT count(*) FROM pg_stat_activity
+    WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() AND state <> 'idle'";
 /// Purges and recoveries meet only the current case's key (each case removes its records at its end).
 const BATCH: u32 = 100;
 
@@ -54,27 +69,54 @@ const ADD_EFFECT: &str = "INSERT INTO model_effects (tenant, step) VALUES ($1, $
 const COUNT_EFFECTS: &str = "SELECT count(*) FROM model_effects WHERE tenant = $1";
 const FORGET_EFFECTS: &str = "DELETE FROM model_effects WHERE tenant = $1";
 const FORGET_RECORDS: &str = "DELETE FROM idempotency_records WHERE tenant = $1";
+/// The key's record as stored, for the comparison with Redis's copy.
+const STORED: &str = "SELECT state, fingerprint, owner, response, lease_expires_at > now() AS live
+    FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
+/// The type of Redis's copy of a key and its fields (a completed string; a marker's state, fingerprint
+/// and owner), read at once.
+const READ_COPY: &str = "local kind = redis.call('TYPE', KEYS[1]).ok
+    if kind == 'string' then return {kind, {redis.call('GET', KEYS[1])}} end
+    if kind == 'hash' then return {kind, redis.call('HMGET', KEYS[1], 's', 'h', 't')} end
+    return {kind, {}}";
 const FORGET_TOMBSTONE: &str = "DELETE FROM idempotency_tombstones WHERE digest = idempotency_key_digest($1, $2, $3)";
+
+/// What a campaign ran: cases, steps, faults among them, calls that failed closed, and those of them
+/// that landed after their caller gave up.
+#[derive(Debug)]
+pub struct Counts {
+    pub cases: u64,
+    pub steps: u64,
+    pub faults: u64,
+    pub failed_closed: u64,
+    pub landed_late: u64,
+}
 
 /// The servers of one test and the stores on them. Cases run one after another, each under a tenant of
 /// its own, so that they are independent and a shrunk case replays cleanly.
 pub struct World {
     harness: Harness,
     /// One store per lease rule (as two services with different policies for the same operation have)
-    /// and per sealing: `stores[rule][sealing]`.
+    /// and per sealing: `stores[rule][sealing]`. They reach Postgres through the harness's proxy.
     stores: [[Store; 2]; 2],
+    /// The checker's stores (sealing, and without the key), straight to Postgres: they look, whatever
+    /// the faults.
+    lookers: [Store; 2],
     fingerprints: [(Payload, Fingerprint); 2],
     /// Cases run so far, shrinking included: the next case's tenant.
     cases: AtomicU64,
-    /// Steps run so far, and how many of them were Redis faults, for the campaign's report.
+    /// Steps run so far, how many of them were faults, how many calls failed closed and how many of
+    /// those landed all the same, for the campaign's report: faults that never hit a call prove little.
     steps: AtomicU64,
     faults: AtomicU64,
+    failed_closed: AtomicU64,
+    landed_late: AtomicU64,
 }
 
 impl World {
-    /// Starts servers this test owns (it flushes, pauses and restarts Redis).
+    /// Starts servers this test owns (it flushes, pauses and restarts Redis, and stalls and cuts the
+    /// stores' connections to Postgres).
     pub async fn start(mode: Mode) -> Self {
-        let harness = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Owned).await;
+        let harness = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Proxied).await;
         // The stores without the key write in clear on purpose.
         harness.clear_allowed.store(true, Ordering::Relaxed);
         sqlx::query(EFFECTS).execute(&harness.pool).await.expect("create the effect table");
@@ -82,22 +124,35 @@ impl World {
             let body = body(payload);
             (payload, Fingerprint::of_serialize(&body, &FingerprintOptions::default()).expect("fingerprint"))
         });
-        let stores = [LeaseExpiry::TakeOver, LeaseExpiry::MarkIndeterminate]
-            .map(|expiry| [Sealing::Sealed, Sealing::Clear].map(|sealing| store(&harness, expiry, sealing)));
+        let stores = [LeaseExpiry::TakeOver, LeaseExpiry::MarkIndeterminate].map(|expiry| {
+            [Sealing::Sealed, Sealing::Clear]
+                .map(|sealing| store(&harness, &harness.store_url, POSTGRES_TIMEOUT, expiry, sealing))
+        });
+        let lookers = [Sealing::Sealed, Sealing::Clear]
+            .map(|sealing| store(&harness, &harness.database_url, LOOKER_TIMEOUT, LeaseExpiry::TakeOver, sealing));
         Self {
             stores,
+            lookers,
             harness,
             fingerprints,
             cases: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             faults: AtomicU64::new(0),
+            failed_closed: AtomicU64::new(0),
+            landed_late: AtomicU64::new(0),
         }
     }
 
-    /// Cases, steps and Redis faults run so far.
-    pub fn counts(&self) -> (u64, u64, u64) {
+    /// What ran so far.
+    pub fn counts(&self) -> Counts {
         let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-        (load(&self.cases), load(&self.steps), load(&self.faults))
+        Counts {
+            cases: load(&self.cases),
+            steps: load(&self.steps),
+            faults: load(&self.faults),
+            failed_closed: load(&self.failed_closed),
+            landed_late: load(&self.landed_late),
+        }
     }
 
     pub fn mode(&self) -> Mode {
@@ -106,9 +161,7 @@ impl World {
 
     /// Runs one case; `Err` says what the store did that the model does not allow, with the history.
     pub async fn run_case(&self, steps: &[Step]) -> Result<(), String> {
-        let faults =
-            steps.iter().filter(|step| matches!(step, Step::RedisFlush | Step::RedisRestart | Step::RedisPause));
-        self.faults.fetch_add(faults.count() as u64, Ordering::Relaxed);
+        self.faults.fetch_add(steps.iter().filter(|step| step.is_fault()).count() as u64, Ordering::Relaxed);
         self.steps.fetch_add(steps.len() as u64, Ordering::Relaxed);
         let mut case = Case::new(self, self.cases.fetch_add(1, Ordering::Relaxed));
         let verdict = case.run(steps).await;
@@ -140,10 +193,10 @@ impl World {
     /// What Postgres holds for the key, its response opened by whichever store can open it.
     async fn inspect(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Seen, String> {
         let mut sealing = Sealing::Sealed;
-        let mut found = self.operator().admin().inspect(scope, key).await;
+        let mut found = self.lookers[Sealing::Sealed as usize].admin().inspect(scope, key).await;
         if matches!(&found, Ok(inspection) if matches!(inspection.unreadable, Some(EncryptionError::Unsealed))) {
             sealing = Sealing::Clear;
-            found = self.store(Rule::TakeOver, Sealing::Clear).admin().inspect(scope, key).await;
+            found = self.lookers[Sealing::Clear as usize].admin().inspect(scope, key).await;
         }
         let inspection = found.map_err(|error| format!("inspect failed: {error:?}"))?;
         if let Some(error) = inspection.unreadable {
@@ -188,15 +241,15 @@ fn body(payload: Payload) -> Value {
     json!({ "payload": format!("{payload:?}") })
 }
 
-/// A store on the harness's servers and Redis prefix, with a short Redis budget and cool-down, that
-/// seals with the model's own key or writes in clear.
-fn store(h: &Harness, expiry: LeaseExpiry, sealing: Sealing) -> Store {
+/// A store on the harness's Redis prefix and on Postgres at `database_url`, with a short Redis budget and
+/// cool-down and `postgres_timeout`, that seals with the model's own key or writes in clear.
+fn store(h: &Harness, database_url: &str, postgres_timeout: Duration, expiry: LeaseExpiry, sealing: Sealing) -> Store {
     let mut builder = Store::builder()
-        .database_url(&h.store_url)
+        .database_url(database_url)
         .key_prefix(&h.prefix)
         .redis_budget(REDIS_BUDGET)
         .redis_cooldown(REDIS_COOLDOWN)
-        .postgres_timeout(Duration::from_secs(2))
+        .postgres_timeout(postgres_timeout)
         .policy(&h.operation, policy(expiry));
     if let Some(url) = &h.redis_url {
         builder = builder.redis_url(url);
@@ -212,6 +265,11 @@ fn store(h: &Harness, expiry: LeaseExpiry, sealing: Sealing) -> Store {
 /// run can replay any completion.
 fn response(text: String) -> String {
     serde_json::to_string(&text).expect("a string serializes")
+}
+
+/// The text a replayable work of `client` at step `index` returns: every run's differs.
+fn reply_text(call: Call, client: usize, index: usize) -> String {
+    format!("{:?}:c{client}:s{index}", call.payload)
 }
 
 /// A work's result: text, or one that refuses to serialize (as a map with non-string keys does).
@@ -260,6 +318,19 @@ fn cannot_open(sealing: Sealing, error: &StoreError) -> bool {
     )
 }
 
+/// Ends a Postgres stall at `until` (none: nothing to end). The fault's length, not a synchronization.
+async fn heal(world: &World, until: Option<Instant>) {
+    if let Some(until) = until {
+        tokio::time::sleep_until(until.into()).await;
+        world.harness.postgres_proxy.as_ref().expect("a proxied harness").set(ProxyMode::Pass);
+    }
+}
+
+/// A store that failed closed: Postgres did not answer in time, or the connection broke.
+fn unavailable(error: &StoreError) -> bool {
+    matches!(error, StoreError::StoreUnavailable { .. })
+}
+
 fn rule_of(expiry: LeaseExpiry) -> Rule {
     if expiry == LeaseExpiry::MarkIndeterminate { Rule::MarkIndeterminate } else { Rule::TakeOver }
 }
@@ -287,7 +358,8 @@ fn read(begun: Result<Begin, StoreError>, sealing: Sealing) -> Result<(Answer, O
         Ok(Begin::Expired) => Answer::Expired,
         Ok(other) => return Err(format!("an answer the model does not know: {other:?}")),
         Err(error) if cannot_open(sealing, &error) => Answer::Unreadable,
-        Err(error) => return Err(format!("begin failed, although Postgres is up: {error:?}")),
+        Err(error) if unavailable(&error) => Answer::Unavailable,
+        Err(error) => return Err(format!("begin failed with an error that is not a refusal: {error:?}")),
     };
     Ok((answer, None))
 }
@@ -300,6 +372,9 @@ enum Ran {
     Completed(String),
     /// The work failed; the key was released (plain), or nothing was written (in the transaction).
     Failed,
+    /// The store failed closed: the work did not run, or (in the transaction) its commit's answer was
+    /// lost; the effect rows say which.
+    Unavailable,
 }
 
 fn ran(outcome: Result<RunOutcome<Reply>, RunError<String>>, sealing: Sealing) -> Result<Ran, String> {
@@ -315,6 +390,7 @@ fn ran(outcome: Result<RunOutcome<Reply>, RunError<String>>, sealing: Sealing) -
         Err(RunError::Encode(_)) => Ok(Ran::Completed(NOT_REPLAYABLE.to_owned())),
         Err(RunError::Work(_)) => Ok(Ran::Failed),
         Err(RunError::Store(error)) if cannot_open(sealing, &error) => answered(Answer::Unreadable),
+        Err(RunError::Store(error)) if unavailable(&error) => Ok(Ran::Unavailable),
         other => Err(format!("a run's answer the model does not expect: {other:?}")),
     }
 }
@@ -335,6 +411,16 @@ struct Case<'w> {
     effects: i64,
     /// When the current Redis pause ends.
     paused_until: Option<Instant>,
+    /// When the current Postgres stall ends.
+    stalled_until: Option<Instant>,
+    /// A call of this step failed closed, or a fault left statements on their way: wait for Postgres to
+    /// finish them before looking.
+    unquiet: bool,
+    /// A run of this step that failed closed, and what it stores if its work's commit landed.
+    unanswered_run: Option<(Call, Write)>,
+    /// Redis was paused or restarted in this case: a marker written before may be behind Postgres
+    /// until a store's background task deletes it (docs/protocol.md, "Not guaranteed").
+    redis_behind: bool,
 }
 
 impl<'w> Case<'w> {
@@ -351,15 +437,36 @@ impl<'w> Case<'w> {
             last_seen: Seen::Nothing,
             effects: 0,
             paused_until: None,
+            stalled_until: None,
+            unquiet: false,
+            unanswered_run: None,
+            redis_behind: false,
         }
     }
 
     async fn run(&mut self, steps: &[Step]) -> Result<(), String> {
         for (index, step) in steps.iter().enumerate() {
-            self.step(index, *step).await.map_err(|violation| self.report(index, &violation))?;
+            // The step after a stall runs during it, and the stall heals on time, whatever the step waits for.
+            let (world, stall) = (self.world, self.stalled_until.take());
+            let (stepped, ()) = tokio::join!(self.step(index, *step), heal(world, stall));
+            stepped.map_err(|violation| self.report(index, &violation))?;
+            if matches!(step, Step::PostgresStall) {
+                continue;
+            }
+            self.settle_postgres().await;
+            self.check_effects(index).await.map_err(|violation| self.report(index, &violation))?;
+            let before = self.last_seen.clone();
             let seen = self.look().await.map_err(|violation| self.report(index, &violation))?;
-            let agreed = self.model.observe(&seen).map_err(|violation| format!("after the step, {violation}"));
-            agreed.map_err(|violation| self.report(index, &violation))?;
+            let landed = self.model.observe(&seen).map_err(|violation| format!("after the step, {violation}"));
+            let landed = landed.map_err(|violation| self.report(index, &violation))?;
+            for (call, fence) in landed {
+                self.world.landed_late.fetch_add(1, Ordering::Relaxed);
+                self.landed(index, &before, call, fence);
+            }
+            self.redis_behind |= matches!(step, Step::RedisPause | Step::RedisRestart);
+            self.compare_redis()
+                .await
+                .map_err(|violation| self.report(index, &format!("after the step, {violation}")))?;
             // The step after a pause runs during it.
             if !matches!(step, Step::RedisPause) {
                 self.settle().await;
@@ -403,6 +510,17 @@ impl<'w> Case<'w> {
             Step::RedisFlush => self.flush_redis(index).await,
             Step::RedisRestart => self.restart_redis(index),
             Step::RedisPause => self.pause_redis(index).await,
+            Step::PostgresStall => {
+                self.unquiet = true;
+                h.postgres_proxy.as_ref().expect("a proxied harness").set(ProxyMode::Blackhole);
+                self.stalled_until = Some(Instant::now() + POSTGRES_STALL);
+                self.history.note(index, format!("Postgres stalls for {} ms", POSTGRES_STALL.as_millis()), "");
+            }
+            Step::PostgresCut => {
+                let cut = h.postgres_proxy.as_ref().expect("a proxied harness").cut();
+                self.unquiet = true;
+                self.history.note(index, "the stores' connections to Postgres break", format!("{cut} cut"));
+            }
         }
         Ok(())
     }
@@ -425,12 +543,12 @@ impl<'w> Case<'w> {
         first: (usize, Call),
         second: (usize, Call),
     ) -> Result<(), String> {
+        // A begin writes a marker only when Redis has no settled copy to answer from: only then may the
+        // other be told "in flight" by it.
+        let redis_in_front = self.world.mode() == Mode::TwoTier && !self.redis_holds_a_settled_copy().await;
         let (a, b) = tokio::join!(self.send_begin(first.0, first.1), self.send_begin(second.0, second.1));
         let verdict = match (&a.read, &b.read) {
-            (Ok((x, _)), Ok((y, _))) => {
-                let redis_in_front = self.world.mode() == Mode::TwoTier;
-                self.model.begin_together((a.call, x), (b.call, y), redis_in_front)
-            }
+            (Ok((x, _)), Ok((y, _))) => self.model.begin_together((a.call, x), (b.call, y), redis_in_front),
             (Err(error), _) | (_, Err(error)) => Err(error.clone()),
         };
         // In the order the model found, which is the order the history's checks must read them in.
@@ -452,6 +570,9 @@ impl<'w> Case<'w> {
     }
 
     fn log(&mut self, index: usize, begun: &Begun) {
+        if matches!(begun.read, Ok((Answer::Unavailable, _))) {
+            self.count_failed_closed();
+        }
         let (answer, effect) = match &begun.read {
             Ok((answer, _)) => (format!("{answer:?}"), self.effect_of(answer)),
             Err(error) => (error.clone(), Effect::None),
@@ -521,18 +642,22 @@ impl<'w> Case<'w> {
         let outcome = match written {
             Ok(()) => Ok(Outcome::Done),
             Err(StoreError::LeaseLost { .. }) => Ok(Outcome::LeaseLost),
-            Err(error) => Err(format!("{write} failed, although Postgres is up: {error:?}")),
+            Err(error) if unavailable(&error) => {
+                self.count_failed_closed();
+                Err(error)
+            }
+            Err(error) => return Err(format!("{write} failed with an error that is not a refusal: {error:?}")),
         };
         let (answer, effect) = match (&outcome, &write) {
             (Ok(Outcome::Done), Write::Complete(response, _)) => {
                 ("Done".to_owned(), Effect::Completion(response.clone()))
             }
             (Ok(outcome), _) => (format!("{outcome:?}"), Effect::None),
-            (Err(error), _) => (error.clone(), Effect::None),
+            (Err(error), _) => (format!("{error:?}"), Effect::None),
         };
         let call = format!("c{client} {write} (fence {fence})");
         self.history.record(index, span, call, answer, effect);
-        self.model.write(fence, &write, outcome?)
+        self.model.write(fence, &write, outcome.unwrap_or(Outcome::Unavailable))
     }
 
     async fn purge(&mut self, index: usize) -> Result<(), String> {
@@ -540,17 +665,28 @@ impl<'w> Case<'w> {
             .history
             .timed(std::future::IntoFuture::into_future(self.world.operator().admin().purge_expired(BATCH)))
             .await;
-        let purged = purged.map_err(|error| format!("purge failed: {error:?}"))?;
-        self.history.record(index, span, "purge", format!("{purged} purged"), Effect::None);
-        self.model.purge();
+        match purged {
+            Ok(purged) => {
+                self.history.record(index, span, "purge", format!("{purged} purged"), Effect::None);
+                self.model.purge();
+            }
+            Err(error) if unavailable(&error) => self.failed_closed(index, span, "purge", &error, Pending::Purge),
+            Err(error) => return Err(format!("purge failed: {error:?}")),
+        }
         Ok(())
     }
 
     async fn recover_stale(&mut self, index: usize) -> Result<(), String> {
         let (recovered, span) = self.history.timed(self.world.operator().admin().recover_stale(BATCH)).await;
-        let recovered = recovered.map_err(|error| format!("recover_stale failed: {error:?}"))?;
-        self.history.record(index, span, "recover stale leases", format!("{recovered:?}"), Effect::None);
-        self.model.recover_stale();
+        let call = "recover stale leases";
+        match recovered {
+            Ok(recovered) => {
+                self.history.record(index, span, call, format!("{recovered:?}"), Effect::None);
+                self.model.recover_stale();
+            }
+            Err(error) if unavailable(&error) => self.failed_closed(index, span, call, &error, Pending::RecoverStale),
+            Err(error) => return Err(format!("recover_stale failed: {error:?}")),
+        }
         Ok(())
     }
 
@@ -564,15 +700,64 @@ impl<'w> Case<'w> {
         let admin = self.world.store(Rule::TakeOver, sealing).admin();
         let resolve = admin.resolve(&self.scope, &self.key, resolution);
         let (resolved, span) = self.history.timed(resolve).await;
-        let resolved = resolved.map_err(|error| format!("resolve failed: {error:?}"))?;
+        let call = format!("resolve {settle:?} ({sealing:?})");
+        let resolved = match resolved {
+            Ok(resolved) => resolved,
+            Err(error) if unavailable(&error) => {
+                // A completion that lands late is the record's first or a replacement: the history
+                // cannot tell which before the look, so it records neither.
+                self.failed_closed(index, span, call, &error, Pending::Resolve(settle, sealing));
+                return Ok(());
+            }
+            Err(error) => return Err(format!("resolve failed: {error:?}")),
+        };
         let replaced = matches!(&self.last_seen, Seen::Record(record) if record.stage == Stage::Completed);
         let effect = match &settle {
             Settle::Completed(response) if resolved && replaced => Effect::Replacement(response.clone()),
             Settle::Completed(response) if resolved => Effect::Completion(response.clone()),
             _ => Effect::None,
         };
-        self.history.record(index, span, format!("resolve {settle:?} ({sealing:?})"), resolved.to_string(), effect);
+        self.history.record(index, span, call, resolved.to_string(), effect);
         self.model.resolve(&settle, sealing, resolved)
+    }
+
+    /// A call of this step failed closed: Postgres must finish what it sent before the look.
+    fn count_failed_closed(&mut self) {
+        self.world.failed_closed.fetch_add(1, Ordering::Relaxed);
+        self.unquiet = true;
+    }
+
+    /// Records in the history a call that failed closed and landed all the same.
+    fn landed(&mut self, index: usize, before: &Seen, call: Pending, fence: Option<i64>) {
+        let completed_before = matches!(before, Seen::Record(record) if record.stage == Stage::Completed);
+        let new_life = fence.is_some() && *before == Seen::Nothing;
+        if new_life && matches!(call, Pending::Run(..)) {
+            self.history.record_now(index, "  (its claim landed)", "", Effect::NewLife);
+        }
+        let effect = match (&call, fence) {
+            (Pending::Begin(_), Some(_)) if new_life => Effect::NewLife,
+            (Pending::Run(_, Write::Complete(response, _)), _) => Effect::Completion(response.clone()),
+            (Pending::Resolve(Settle::Completed(response), _), _) if completed_before => {
+                Effect::Replacement(response.clone())
+            }
+            (Pending::Resolve(Settle::Completed(response), _), _) => Effect::Completion(response.clone()),
+            _ => Effect::None,
+        };
+        self.history.record_now(index, format!("  (landed late: {call:?})"), format!("fence {fence:?}"), effect);
+    }
+
+    /// An operator's call that failed closed: the model decides at the next look whether it landed.
+    fn failed_closed(
+        &mut self,
+        index: usize,
+        span: Span,
+        call: impl Into<String>,
+        error: &StoreError,
+        pending: Pending,
+    ) {
+        self.history.record(index, span, call, format!("{error}"), Effect::None);
+        self.model.failed_closed(pending);
+        self.count_failed_closed();
     }
 
     /// A run through the run-once API. The model reads it as a begin and, when the work ran, the
@@ -589,7 +774,7 @@ impl<'w> Case<'w> {
         let store = self.world.store(call.rule, call.sealing);
         let body = body(call.payload);
         let result = match work {
-            Work::Replayable => Ok(Reply::Text(format!("{:?}:c{client}:s{index}", call.payload))),
+            Work::Replayable => Ok(Reply::Text(reply_text(call, client, index))),
             Work::Unencodable => Ok(Reply::Unencodable),
             Work::Fails => Err("the work failed".to_owned()),
         };
@@ -622,11 +807,24 @@ impl<'w> Case<'w> {
             }
         };
         let committed = match (&ran, path) {
-            (Ran::Answered(_), _) | (Ran::Failed, Path::InTx) => 0,
+            (Ran::Answered(_) | Ran::Unavailable, _) | (Ran::Failed, Path::InTx) => 0,
             (Ran::Completed(_), _) | (Ran::Failed, Path::Plain) => 1,
         };
         self.effects += committed;
-        let verdict = match &ran {
+        match &ran {
+            Ran::Unavailable => {
+                self.history.record(index, span, call_said, said, Effect::None);
+                // What the run stores if its work's commit landed after all (the effect rows say).
+                let settle = match (work, path) {
+                    (Work::Replayable, _) => Write::Complete(response(reply_text(call, client, index)), call.sealing),
+                    (Work::Unencodable, _) => Write::Complete(NOT_REPLAYABLE.to_owned(), call.sealing),
+                    (Work::Fails, _) => Write::Release,
+                };
+                self.unanswered_run = Some((call, settle));
+                self.count_failed_closed();
+                self.model.failed_closed(Pending::Begin(call));
+                Ok(())
+            }
             Ran::Answered(answer) => {
                 let effect = self.effect_of(answer);
                 self.history.record(index, span, call_said, said, effect);
@@ -639,9 +837,7 @@ impl<'w> Case<'w> {
                 self.model.may_acquire(call)
             }
             Ran::Completed(_) | Ran::Failed => self.ran(index, span, call_said, said, call, &ran).await,
-        };
-        verdict?;
-        self.count_effects().await
+        }
     }
 
     /// Follows a run whose work ran and settled: its claim, then its completion or release, under the
@@ -674,20 +870,49 @@ impl<'w> Case<'w> {
     }
 
     /// The effect rows must be the runs that committed one: a work that ran without the store saying so,
-    /// or a rolled-back transaction that kept its row, shows here.
-    async fn count_effects(&self) -> Result<(), String> {
+    /// or a rolled-back transaction that kept its row, shows here. A run that failed closed committed
+    /// one only if its commit landed after its caller gave up: its claim and settlement landed with it.
+    async fn check_effects(&mut self, index: usize) -> Result<(), String> {
         let rows: i64 = sqlx::query_scalar(COUNT_EFFECTS)
             .bind(&self.tenant)
             .fetch_one(&self.world.harness.pool)
             .await
             .expect("count the effect rows");
-        if rows != self.effects {
-            return Err(format!(
+        let unanswered = self.unanswered_run.take();
+        match (rows - self.effects, unanswered) {
+            (0, _) => Ok(()),
+            (1, Some((call, settle))) => {
+                self.effects = rows;
+                self.history.note(index, "  (the run's effect row committed)", "");
+                self.model.ran_after_all(call, settle);
+                Ok(())
+            }
+            _ => Err(format!(
                 "the works wrote {rows} effect rows, but the runs' answers say {} committed one",
                 self.effects
-            ));
+            )),
         }
-        Ok(())
+    }
+
+    /// Ends a Postgres stall once its time is up, and waits until Postgres finished what the stores sent
+    /// (a statement held by the stall, or sent by a call that gave up, lands now or never).
+    async fn settle_postgres(&mut self) {
+        let h = &self.world.harness;
+        if let Some(until) = self.stalled_until.take() {
+            heal(self.world, Some(until)).await;
+        }
+        if !std::mem::take(&mut self.unquiet) {
+            return;
+        }
+        // Two looks in a row that find nothing in progress: the first could precede bytes the proxy is
+        // still forwarding.
+        let mut quiet_looks = 0;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while quiet_looks < 2 && Instant::now() < deadline {
+            let busy: i64 = sqlx::query_scalar(BUSY_BACKENDS).fetch_one(&h.pool).await.expect("read pg_stat_activity");
+            quiet_looks = if busy == 0 { quiet_looks + 1 } else { 0 };
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     async fn flush_redis(&mut self, index: usize) {
@@ -723,11 +948,12 @@ impl<'w> Case<'w> {
         self.history.note(index, format!("Redis pauses for {REDIS_PAUSE_MS} ms"), "");
     }
 
-    /// Waits for a Redis pause to end and for what it queued to run.
+    /// Waits for a Redis pause to end and for what it queued to run, and for a Postgres stall to end.
     async fn settle(&mut self) {
         if let Some(until) = self.paused_until.take() {
             tokio::time::sleep_until((until + AFTER_PAUSE).into()).await;
         }
+        self.settle_postgres().await;
     }
 
     /// What Postgres holds for the key, as it is stored (not as `lookup` presents a record past its
@@ -736,6 +962,81 @@ impl<'w> Case<'w> {
         let seen = self.world.inspect(&self.scope, &self.key).await?;
         self.last_seen = seen.clone();
         Ok(seen)
+    }
+
+    /// Whether Redis holds a completed or indeterminate copy of the key, which answers a begin without a
+    /// marker.
+    async fn redis_holds_a_settled_copy(&self) -> bool {
+        let h = &self.world.harness;
+        let mut conn = h.redis_connection().await;
+        let record_key = h.redis_key(&self.scope, &self.key);
+        let kind: String = redis::cmd("TYPE").arg(&record_key).query_async(&mut conn).await.expect("TYPE");
+        let state: Option<String> = match kind.as_str() {
+            "hash" => redis::cmd("HGET").arg(&record_key).arg("s").query_async(&mut conn).await.expect("HGET"),
+            _ => None,
+        };
+        kind == "string" || state.as_deref() == Some("i")
+    }
+
+    /// Compares Redis's copy of the key with what Postgres holds. A copy may always be missing (Redis
+    /// forgets; the next miss repairs it). A completed copy is Postgres's completion, byte for byte (so
+    /// a replay from Redis is one Postgres would give); a marker is the live owner's or the indeterminate
+    /// record's, unless Redis was paused or restarted in the case (a marker then may lag until deleted).
+    async fn compare_redis(&self) -> Result<(), String> {
+        let h = &self.world.harness;
+        if h.redis.is_none() {
+            return Ok(());
+        }
+        let mut conn = h.redis_connection().await;
+        let record_key = h.redis_key(&self.scope, &self.key);
+        // One atomic read: the key's type and its fields.
+        let (kind, fields): (String, Vec<Option<Vec<u8>>>) =
+            redis::Script::new(READ_COPY).key(&record_key).invoke_async(&mut conn).await.expect("read Redis's copy");
+        let stored = sqlx::query_as::<_, (i8, Vec<u8>, Option<String>, Option<Vec<u8>>, Option<bool>)>(STORED)
+            .bind(&self.tenant)
+            .bind(self.scope.operation())
+            .bind(self.key.as_str())
+            .fetch_optional(&h.pool)
+            .await
+            .expect("read the record");
+        let postgres = stored.as_ref().map(|(state, fingerprint, owner, response, live)| {
+            (*state as u8 as char, &fingerprint[..], owner.as_deref(), response.as_deref(), live.unwrap_or(false))
+        });
+        match (kind.as_str(), &fields[..]) {
+            ("none", _) => Ok(()),
+            ("string", [Some(copy)]) => {
+                let (fingerprint, response) = copy.split_at(copy.len().min(32));
+                match postgres {
+                    Some(('c', held, _, Some(bytes), _)) if held == fingerprint && bytes == response => Ok(()),
+                    _ => Err(format!(
+                        "Redis holds a completed copy ({:?}), but Postgres holds {:?}: a replay from Redis must \
+                         be Postgres's completion",
+                        text(response),
+                        postgres.map(|(state, _, _, response, _)| (state, response.map(text)))
+                    )),
+                }
+            }
+            ("hash", _) if self.redis_behind => Ok(()),
+            ("hash", [state, fingerprint, owner]) => {
+                let (state, owner) = (state.as_deref().map(text), owner.as_deref().map(text));
+                let agrees = match (state.as_deref(), postgres) {
+                    (Some("p"), Some(('p', held, live_owner, _, true))) => {
+                        fingerprint.as_deref() == Some(held) && owner.as_deref() == live_owner
+                    }
+                    (Some("i"), Some(('i', held, _, _, _))) => fingerprint.as_deref() == Some(held),
+                    _ => false,
+                };
+                if agrees {
+                    return Ok(());
+                }
+                Err(format!(
+                    "Redis holds a marker in state {state:?} (owner {owner:?}), but Postgres holds {:?}: a marker \
+                     is the live owner's, or the indeterminate record's",
+                    postgres.map(|(state, _, owner, _, live)| (state, owner, live))
+                ))
+            }
+            (other, _) => Err(format!("Redis holds a {other} for the key, or a malformed copy")),
+        }
     }
 
     /// Removes what the case left in both tiers, so that later cases' purges and recoveries meet only

@@ -71,10 +71,15 @@ impl History {
         self.entries.push(Entry { step, span, call: call.into(), answer: answer.into(), effect });
     }
 
+    /// Adds what the checker learnt of a call after it returned (a write that landed late).
+    pub fn record_now(&mut self, step: usize, call: impl Into<String>, answer: impl Into<String>, effect: Effect) {
+        let now = self.origin.elapsed();
+        self.record(step, Span { started: now, ended: now }, call, answer, effect);
+    }
+
     /// Adds a step that sent nothing to the store (a fault, time passing, a no-op).
     pub fn note(&mut self, step: usize, call: impl Into<String>, answer: impl Into<String>) {
-        let now = self.origin.elapsed();
-        self.record(step, Span { started: now, ended: now }, call, answer, Effect::None);
+        self.record_now(step, call, answer, Effect::None);
     }
 
     /// At most one completion per life of the key; every replay equals the completion of its life, and

@@ -22,6 +22,10 @@
 //! 9. a store hands out only a response it can open: never ciphertext to a store without the key, never
 //!    clear bytes to one that seals; a work that ran is never run again, even when its result could
 //!    not be stored for replay.
+//! 10. a call that fails closed (Postgres did not answer in time, or its connection broke) changes at
+//!     most what it asked for: what it sent may land late or never, and Postgres shows which. An
+//!     owner's completion or release outlives a blip (it is asked again while the lease lasts), so it
+//!     never fails closed.
 
 use std::fmt;
 
@@ -74,6 +78,8 @@ pub enum Answer {
     Expired,
     /// The key completed, and its stored response is one this store cannot open (a typed error).
     Unreadable,
+    /// The store failed closed: Postgres did not answer in time, or the connection broke.
+    Unavailable,
 }
 
 /// An owner's fenced write. A completion is stored as its owner's store writes responses.
@@ -99,6 +105,25 @@ impl fmt::Display for Write {
 pub enum Outcome {
     Done,
     LeaseLost,
+    /// The store failed closed: the write may land late, or never.
+    Unavailable,
+}
+
+/// A call that failed closed: what it sent may have landed (late, after its caller gave up) or not.
+/// The next look at Postgres says which.
+#[derive(Clone, Debug)]
+pub enum Pending {
+    Begin(Call),
+    Write {
+        fence: i64,
+        write: Write,
+    },
+    Purge,
+    RecoverStale,
+    Resolve(Settle, Sealing),
+    /// A run whose work's commit landed (its effect row shows it), although its caller was told the
+    /// store failed: its claim and its settlement landed with it. It must land.
+    Run(Call, Write),
 }
 
 /// How an operator settles an indeterminate record.
@@ -163,6 +188,8 @@ pub struct Model {
     tombstone: Option<Tombstone>,
     /// The highest fence any begin was given for this key.
     highest_fence: Option<i64>,
+    /// Calls of the current step that failed closed, in the order they were made.
+    pending: Vec<Pending>,
 }
 
 #[derive(Clone, Debug)]
@@ -226,6 +253,7 @@ enum Kind {
     Indeterminate,
     Expired,
     Unreadable,
+    Unavailable,
 }
 
 impl Answer {
@@ -238,6 +266,7 @@ impl Answer {
             Answer::Indeterminate => Kind::Indeterminate,
             Answer::Expired => Kind::Expired,
             Answer::Unreadable => Kind::Unreadable,
+            Answer::Unavailable => Kind::Unavailable,
         }
     }
 }
@@ -245,6 +274,10 @@ impl Answer {
 impl Model {
     /// Checks a begin's answer and follows it.
     pub fn begin(&mut self, call: Call, answer: &Answer) -> Verdict {
+        if *answer == Answer::Unavailable {
+            self.pending.push(Pending::Begin(call));
+            return Ok(());
+        }
         let allowed = self.allowed(call);
         if !allowed.kinds.contains(&answer.kind()) {
             return Err(format!(
@@ -261,8 +294,23 @@ impl Model {
                 }
                 Ok(())
             }
-            Answer::InFlight | Answer::Mismatch | Answer::Expired | Answer::Unreadable => Ok(()),
+            Answer::InFlight | Answer::Mismatch | Answer::Expired | Answer::Unreadable | Answer::Unavailable => Ok(()),
         }
+    }
+
+    /// A call that failed closed: decided at the next [`Model::observe`].
+    pub fn failed_closed(&mut self, pending: Pending) {
+        self.pending.push(pending);
+    }
+
+    /// The run of `call` that failed closed committed its work after all: its claim, recorded as a
+    /// begin that failed closed, landed with `settle`.
+    pub fn ran_after_all(&mut self, call: Call, settle: Write) {
+        let begun = self.pending.iter().rposition(|pending| matches!(pending, Pending::Begin(c) if *c == call));
+        if let Some(index) = begun {
+            self.pending.remove(index);
+        }
+        self.pending.push(Pending::Run(call, settle));
     }
 
     /// Checks that `call` may acquire the key now, without following it: a claim made in a transaction
@@ -282,9 +330,10 @@ impl Model {
     /// both. Returns that order.
     ///
     /// With the same payload, the later of the two may be told "in flight" and change nothing: it met
-    /// the earlier one's Redis marker (`redis_in_front`), waited on the earlier one's fresh claim, or lost
-    /// the race to mark the record indeterminate. That is the one round trip of "in flight" the protocol
-    /// allows without a lease.
+    /// the earlier one's Redis marker (`redis_in_front`: Redis had no settled copy of the key, so the
+    /// earlier one wrote a marker before asking Postgres), waited on the earlier one's fresh claim, or
+    /// lost the race to mark the record indeterminate. That is the one round trip of "in flight" the
+    /// protocol allows without a lease.
     pub fn begin_together(
         &mut self,
         first: (Call, &Answer),
@@ -317,7 +366,8 @@ impl Model {
     ) -> Result<Model, String> {
         let mut model = self.clone();
         model.begin(earlier.0, earlier.1)?;
-        let earlier_wrote = matches!(earlier.1, Answer::Acquired { .. } | Answer::Indeterminate);
+        // One that failed closed may have written, too.
+        let earlier_wrote = matches!(earlier.1, Answer::Acquired { .. } | Answer::Indeterminate | Answer::Unavailable);
         let met_the_earlier =
             earlier.0.payload == later.0.payload && *later.1 == Answer::InFlight && (redis_in_front || earlier_wrote);
         if !met_the_earlier {
@@ -328,7 +378,20 @@ impl Model {
 
     /// Checks how an owner's write under `fence` ended, and follows it.
     pub fn write(&mut self, fence: i64, write: &Write, outcome: Outcome) -> Verdict {
-        use Outcome::{Done, LeaseLost};
+        use Outcome::{Done, LeaseLost, Unavailable};
+        match (outcome, write) {
+            (Unavailable, Write::Extend) => {
+                self.pending.push(Pending::Write { fence, write: write.clone() });
+                return Ok(());
+            }
+            (Unavailable, _) => {
+                return Err(format!(
+                    "{write} under fence {fence} failed closed, but a settlement is asked again while the lease \
+                     lasts: a blip of Postgres costs it time, not its write (invariant 10)"
+                ));
+            }
+            _ => {}
+        }
         let owned = self.record.as_mut().filter(|record| record.fence == fence);
         let (allowed, why): (&[Outcome], &str) = match (owned.as_ref().map(|record| &record.phase), write) {
             (Some(Phase::InProgress { live: true }), _) => {
@@ -446,8 +509,81 @@ impl Model {
         }
     }
 
-    /// Compares what Postgres holds after a step with the model.
-    pub fn observe(&mut self, seen: &Seen) -> Verdict {
+    /// Compares what Postgres holds after a step with the model. The calls of the step that failed
+    /// closed landed or not, in the order they were made: some choice of them must explain what
+    /// Postgres holds, and the model follows the first that does (none landed, first). Returns the
+    /// calls that landed, each with the fence it acquired under, if it acquired the key.
+    pub fn observe(&mut self, seen: &Seen) -> Result<Vec<(Pending, Option<i64>)>, String> {
+        let pending = std::mem::take(&mut self.pending);
+        let mut refusals = Vec::new();
+        for chosen in 0..1u32 << pending.len() {
+            let skips_a_run =
+                |(index, call): (usize, &Pending)| matches!(call, Pending::Run(..)) && chosen & (1 << index) == 0;
+            if pending.iter().enumerate().any(skips_a_run) {
+                continue;
+            }
+            let mut model = self.clone();
+            let landed: Result<Vec<_>, String> = (pending.iter().enumerate())
+                .filter(|(index, _)| chosen & (1 << index) != 0)
+                .map(|(_, call)| model.land(call, seen).map(|fence| (call.clone(), fence)))
+                .collect();
+            match landed.and_then(|landed| model.agree_with(seen).map(|()| landed)) {
+                Ok(landed) => {
+                    *self = model;
+                    return Ok(landed);
+                }
+                Err(refusal) => refusals.push(refusal),
+            }
+        }
+        Err(refusals.swap_remove(0))
+    }
+
+    /// Follows a call that failed closed as if it had landed; `Err` if it cannot have, given what
+    /// Postgres holds. A begin that acquired returns its fence.
+    fn land(&mut self, pending: &Pending, seen: &Seen) -> Result<Option<i64>, String> {
+        match pending {
+            Pending::Begin(call) => {
+                let allowed = self.allowed(*call).kinds;
+                let new_fence = match seen {
+                    Seen::Record(record) if record.stage == Stage::InProgress => {
+                        Some(record.fence).filter(|fence| self.highest_fence.is_none_or(|highest| *fence > highest))
+                    }
+                    _ => None,
+                };
+                if let Some(fence) = new_fence.filter(|_| allowed.contains(&Kind::Acquired)) {
+                    self.acquired(*call, fence)?;
+                    return Ok(Some(fence));
+                }
+                if allowed.contains(&Kind::Indeterminate) {
+                    return self.begin(*call, &Answer::Indeterminate).map(|()| None);
+                }
+                Err(format!("{call} failed closed, and nothing it may have done explains what Postgres holds"))
+            }
+            Pending::Write { fence, write } => self.write(*fence, write, Outcome::Done).map(|()| None),
+            Pending::Purge => {
+                self.purge();
+                Ok(None)
+            }
+            Pending::RecoverStale => {
+                self.recover_stale();
+                Ok(None)
+            }
+            Pending::Resolve(settle, sealing) => self.resolve(settle, *sealing, true).map(|()| None),
+            Pending::Run(call, settle) => {
+                let Seen::Record(record) = seen else {
+                    return Err(format!("{call} ran its work and committed, but Postgres holds {seen:?}"));
+                };
+                if !self.allowed(*call).kinds.contains(&Kind::Acquired) {
+                    return Err(format!("{call} ran its work and committed, but {}", self.allowed(*call).why));
+                }
+                self.acquired(*call, record.fence)?;
+                self.write(record.fence, settle, Outcome::Done)?;
+                Ok(Some(record.fence))
+            }
+        }
+    }
+
+    fn agree_with(&mut self, seen: &Seen) -> Verdict {
         let Some(record) = &mut self.record else {
             return self.agree_without_record(seen);
         };

@@ -10,7 +10,8 @@ use super::reference::{Call, Payload, Rule, Sealing};
 /// How many clients share the key.
 pub const CLIENTS: usize = 3;
 
-/// One step of a case: a call to the store, time passing in the servers' data, or a Redis fault.
+/// One step of a case: a call to the store, time passing in the servers' data, or a fault of Redis or
+/// of the stores' connections to Postgres.
 #[derive(Clone, Copy, Debug)]
 pub enum Step {
     /// A client begins; a lease it already held stays held unless this begin acquires a new one.
@@ -66,6 +67,22 @@ pub enum Step {
     /// Redis stops answering for longer than the stores' budget; the next step runs during the pause
     /// (two-tier only).
     RedisPause,
+    /// The stores' connections to Postgres hold every byte for longer than the stores' Postgres timeout
+    /// (a partition that heals); the next step runs during it. What was sent meanwhile arrives after.
+    PostgresStall,
+    /// Every connection of the stores to Postgres breaks at once (a restart, a failover), unseen until
+    /// the next statement.
+    PostgresCut,
+}
+
+impl Step {
+    /// A fault of the servers, not a call or time passing.
+    pub fn is_fault(&self) -> bool {
+        matches!(
+            self,
+            Step::RedisFlush | Step::RedisRestart | Step::RedisPause | Step::PostgresStall | Step::PostgresCut
+        )
+    }
 }
 
 /// Where a run's work writes its effect row.
@@ -88,7 +105,7 @@ pub enum Work {
     Fails,
 }
 
-/// Sequences of 1 to `max_steps` steps; Redis faults only in two-tier mode.
+/// Sequences of 1 to `max_steps` steps; Redis faults only in two-tier mode, Postgres faults in both.
 pub fn sequences(mode: Mode, max_steps: usize) -> impl Strategy<Value = Vec<Step>> {
     proptest::collection::vec(step(mode), 1..=max_steps)
 }
@@ -115,14 +132,16 @@ fn step(mode: Mode) -> BoxedStrategy<Step> {
         1 => Just(Step::RecoverStale),
         1 => (any::<bool>(), sealing()).prop_map(|(completed, sealing)| Step::Resolve { completed, sealing }),
     ];
+    let postgres_faults = prop_oneof![Just(Step::PostgresStall), Just(Step::PostgresCut)];
     if mode != Mode::TwoTier {
-        return protocol.boxed();
+        return prop_oneof![24 => protocol, 1 => postgres_faults].boxed();
     }
     prop_oneof![
         24 => protocol,
         1 => Just(Step::RedisFlush),
         1 => Just(Step::RedisRestart),
         1 => Just(Step::RedisPause),
+        1 => postgres_faults,
     ]
     .boxed()
 }
