@@ -35,6 +35,7 @@ suite!(
     client_gone_mid_body_still_settles_the_record,
     transient_and_permission_answers_are_not_stored,
     a_known_length_response_is_settled_before_the_client_has_it,
+    the_last_byte_waits_for_the_stored_response,
     handler_panic_releases_the_key,
     dropped_request_releases_the_key,
     store_unavailable_answers_503_and_runs_nothing,
@@ -338,9 +339,9 @@ async fn client_gone_mid_body_still_settles_the_record(mode: Mode) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
-/// Over a real connection, a response of known length (the demo's JSON) is settled before the client has
-/// its last byte: hyper stops polling a body once `Content-Length` bytes are out, so the layer holds the
-/// last frame back until the record is stored. A retry right after the answer replays it.
+/// Over a real connection, a response of known length (the demo's JSON) is settled by the time the client
+/// has it, and a retry right after the answer replays it. (That the client gets nothing before the record
+/// is stored, which this cannot tell from a settlement right after: `the_last_byte_waits_for_the_stored_response`.)
 async fn a_known_length_response_is_settled_before_the_client_has_it(mode: Mode) {
     let h = Harness::start(mode).await;
     let base = serve(&h).await;
@@ -356,6 +357,51 @@ async fn a_known_length_response_is_settled_before_the_client_has_it(mode: Mode)
         assert_eq!(record.map(|r| r.state), Some(State::Completed), "settled before the client had the body");
         let retry = post_payment(&client, &base, &key, "acme", &charge(1), 0).await;
         assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    }
+}
+
+/// The order itself, not only its outcome: the handler's response is ready, then Postgres stops answering
+/// the store (the handler stalls the store's connection on its way out), and the client, over a real
+/// connection, gets nothing of its answer while the record cannot be stored (hyper sends the head with
+/// the body's only frame, which the layer holds); once Postgres answers again, the answer comes and the
+/// record is completed. (The check of
+/// `a_known_length_response_is_settled_before_the_client_has_it` looks after the client had the body,
+/// which a settlement right after the last byte would pass too.) Both ways an answer is sent: a body
+/// settled whole before the response starts, and one over the capture limit whose last frame is held.
+async fn the_last_byte_waits_for_the_stored_response(mode: Mode) {
+    let h = Arc::new(Harness::with(mode, Policy::default(), Servers::Proxied).await);
+    let stall = |h: Arc<Harness>, body: fn() -> axum::response::Response| {
+        move || {
+            h.postgres_proxy.as_ref().expect("proxied").set(idemstore_testkit::ProxyMode::Blackhole);
+            async move { body() }
+        }
+    };
+    let small = || (StatusCode::CREATED, axum::Json(json!({"charge": 1}))).into_response();
+    // Over the capture limit: streamed through, its last frame held until the record is settled.
+    let large = || "x".repeat(2 << 20).into_response();
+    let router = Router::new()
+        .route("/payments", post(stall(h.clone(), small)))
+        .route("/exports", post(stall(h.clone(), large)))
+        .route_layer(layer(&h).with_operation(PAYMENTS));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    for (path, key, length) in [("payments", "held", 12), ("exports", "held-large", 2 << 20)] {
+        let url = format!("{base}/{path}");
+        let mut answer = tokio::spawn(async move {
+            let request = reqwest::Client::new().post(url).bearer_auth("acme").header("idempotency-key", key);
+            let first = request.json(&charge(1)).send().await.expect("HTTP");
+            (first.status(), first.bytes().await.expect("body").len())
+        });
+        // A bound on something that must not happen, not a wait for something that will.
+        let early = tokio::time::timeout(Duration::from_secs(1), &mut answer).await;
+        assert!(early.is_err(), "/{path}: the client had its answer while the record could not be stored: {early:?}");
+        h.postgres_proxy.as_ref().expect("proxied").set(idemstore_testkit::ProxyMode::Pass);
+        let (status, received) = answer.await.expect("the client's task");
+        assert!(status.is_success(), "/{path}: {status}");
+        assert_eq!(received, length, "/{path}");
+        let record = h.store.admin().lookup(&payments::acme(), &support::key(key)).await.expect("lookup");
+        assert_eq!(record.map(|r| r.state), Some(State::Completed), "/{path}");
     }
 }
 
