@@ -52,9 +52,15 @@ async fn every_answer_is_one_the_model_allows(mode: Mode) {
     }
     let counts = world.counts();
     eprintln!(
-        "model check, {mode:?}: {} cases, {} steps, {} faults, {} calls failed closed ({} of them landed late), \
-         0 violations",
-        counts.cases, counts.steps, counts.faults, counts.failed_closed, counts.landed_late
+        "model check, {mode:?}: {} cases, {} steps ({} HTTP requests, {} of them handled), {} faults, {} calls \
+         failed closed ({} of them landed late), 0 violations",
+        counts.cases,
+        counts.steps,
+        counts.requests,
+        counts.handled,
+        counts.faults,
+        counts.failed_closed,
+        counts.landed_late
     );
 }
 

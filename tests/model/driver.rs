@@ -18,7 +18,15 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State as AxumState;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use http_body_util::BodyExt;
 use idemstore::admin::Resolution;
+use idemstore::http::{ClaimTx, IdempotencyLayer, KeySpace, problem_types};
 use idemstore::{
     Begin, Encryption, EncryptionError, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Owner,
     Policy, Record, RunError, RunOutcome, Scope, State, Store, StoreError, TxFuture,
@@ -27,6 +35,7 @@ use idemstore_testkit::ProxyMode;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Value, json};
 use sqlx::PgConnection;
+use tower::ServiceExt;
 
 use super::history::{Effect, History, Span};
 use super::reference::{
@@ -89,6 +98,8 @@ pub struct Counts {
     pub faults: u64,
     pub failed_closed: u64,
     pub landed_late: u64,
+    pub requests: u64,
+    pub handled: u64,
 }
 
 /// The servers of one test and the stores on them. Cases run one after another, each under a tenant of
@@ -102,6 +113,12 @@ pub struct World {
     /// the faults.
     lookers: [Store; 2],
     fingerprints: [(Payload, Fingerprint); 2],
+    /// The HTTP layer in front of each store, plain and with the handler's writes in the claim's
+    /// transaction: `routers[rule][sealing][path]`.
+    routers: [[[Router; 2]; 2]; 2],
+    /// The fingerprints the layer gives the payloads' requests (its own: the request's method, target
+    /// and body), learnt from a request of each at the start.
+    layer_fingerprints: Vec<(Payload, Vec<u8>)>,
     /// Cases run so far, shrinking included: the next case's tenant.
     cases: AtomicU64,
     /// Steps run so far, how many of them were faults, how many calls failed closed and how many of
@@ -110,6 +127,9 @@ pub struct World {
     faults: AtomicU64,
     failed_closed: AtomicU64,
     landed_late: AtomicU64,
+    /// Requests through the HTTP layer, and those of them the handler answered (it ran).
+    requests: AtomicU64,
+    handled: AtomicU64,
 }
 
 impl World {
@@ -130,17 +150,52 @@ impl World {
         });
         let lookers = [Sealing::Sealed, Sealing::Clear]
             .map(|sealing| store(&harness, &harness.database_url, LOOKER_TIMEOUT, LeaseExpiry::TakeOver, sealing));
-        Self {
+        let routers = stores.each_ref().map(|by_sealing| {
+            by_sealing.each_ref().map(|store| [Path::Plain, Path::InTx].map(|path| router(&harness, store, path)))
+        });
+        let mut world = Self {
             stores,
             lookers,
             harness,
             fingerprints,
+            routers,
+            layer_fingerprints: Vec::new(),
             cases: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             faults: AtomicU64::new(0),
             failed_closed: AtomicU64::new(0),
             landed_late: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            handled: AtomicU64::new(0),
+        };
+        world.layer_fingerprints = world.learn_layer_fingerprints().await;
+        world
+    }
+
+    /// A request of each payload through the layer, under a tenant of its own, and the fingerprint its
+    /// record holds; the records and effect rows are removed.
+    async fn learn_layer_fingerprints(&self) -> Vec<(Payload, Vec<u8>)> {
+        const TENANT: &str = "layer-fingerprints";
+        let scope = self.harness.scope(TENANT);
+        let mut learnt = Vec::new();
+        for payload in [Payload::A, Payload::B] {
+            let key = support::key(&format!("{payload:?}"));
+            let request = http_request(TENANT, &key, payload, 0, Work::Replayable, "learn");
+            let router = self.routers[Rule::TakeOver as usize][Sealing::Sealed as usize][Path::Plain as usize].clone();
+            let response = router.oneshot(request).await.expect("infallible");
+            assert_eq!(response.status(), StatusCode::CREATED, "a first request executes");
+            let inspection = self.lookers[Sealing::Sealed as usize].admin().inspect(&scope, &key).await;
+            let record = inspection.expect("inspect").postgres.expect("the request's record");
+            learnt.push((payload, record.fingerprint));
         }
+        for forget in [FORGET_RECORDS, FORGET_EFFECTS] {
+            sqlx::query(forget).bind(TENANT).execute(&self.harness.pool).await.expect("forget the requests");
+        }
+        learnt
+    }
+
+    fn router(&self, rule: Rule, sealing: Sealing, path: Path) -> Router {
+        self.routers[rule as usize][sealing as usize][path as usize].clone()
     }
 
     /// What ran so far.
@@ -152,6 +207,8 @@ impl World {
             faults: load(&self.faults),
             failed_closed: load(&self.failed_closed),
             landed_late: load(&self.landed_late),
+            requests: load(&self.requests),
+            handled: load(&self.handled),
         }
     }
 
@@ -164,6 +221,7 @@ impl World {
         self.faults.fetch_add(steps.iter().filter(|step| step.is_fault()).count() as u64, Ordering::Relaxed);
         self.steps.fetch_add(steps.len() as u64, Ordering::Relaxed);
         let mut case = Case::new(self, self.cases.fetch_add(1, Ordering::Relaxed));
+        case.through_http = steps.iter().any(|step| matches!(step, Step::Http { .. }));
         let verdict = case.run(steps).await;
         case.settle().await;
         case.forget().await;
@@ -184,10 +242,12 @@ impl World {
         fingerprint
     }
 
-    /// The payload of a stored fingerprint (a tombstone keeps a prefix of it).
+    /// The payload of a stored fingerprint, the store's or the layer's (a tombstone keeps a prefix of it).
     fn payload_of(&self, stored: &[u8]) -> Option<Payload> {
-        let known = self.fingerprints.iter().find(|(_, f)| !stored.is_empty() && f.as_bytes().starts_with(stored));
-        known.map(|(payload, _)| *payload)
+        let stores = self.fingerprints.iter().map(|(payload, f)| (*payload, &f.as_bytes()[..]));
+        let layers = self.layer_fingerprints.iter().map(|(payload, f)| (*payload, &f[..]));
+        let mut known = stores.chain(layers);
+        known.find(|(_, f)| !stored.is_empty() && f.starts_with(stored)).map(|(payload, _)| payload)
     }
 
     /// What Postgres holds for the key, its response opened by whichever store can open it.
@@ -270,6 +330,109 @@ fn response(text: String) -> String {
 /// The text a replayable work of `client` at step `index` returns: every run's differs.
 fn reply_text(call: Call, client: usize, index: usize) -> String {
     format!("{:?}:c{client}:s{index}", call.payload)
+}
+
+/// The headers by which a request tells the model's handler what to do.
+const TENANT_HEADER: &str = "x-model-tenant";
+const STEP_HEADER: &str = "x-model-step";
+const WORK_HEADER: &str = "x-model-work";
+const RUN_HEADER: &str = "x-model-run";
+
+/// The HTTP layer in front of `store`, on one operation-wide key space (every request of a case names
+/// the case's record), and the model's handler behind it.
+fn router(h: &Harness, store: &Store, path: Path) -> Router {
+    let tenant = |parts: &axum::http::request::Parts| {
+        parts.headers.get(TENANT_HEADER).and_then(|value| value.to_str().ok()).map(str::to_owned)
+    };
+    let layer = IdempotencyLayer::new(store.clone(), tenant as fn(&axum::http::request::Parts) -> Option<String>)
+        .with_operation(h.operation.clone())
+        .with_key_space(KeySpace::Operation);
+    match path {
+        Path::Plain => Router::new().route("/run", post(plain_handler).route_layer(layer)).with_state(h.pool.clone()),
+        Path::InTx => {
+            Router::new().route("/run", post(transactional_handler).route_layer(layer.with_claim_transaction()))
+        }
+    }
+}
+
+/// A request of `payload` to the model's handler, which writes its effect row under `tenant` and `step`
+/// and answers as `work` says, naming the run `run`.
+fn http_request(
+    tenant: &str,
+    key: &IdempotencyKey,
+    payload: Payload,
+    step: usize,
+    work: Work,
+    run: &str,
+) -> Request<Body> {
+    let work = match work {
+        Work::Replayable => "created",
+        Work::Unencodable => "refused",
+        Work::Fails => "failed",
+    };
+    Request::post("/run")
+        .header("content-type", "application/json")
+        .header("idempotency-key", key.as_str())
+        .header(TENANT_HEADER, tenant)
+        .header(STEP_HEADER, step.to_string())
+        .header(WORK_HEADER, work)
+        .header(RUN_HEADER, run)
+        .body(Body::from(body(payload).to_string()))
+        .expect("a request")
+}
+
+/// The model's handler behind the plain layer: its effect row on a connection of its own (straight to
+/// Postgres: the work's effect is not the store's), then its answer.
+async fn plain_handler(AxumState(pool): AxumState<sqlx::PgPool>, headers: HeaderMap) -> axum::response::Response {
+    let mut conn = pool.acquire().await.expect("a connection for the handler");
+    handle(&mut conn, &headers).await
+}
+
+/// The model's handler behind the transactional layer: its effect row in the claim's transaction.
+async fn transactional_handler(mut tx: ClaimTx, headers: HeaderMap) -> axum::response::Response {
+    handle(&mut tx, &headers).await
+}
+
+async fn handle(conn: &mut PgConnection, headers: &HeaderMap) -> axum::response::Response {
+    let header = |name: &str| headers.get(name).and_then(|value| value.to_str().ok()).unwrap_or_default().to_owned();
+    let step: i32 = header(STEP_HEADER).parse().expect("a step");
+    sqlx::query(ADD_EFFECT).bind(header(TENANT_HEADER)).bind(step).execute(conn).await.expect("write the effect row");
+    let run = header(RUN_HEADER);
+    match header(WORK_HEADER).as_str() {
+        "created" => (StatusCode::CREATED, axum::Json(json!({ "run": run }))).into_response(),
+        "refused" => (StatusCode::BAD_REQUEST, axum::Json(json!({ "refused": run }))).into_response(),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, run).into_response(),
+    }
+}
+
+/// What the layer answered, as the model reads it: the handler's answer (it ran), a replay, or a refusal.
+fn heard(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Result<Ran, String> {
+    if headers.contains_key("idempotent-replayed") {
+        return Ok(Ran::Answered(Answer::ReplayedBody(text(body))));
+    }
+    let problem = headers
+        .get("content-type")
+        .is_some_and(|kind| kind.as_bytes().starts_with(b"application/problem+json"))
+        .then(|| serde_json::from_slice::<Value>(body).ok())
+        .flatten()
+        .and_then(|problem| problem["type"].as_str().map(str::to_owned));
+    let answer = match problem.as_deref() {
+        None => {
+            return match status {
+                StatusCode::CREATED | StatusCode::BAD_REQUEST => Ok(Ran::Completed(text(body))),
+                StatusCode::INTERNAL_SERVER_ERROR => Ok(Ran::Failed),
+                other => Err(format!("the layer answered {other} {:?}, which the model does not know", text(body))),
+            };
+        }
+        Some(problem_types::IN_FLIGHT) => Answer::InFlight,
+        Some(problem_types::INDETERMINATE) => Answer::Indeterminate,
+        Some(problem_types::KEY_REUSED) => Answer::Mismatch,
+        Some(problem_types::EXPIRED) => Answer::Expired,
+        Some(problem_types::UNREADABLE) => Answer::Unreadable,
+        Some(problem_types::UNAVAILABLE) => return Ok(Ran::Unavailable),
+        Some(other) => return Err(format!("the layer answered {status} {other}, which the model does not expect")),
+    };
+    Ok(Ran::Answered(answer))
 }
 
 /// A work's result: text, or one that refuses to serialize (as a map with non-string keys does).
@@ -395,6 +558,24 @@ fn ran(outcome: Result<RunOutcome<Reply>, RunError<String>>, sealing: Sealing) -
     }
 }
 
+/// What a run's work commits with it, when that commit landed although the run failed closed.
+enum Committed {
+    Write(Write),
+    /// The HTTP layer's stored form of the handler's answer, as Postgres holds it, written by a store
+    /// that seals or not.
+    AsStored(Sealing),
+}
+
+/// A run that answered, as the history tells it.
+struct Followed {
+    index: usize,
+    span: Span,
+    call: Call,
+    path: Path,
+    call_said: String,
+    said: String,
+}
+
 /// One case: a key under a tenant of its own, the clients' leases, the model, and the history.
 struct Case<'w> {
     world: &'w World,
@@ -417,7 +598,9 @@ struct Case<'w> {
     /// finish them before looking.
     unquiet: bool,
     /// A run of this step that failed closed, and what it stores if its work's commit landed.
-    unanswered_run: Option<(Call, Write)>,
+    unanswered_run: Option<(Call, Committed)>,
+    /// The case's requests go through the HTTP layer (a key is used through one interface).
+    through_http: bool,
     /// Redis was paused or restarted in this case: a marker written before may be behind Postgres
     /// until a store's background task deletes it (docs/protocol.md, "Not guaranteed").
     redis_behind: bool,
@@ -441,6 +624,7 @@ impl<'w> Case<'w> {
             unquiet: false,
             unanswered_run: None,
             redis_behind: false,
+            through_http: false,
         }
     }
 
@@ -482,6 +666,7 @@ impl<'w> Case<'w> {
             Step::Begin { client, call } => return self.begin(index, client, call).await,
             Step::BeginTogether { first, second } => return self.begin_together(index, first, second).await,
             Step::Run { client, call, path, work } => return self.run_work(index, client, call, path, work).await,
+            Step::Http { client, call, path, work } => return self.request(index, client, call, path, work).await,
             Step::Complete { client } => return self.complete(index, client).await,
             Step::Release { client } => return self.fenced(index, client, Write::Release).await,
             Step::Extend { client } => return self.fenced(index, client, Write::Extend).await,
@@ -585,6 +770,7 @@ impl<'w> Case<'w> {
         match answer {
             Answer::Acquired { .. } if self.last_seen == Seen::Nothing => Effect::NewLife,
             Answer::Completed(response) => Effect::Replay(response.clone()),
+            Answer::ReplayedBody(body) => Effect::ReplayBody(body.clone()),
             Answer::Expired => Effect::Expired,
             _ => Effect::None,
         }
@@ -692,8 +878,14 @@ impl<'w> Case<'w> {
 
     async fn resolve(&mut self, index: usize, completed: bool, sealing: Sealing) -> Result<(), String> {
         let (settle, resolution) = if completed {
-            let response = response(format!("resolved:s{index}"));
-            (Settle::Completed(response.clone()), Resolution::Completed(response.into_bytes()))
+            // In the stored form of the interface the case uses, so that its requests can replay it.
+            let bytes = if self.through_http {
+                let body = json!({ "resolved": format!("s{index}") }).to_string().into_bytes();
+                idemstore::http::stored_response(StatusCode::CREATED, &HeaderMap::new(), body)
+            } else {
+                response(format!("resolved:s{index}")).into_bytes()
+            };
+            (Settle::Completed(text(&bytes)), Resolution::Completed(bytes))
         } else {
             (Settle::Released, Resolution::Released)
         };
@@ -806,6 +998,62 @@ impl<'w> Case<'w> {
                 return Err(error);
             }
         };
+        // What the run stores if its work's commit landed although it failed closed (the effect rows say).
+        let stores = match work {
+            Work::Replayable => Write::Complete(response(reply_text(call, client, index)), call.sealing),
+            Work::Unencodable => Write::Complete(NOT_REPLAYABLE.to_owned(), call.sealing),
+            Work::Fails => Write::Release,
+        };
+        let run = Followed { index, span, call, path, call_said, said };
+        self.follow(run, ran, Committed::Write(stores)).await
+    }
+
+    /// A request through the HTTP layer. An answer of the handler's is read as a run whose settlement
+    /// Postgres shows (its stored form holds the body the client got); a replay must hold the body of
+    /// the key's one completion.
+    async fn request(&mut self, index: usize, client: usize, call: Call, path: Path, work: Work) -> Result<(), String> {
+        let run = reply_text(call, client, index);
+        let request = http_request(&self.tenant, &self.key, call.payload, index, work, &run);
+        let router = self.world.router(call.rule, call.sealing, path);
+        let sent = async {
+            let (parts, body) = router.oneshot(request).await.expect("infallible").into_parts();
+            (parts, body.collect().await.map(|collected| collected.to_bytes()))
+        };
+        let ((parts, body), span) = self.history.timed(sent).await;
+        let body = body.map_err(|error| format!("the answer's body failed: {error}"))?;
+        let said = format!("{} {}", parts.status, text(&body));
+        let call_said =
+            format!("c{client} {path:?} request {:?} {work:?} ({:?}, {:?})", call.payload, call.rule, call.sealing);
+        let heard = heard(parts.status, &parts.headers, &body);
+        self.world.requests.fetch_add(1, Ordering::Relaxed);
+        if matches!(heard, Ok(Ran::Completed(_) | Ran::Failed)) {
+            self.world.handled.fetch_add(1, Ordering::Relaxed);
+        }
+        let ran = match heard {
+            Ok(Ran::Completed(answered)) => {
+                let stored = match self.world.inspect(&self.scope, &self.key).await? {
+                    Seen::Record(SeenRecord { stage: Stage::Completed, response: Some(stored), .. }) => stored,
+                    other => return Err(format!("the handler answered {said}, but Postgres holds {other:?}")),
+                };
+                if !stored.contains(&answered) {
+                    return Err(format!("the client got {answered:?}, but the stored response is {stored:?}"));
+                }
+                Ran::Completed(stored)
+            }
+            Ok(ran) => ran,
+            Err(error) => {
+                self.history.record(index, span, call_said, said, Effect::None);
+                return Err(error);
+            }
+        };
+        let run = Followed { index, span, call, path, call_said, said };
+        self.follow(run, ran, Committed::AsStored(call.sealing)).await
+    }
+
+    /// Follows a run (of the run-once API or through the HTTP layer) from what it answered: the effect
+    /// row its work committed, and the claim and settlement the model reads in its answer.
+    async fn follow(&mut self, run: Followed, ran: Ran, stores: Committed) -> Result<(), String> {
+        let Followed { index, span, call, path, call_said, said } = run;
         let committed = match (&ran, path) {
             (Ran::Answered(_) | Ran::Unavailable, _) | (Ran::Failed, Path::InTx) => 0,
             (Ran::Completed(_), _) | (Ran::Failed, Path::Plain) => 1,
@@ -814,13 +1062,7 @@ impl<'w> Case<'w> {
         match &ran {
             Ran::Unavailable => {
                 self.history.record(index, span, call_said, said, Effect::None);
-                // What the run stores if its work's commit landed after all (the effect rows say).
-                let settle = match (work, path) {
-                    (Work::Replayable, _) => Write::Complete(response(reply_text(call, client, index)), call.sealing),
-                    (Work::Unencodable, _) => Write::Complete(NOT_REPLAYABLE.to_owned(), call.sealing),
-                    (Work::Fails, _) => Write::Release,
-                };
-                self.unanswered_run = Some((call, settle));
+                self.unanswered_run = Some((call, stores));
                 self.count_failed_closed();
                 self.model.failed_closed(Pending::Begin(call));
                 Ok(())
@@ -881,7 +1123,16 @@ impl<'w> Case<'w> {
         let unanswered = self.unanswered_run.take();
         match (rows - self.effects, unanswered) {
             (0, _) => Ok(()),
-            (1, Some((call, settle))) => {
+            (1, Some((call, stores))) => {
+                let settle = match stores {
+                    Committed::Write(write) => write,
+                    Committed::AsStored(sealing) => match self.world.inspect(&self.scope, &self.key).await? {
+                        Seen::Record(SeenRecord { stage: Stage::Completed, response: Some(response), .. }) => {
+                            Write::Complete(response, sealing)
+                        }
+                        other => return Err(format!("a request's work committed, but Postgres holds {other:?}")),
+                    },
+                };
                 self.effects = rows;
                 self.history.note(index, "  (the run's effect row committed)", "");
                 self.model.ran_after_all(call, settle);

@@ -28,6 +28,8 @@ pub enum Effect {
     Replacement(String),
     /// A begin replayed this response.
     Replay(String),
+    /// The HTTP layer replayed this body, which the completion of its life holds.
+    ReplayBody(String),
     /// A begin was told its response expired.
     Expired,
 }
@@ -103,6 +105,12 @@ impl History {
                     return Err(format!("step {step} replaced the completion with {response:?}, but none was stored"));
                 }
                 (Effect::Replay(response), Some((_, stored))) if response == stored => {}
+                (Effect::ReplayBody(body), Some((_, stored))) if stored.contains(body.as_str()) => {}
+                (Effect::ReplayBody(body), _) => {
+                    return Err(format!(
+                        "step {step} replayed the body {body:?}, but this life of the key stored {completion:?}"
+                    ));
+                }
                 (Effect::Replay(response), _) => {
                     return Err(format!(
                         "step {step} replayed {response:?}, but this life of the key stored {completion:?}"

@@ -73,6 +73,8 @@ pub enum Answer {
     },
     InFlight,
     Completed(String),
+    /// The HTTP layer replayed this body: the key's completion (the layer's stored form) holds it.
+    ReplayedBody(String),
     Mismatch,
     Indeterminate,
     Expired,
@@ -261,7 +263,7 @@ impl Answer {
         match self {
             Answer::Acquired { .. } => Kind::Acquired,
             Answer::InFlight => Kind::InFlight,
-            Answer::Completed(_) => Kind::Completed,
+            Answer::Completed(_) | Answer::ReplayedBody(_) => Kind::Completed,
             Answer::Mismatch => Kind::Mismatch,
             Answer::Indeterminate => Kind::Indeterminate,
             Answer::Expired => Kind::Expired,
@@ -288,6 +290,7 @@ impl Model {
         match answer {
             Answer::Acquired { fence } => self.acquired(call, *fence),
             Answer::Completed(response) => self.replayed(response),
+            Answer::ReplayedBody(body) => self.replayed_body(body),
             Answer::Indeterminate => {
                 if let Some(record) = &mut self.record {
                     record.phase = Phase::Indeterminate;
@@ -699,6 +702,15 @@ impl Model {
         // A tombstone past its horizon belongs to an earlier life of the key, which this owner ended.
         self.tombstone = None;
         Ok(())
+    }
+
+    fn replayed_body(&self, body: &str) -> Verdict {
+        match self.record.as_ref().map(|record| &record.phase) {
+            Some(Phase::Completed(stored)) if stored.contains(body) => Ok(()),
+            stored => Err(format!(
+                "the layer replayed the body {body:?}, but the key's one completion stored {stored:?} (invariant 2)"
+            )),
+        }
     }
 
     fn replayed(&self, response: &str) -> Verdict {

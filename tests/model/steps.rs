@@ -32,6 +32,15 @@ pub enum Step {
         path: Path,
         work: Work,
     },
+    /// A client sends the request through the HTTP layer, plain or with the handler's effect row in the
+    /// claim's transaction. The handler answers 201 (`Replayable`), 400 (`Unencodable`: a client error,
+    /// stored and replayed as a 201 is) or 500 (`Fails`: released, or rolled back).
+    Http {
+        client: usize,
+        call: Call,
+        path: Path,
+        work: Work,
+    },
     /// The client completes its lease with a response of its own.
     Complete {
         client: usize,
@@ -105,9 +114,34 @@ pub enum Work {
     Fails,
 }
 
-/// Sequences of 1 to `max_steps` steps; Redis faults only in two-tier mode, Postgres faults in both.
+/// Sequences of 1 to `max_steps` steps; Redis faults only in two-tier mode, Postgres faults in both. One
+/// case in four goes through the HTTP layer: a key is used through one interface (the layer's stored
+/// form and fingerprints are its own), so those cases send no begins of the store's.
 pub fn sequences(mode: Mode, max_steps: usize) -> impl Strategy<Value = Vec<Step>> {
-    proptest::collection::vec(step(mode), 1..=max_steps)
+    prop_oneof![
+        3 => proptest::collection::vec(step(mode), 1..=max_steps),
+        1 => proptest::collection::vec(http_step(mode), 1..=max_steps),
+    ]
+}
+
+/// A step of a case through the HTTP layer: requests, time passing, the operator's calls and faults.
+fn http_step(mode: Mode) -> BoxedStrategy<Step> {
+    let requests = (0..CLIENTS, call(), path(), work()).prop_map(|(client, call, path, work)| Step::Http {
+        client,
+        call,
+        path,
+        work,
+    });
+    let protocol = prop_oneof![
+        10 => requests,
+        2 => Just(Step::ExpireLease),
+        2 => Just(Step::PassRetention),
+        1 => Just(Step::PassTombstoneHorizon),
+        2 => Just(Step::Purge),
+        1 => Just(Step::RecoverStale),
+        1 => (any::<bool>(), sealing()).prop_map(|(completed, sealing)| Step::Resolve { completed, sealing }),
+    ];
+    with_faults(mode, protocol.boxed())
 }
 
 /// Begins and completions dominate, so that most cases reach the interesting states (a completion, a
@@ -132,6 +166,11 @@ fn step(mode: Mode) -> BoxedStrategy<Step> {
         1 => Just(Step::RecoverStale),
         1 => (any::<bool>(), sealing()).prop_map(|(completed, sealing)| Step::Resolve { completed, sealing }),
     ];
+    with_faults(mode, protocol.boxed())
+}
+
+/// `protocol`, with the faults of `mode` among its steps.
+fn with_faults(mode: Mode, protocol: BoxedStrategy<Step>) -> BoxedStrategy<Step> {
     let postgres_faults = prop_oneof![Just(Step::PostgresStall), Just(Step::PostgresCut)];
     if mode != Mode::TwoTier {
         return prop_oneof![24 => protocol, 1 => postgres_faults].boxed();
