@@ -362,9 +362,9 @@ async fn a_known_length_response_is_settled_before_the_client_has_it(mode: Mode)
 
 /// The order itself, not only its outcome: the handler's response is ready, then Postgres stops answering
 /// the store (the handler stalls the store's connection on its way out), and the client, over a real
-/// connection, gets nothing of its answer while the record cannot be stored (hyper sends the head with
-/// the body's only frame, which the layer holds); once Postgres answers again, the answer comes and the
-/// record is completed. (The check of
+/// connection, does not have its whole answer while the record cannot be stored (for a body settled
+/// whole, not even the status); once Postgres answers again, the answer comes and the record is
+/// completed. (The check of
 /// `a_known_length_response_is_settled_before_the_client_has_it` looks after the client had the body,
 /// which a settlement right after the last byte would pass too.) Both ways an answer is sent: a body
 /// settled whole before the response starts, and one over the capture limit whose last frame is held.
@@ -386,18 +386,26 @@ async fn the_last_byte_waits_for_the_stored_response(mode: Mode) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("address"));
     tokio::spawn(async move { axum::serve(listener, router).await });
-    for (path, key, length) in [("payments", "held", 12), ("exports", "held-large", 2 << 20)] {
+    // The small body is settled whole before the response starts: not even the status may come first.
+    for (path, key, length, status_first) in [("payments", "held", 12, false), ("exports", "held-large", 2 << 20, true)]
+    {
         let url = format!("{base}/{path}");
+        let (head_tx, mut head) = tokio::sync::oneshot::channel();
         let mut answer = tokio::spawn(async move {
             let request = reqwest::Client::new().post(url).bearer_auth("acme").header("idempotency-key", key);
             let first = request.json(&charge(1)).send().await.expect("HTTP");
-            (first.status(), first.bytes().await.expect("body").len())
+            let _ = head_tx.send(first.status());
+            first.bytes().await.expect("body").len()
         });
         // A bound on something that must not happen, not a wait for something that will.
         let early = tokio::time::timeout(Duration::from_secs(1), &mut answer).await;
         assert!(early.is_err(), "/{path}: the client had its answer while the record could not be stored: {early:?}");
+        if !status_first {
+            assert!(head.try_recv().is_err(), "/{path}: the client had the status before the record was stored");
+        }
         h.postgres_proxy.as_ref().expect("proxied").set(idemstore_testkit::ProxyMode::Pass);
-        let (status, received) = answer.await.expect("the client's task");
+        let received = answer.await.expect("the client's task");
+        let status = head.await.expect("the status");
         assert!(status.is_success(), "/{path}: {status}");
         assert_eq!(received, length, "/{path}");
         let record = h.store.admin().lookup(&payments::acme(), &support::key(key)).await.expect("lookup");

@@ -1,11 +1,12 @@
-//! Model-based checking of the store. Random sequences of begins (some concurrent), runs of a work that
-//! writes an effect row (`run_once`, `run_once_in_tx`; results that serialize, that do not, and errors),
-//! completions, releases, extensions, crashed owners, leases running out, retentions and tombstone
-//! horizons passing, purges, recoveries, resolutions, (two-tier) Redis flushes, restarts and pauses,
-//! and stalls and cuts of the stores' connections to Postgres run against real Redis and Postgres,
-//! through stores that seal and stores without the key on one database. Every answer is checked against a reference model of the key
-//! (`model/reference.rs`), what Postgres holds is compared with the model after every step, and each
-//! case's history is checked as a whole at its end (`model/history.rs`).
+//! Model-based checking of the store. Random sequences of begins (up to three at once), runs of a work
+//! that writes an effect row (`run_once`, `run_once_in_tx`, and requests through the HTTP layer, plain
+//! and transactional; results that serialize, that do not, and errors), completions, releases,
+//! extensions, crashed owners, leases running out, retentions and tombstone horizons passing, purges,
+//! recoveries, resolutions, (two-tier) Redis flushes, restarts and pauses, and stalls and cuts of the
+//! stores' connections to Postgres run against real Redis and Postgres, through stores that seal and
+//! stores without the key on one database. Every answer is checked against a reference model of the key
+//! (`model/reference.rs`), what Postgres holds (and Redis's copy) is compared with the model after every
+//! step, and each case's history is checked as a whole at its end (`model/history.rs`).
 //!
 //! Each test starts its servers once; each case uses a tenant of its own (`model/driver.rs`). Time moves
 //! in the servers' data, so no case waits for a lease. proptest shrinks a failing sequence and the

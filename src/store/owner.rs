@@ -143,7 +143,9 @@ impl Owner {
     /// through a blip of Postgres, as [`Owner::complete`] is.
     ///
     /// # Errors
-    /// As [`Owner::complete`].
+    /// As [`Owner::complete`]. A release asked again through a blip whose first attempt landed, and that
+    /// another claim already followed, is also [`StoreError::LeaseLost`]: from the record alone it cannot
+    /// be told from a takeover before the release (the key was given up either way).
     pub async fn release(mut self) -> Result<(), StoreError> {
         if self.in_tx {
             self.settled = true;

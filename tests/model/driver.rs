@@ -39,7 +39,7 @@ use tower::ServiceExt;
 
 use super::history::{Effect, History, Span};
 use super::reference::{
-    Answer, Call, Model, Order, Outcome, Payload, Pending, Rule, Sealing, Seen, SeenRecord, Settle, Stage, Write,
+    Answer, Call, Model, Outcome, Payload, Pending, Rule, Sealing, Seen, SeenRecord, Settle, Stage, Write,
 };
 use super::steps::{CLIENTS, Path, Step, Work};
 use crate::support::{self, Harness, Servers};
@@ -62,9 +62,7 @@ const POSTGRES_TIMEOUT: Duration = Duration::from_millis(300);
 const POSTGRES_STALL: Duration = Duration::from_millis(500);
 /// The checker's own looks are never the ones to fail on a loaded machine.
 const LOOKER_TIMEOUT: Duration = Duration::from_secs(10);
-/// Postgres has none of the stores' statements in progress (the checker's own session aside).
-const BUSY_BACKENDS: &str = "SELECT count(*) FROM pg_stat_activity
-    WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() AND state <> 'idle'";
+
 /// Purges and recoveries meet only the current case's key (each case removes its records at its end).
 const BATCH: u32 = 100;
 
@@ -408,6 +406,16 @@ async fn handle(conn: &mut PgConnection, headers: &HeaderMap) -> axum::response:
 /// What the layer answered, as the model reads it: the handler's answer (it ran), a replay, or a refusal.
 fn heard(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Result<Ran, String> {
     if headers.contains_key("idempotent-replayed") {
+        // Whole, and with the status it was stored with: every body of the model's names its status.
+        let replayed: Value = serde_json::from_slice(body).map_err(|error| format!("a replay's body: {error}"))?;
+        let stored_as = match () {
+            () if replayed.get("refused").is_some() => StatusCode::BAD_REQUEST,
+            () if replayed.get("run").is_some() || replayed.get("resolved").is_some() => StatusCode::CREATED,
+            () => return Err(format!("a replay of a body the model never stored: {replayed}")),
+        };
+        if status != stored_as {
+            return Err(format!("a replay of {replayed} answered {status}, but it was stored with {stored_as}"));
+        }
         return Ok(Ran::Answered(Answer::ReplayedBody(text(body))));
     }
     let problem = headers
@@ -560,10 +568,16 @@ fn ran(outcome: Result<RunOutcome<Reply>, RunError<String>>, sealing: Sealing) -
 
 /// What a run's work commits with it, when that commit landed although the run failed closed.
 enum Committed {
+    /// Nothing can have: the path answers only after the work's commit and the settlement's, which is
+    /// asked again through a blip (the plain paths).
+    Nothing,
     Write(Write),
-    /// The HTTP layer's stored form of the handler's answer, as Postgres holds it, written by a store
-    /// that seals or not.
-    AsStored(Sealing),
+    /// The HTTP layer's stored form of the handler's answer naming `run`, as Postgres holds it, written
+    /// by a store that seals or not.
+    AsStored {
+        sealing: Sealing,
+        run: String,
+    },
 }
 
 /// A run that answered, as the history tells it.
@@ -601,8 +615,9 @@ struct Case<'w> {
     unanswered_run: Option<(Call, Committed)>,
     /// The case's requests go through the HTTP layer (a key is used through one interface).
     through_http: bool,
-    /// Redis was paused or restarted in this case: a marker written before may be behind Postgres
-    /// until a store's background task deletes it (docs/protocol.md, "Not guaranteed").
+    /// Redis was paused in this case, and its copy has not agreed with Postgres since: a marker written
+    /// before may be behind Postgres until a store's background task deletes it (docs/protocol.md, "Not
+    /// guaranteed").
     redis_behind: bool,
 }
 
@@ -631,12 +646,15 @@ impl<'w> Case<'w> {
     async fn run(&mut self, steps: &[Step]) -> Result<(), String> {
         for (index, step) in steps.iter().enumerate() {
             // The step after a stall runs during it, and the stall heals on time, whatever the step waits for.
+            // A stall during a stall lasts until the later one ends.
             let (world, stall) = (self.world, self.stalled_until.take());
-            let (stepped, ()) = tokio::join!(self.step(index, *step), heal(world, stall));
-            stepped.map_err(|violation| self.report(index, &violation))?;
             if matches!(step, Step::PostgresStall) {
+                self.step(index, *step).await.map_err(|violation| self.report(index, &violation))?;
+                self.stalled_until = self.stalled_until.max(stall);
                 continue;
             }
+            let (stepped, ()) = tokio::join!(self.step(index, *step), heal(world, stall));
+            stepped.map_err(|violation| self.report(index, &violation))?;
             self.settle_postgres().await;
             self.check_effects(index).await.map_err(|violation| self.report(index, &violation))?;
             let before = self.last_seen.clone();
@@ -647,7 +665,8 @@ impl<'w> Case<'w> {
                 self.world.landed_late.fetch_add(1, Ordering::Relaxed);
                 self.landed(index, &before, call, fence);
             }
-            self.redis_behind |= matches!(step, Step::RedisPause | Step::RedisRestart);
+            // A restart empties Redis: only writes skipped during a pause leave a marker behind.
+            self.redis_behind |= matches!(step, Step::RedisPause);
             self.compare_redis()
                 .await
                 .map_err(|violation| self.report(index, &format!("after the step, {violation}")))?;
@@ -664,7 +683,11 @@ impl<'w> Case<'w> {
         let h = &world.harness;
         match step {
             Step::Begin { client, call } => return self.begin(index, client, call).await,
-            Step::BeginTogether { first, second } => return self.begin_together(index, first, second).await,
+            Step::BeginTogether { first, second } => return self.begin_together(index, &[first, second]).await,
+            Step::EveryoneBegins { calls } => {
+                let calls: Vec<(usize, Call)> = calls.into_iter().enumerate().collect();
+                return self.begin_together(index, &calls).await;
+            }
             Step::Run { client, call, path, work } => return self.run_work(index, client, call, path, work).await,
             Step::Http { client, call, path, work } => return self.request(index, client, call, path, work).await,
             Step::Complete { client } => return self.complete(index, client).await,
@@ -722,28 +745,29 @@ impl<'w> Case<'w> {
         Ok(())
     }
 
-    async fn begin_together(
-        &mut self,
-        index: usize,
-        first: (usize, Call),
-        second: (usize, Call),
-    ) -> Result<(), String> {
-        // A begin writes a marker only when Redis has no settled copy to answer from: only then may the
-        // other be told "in flight" by it.
-        let redis_in_front = self.world.mode() == Mode::TwoTier && !self.redis_holds_a_settled_copy().await;
-        let (a, b) = tokio::join!(self.send_begin(first.0, first.1), self.send_begin(second.0, second.1));
-        let verdict = match (&a.read, &b.read) {
-            (Ok((x, _)), Ok((y, _))) => self.model.begin_together((a.call, x), (b.call, y), redis_in_front),
-            (Err(error), _) | (_, Err(error)) => Err(error.clone()),
-        };
+    /// Begins sent at the same time, one per client in `calls`.
+    async fn begin_together(&mut self, index: usize, calls: &[(usize, Call)]) -> Result<(), String> {
+        // A begin writes a marker only when Redis has no settled copy to answer from: only then may
+        // another be told "in flight" by it.
+        // During a pause, Redis cannot be read without waiting for its end: the begins may meet it back.
+        let redis_in_front = self.world.mode() == Mode::TwoTier
+            && (self.paused_until.is_some() || !self.redis_holds_a_settled_copy().await);
+        let sent = calls.iter().map(|(client, call)| self.send_begin(*client, *call));
+        let mut begun: Vec<Option<Begun>> = futures::future::join_all(sent).await.into_iter().map(Some).collect();
+        let answers: Result<Vec<(Call, &Answer)>, String> = (begun.iter().flatten())
+            .map(|begun| begun.read.as_ref().map(|(answer, _)| (begun.call, answer)).map_err(Clone::clone))
+            .collect();
+        let verdict = answers.and_then(|answers| self.model.begin_together(&answers, redis_in_front));
         // In the order the model found, which is the order the history's checks must read them in.
-        let in_effect = if matches!(verdict, Ok(Order::Reversed)) { [&b, &a] } else { [&a, &b] };
-        for begun in in_effect {
+        let order = verdict.as_ref().map_or_else(|_| (0..begun.len()).collect(), Clone::clone);
+        for position in &order {
+            let begun = begun[*position].as_ref().expect("each once");
             self.log(index, begun);
         }
         verdict?;
-        self.keep(a);
-        self.keep(b);
+        for position in order {
+            self.keep(begun[position].take().expect("each once"));
+        }
         Ok(())
     }
 
@@ -1004,16 +1028,17 @@ impl<'w> Case<'w> {
             Work::Unencodable => Write::Complete(NOT_REPLAYABLE.to_owned(), call.sealing),
             Work::Fails => Write::Release,
         };
+        let stores = if path == Path::InTx { Committed::Write(stores) } else { Committed::Nothing };
         let run = Followed { index, span, call, path, call_said, said };
-        self.follow(run, ran, Committed::Write(stores)).await
+        self.follow(run, ran, stores).await
     }
 
     /// A request through the HTTP layer. An answer of the handler's is read as a run whose settlement
     /// Postgres shows (its stored form holds the body the client got); a replay must hold the body of
     /// the key's one completion.
     async fn request(&mut self, index: usize, client: usize, call: Call, path: Path, work: Work) -> Result<(), String> {
-        let run = reply_text(call, client, index);
-        let request = http_request(&self.tenant, &self.key, call.payload, index, work, &run);
+        let run_text = reply_text(call, client, index);
+        let request = http_request(&self.tenant, &self.key, call.payload, index, work, &run_text);
         let router = self.world.router(call.rule, call.sealing, path);
         let sent = async {
             let (parts, body) = router.oneshot(request).await.expect("infallible").into_parts();
@@ -1046,8 +1071,12 @@ impl<'w> Case<'w> {
                 return Err(error);
             }
         };
+        let stores = match path {
+            Path::InTx => Committed::AsStored { sealing: call.sealing, run: run_text },
+            Path::Plain => Committed::Nothing,
+        };
         let run = Followed { index, span, call, path, call_said, said };
-        self.follow(run, ran, Committed::AsStored(call.sealing)).await
+        self.follow(run, ran, stores).await
     }
 
     /// Follows a run (of the run-once API or through the HTTP layer) from what it answered: the effect
@@ -1066,6 +1095,13 @@ impl<'w> Case<'w> {
                 self.count_failed_closed();
                 self.model.failed_closed(Pending::Begin(call));
                 Ok(())
+            }
+            // In the claim's transaction the mark commits with it, and a commit that fails (or whose answer
+            // is lost) is not said: the record is marked, or still holds the lease that ran out.
+            Ran::Answered(Answer::Indeterminate) if path == Path::InTx => {
+                self.history.record(index, span, call_said, said, Effect::None);
+                self.unquiet = true;
+                self.model.indeterminate_in_tx(call)
             }
             Ran::Answered(answer) => {
                 let effect = self.effect_of(answer);
@@ -1125,12 +1161,22 @@ impl<'w> Case<'w> {
             (0, _) => Ok(()),
             (1, Some((call, stores))) => {
                 let settle = match stores {
+                    Committed::Nothing => {
+                        return Err(format!(
+                            "{call} failed closed, but its work committed an effect: on this path the work runs \
+                             only after a durable claim, and its settlement outlives a blip (invariant 10)"
+                        ));
+                    }
                     Committed::Write(write) => write,
-                    Committed::AsStored(sealing) => match self.world.inspect(&self.scope, &self.key).await? {
-                        Seen::Record(SeenRecord { stage: Stage::Completed, response: Some(response), .. }) => {
+                    Committed::AsStored { sealing, run } => match self.world.inspect(&self.scope, &self.key).await? {
+                        Seen::Record(SeenRecord { stage: Stage::Completed, response: Some(response), .. })
+                            if response.contains(&format!("\"{run}\"")) =>
+                        {
                             Write::Complete(response, sealing)
                         }
-                        other => return Err(format!("a request's work committed, but Postgres holds {other:?}")),
+                        other => {
+                            return Err(format!("request {run:?}'s work committed, but Postgres holds {other:?}"));
+                        }
                     },
                 };
                 self.effects = rows;
@@ -1148,21 +1194,22 @@ impl<'w> Case<'w> {
     /// Ends a Postgres stall once its time is up, and waits until Postgres finished what the stores sent
     /// (a statement held by the stall, or sent by a call that gave up, lands now or never).
     async fn settle_postgres(&mut self) {
-        let h = &self.world.harness;
         if let Some(until) = self.stalled_until.take() {
             heal(self.world, Some(until)).await;
         }
         if !std::mem::take(&mut self.unquiet) {
             return;
         }
-        // Two looks in a row that find nothing in progress: the first could precede bytes the proxy is
-        // still forwarding.
-        let mut quiet_looks = 0;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while quiet_looks < 2 && Instant::now() < deadline {
-            let busy: i64 = sqlx::query_scalar(BUSY_BACKENDS).fetch_one(&h.pool).await.expect("read pg_stat_activity");
-            quiet_looks = if busy == 0 { quiet_looks + 1 } else { 0 };
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        // Every connection of the stores back in its pool: sqlx returns one only once the server answered
+        // what was sent on it (a ping after the statement its caller gave up on), so nothing of theirs is
+        // on its way any more. Polled: the pools signal nothing.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let busy = || {
+            self.world.stores.iter().flatten().map(Store::pg_pool).any(|pool| pool.num_idle() < pool.size() as usize)
+        };
+        while busy() {
+            assert!(Instant::now() < deadline, "the stores' connections did not come back from Postgres in 20 s");
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 
@@ -1233,9 +1280,11 @@ impl<'w> Case<'w> {
     /// forgets; the next miss repairs it). A completed copy is Postgres's completion, byte for byte (so
     /// a replay from Redis is one Postgres would give); a marker is the live owner's or the indeterminate
     /// record's, unless Redis was paused or restarted in the case (a marker then may lag until deleted).
-    async fn compare_redis(&self) -> Result<(), String> {
+    async fn compare_redis(&mut self) -> Result<(), String> {
         let h = &self.world.harness;
-        if h.redis.is_none() {
+        // While Redis is paused a read would wait for the pause to end, and the next step must run
+        // during it.
+        if h.redis.is_none() || self.paused_until.is_some() {
             return Ok(());
         }
         let mut conn = h.redis_connection().await;
@@ -1267,7 +1316,6 @@ impl<'w> Case<'w> {
                     )),
                 }
             }
-            ("hash", _) if self.redis_behind => Ok(()),
             ("hash", [state, fingerprint, owner]) => {
                 let (state, owner) = (state.as_deref().map(text), owner.as_deref().map(text));
                 let agrees = match (state.as_deref(), postgres) {
@@ -1278,6 +1326,11 @@ impl<'w> Case<'w> {
                     _ => false,
                 };
                 if agrees {
+                    // What lagged behind a pause has caught up (or was deleted).
+                    self.redis_behind = false;
+                    return Ok(());
+                }
+                if self.redis_behind {
                     return Ok(());
                 }
                 Err(format!(

@@ -135,13 +135,6 @@ pub enum Settle {
     Released,
 }
 
-/// The order in which two concurrent begins took effect.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Order {
-    AsCalled,
-    Reversed,
-}
-
 /// What Postgres holds for the key after a step (`Admin::lookup`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Seen {
@@ -301,6 +294,20 @@ impl Model {
         }
     }
 
+    /// A run in a transaction answered "indeterminate": allowed now, and its mark of the record lands
+    /// with the transaction's commit, or not (decided at the next [`Model::observe`]).
+    pub fn indeterminate_in_tx(&mut self, call: Call) -> Verdict {
+        let allowed = self.allowed(call);
+        if !allowed.kinds.contains(&Kind::Indeterminate) {
+            return Err(format!(
+                "{call} was answered Indeterminate, but {}: only {:?} may be answered",
+                allowed.why, allowed.kinds
+            ));
+        }
+        self.pending.push(Pending::Begin(call));
+        Ok(())
+    }
+
     /// A call that failed closed: decided at the next [`Model::observe`].
     pub fn failed_closed(&mut self, pending: Pending) {
         self.pending.push(pending);
@@ -329,52 +336,44 @@ impl Model {
         ))
     }
 
-    /// Checks the answers of two begins that ran at the same time: some order of the two must explain
-    /// both. Returns that order.
+    /// Checks the answers of begins that ran at the same time: some order of them must explain every
+    /// answer. Returns that order (positions in `begun`).
     ///
-    /// With the same payload, the later of the two may be told "in flight" and change nothing: it met
-    /// the earlier one's Redis marker (`redis_in_front`: Redis had no settled copy of the key, so the
-    /// earlier one wrote a marker before asking Postgres), waited on the earlier one's fresh claim, or
-    /// lost the race to mark the record indeterminate. That is the one round trip of "in flight" the
-    /// protocol allows without a lease.
-    pub fn begin_together(
-        &mut self,
-        first: (Call, &Answer),
-        second: (Call, &Answer),
-        redis_in_front: bool,
-    ) -> Result<Order, String> {
-        let as_called = self.in_order(first, second, redis_in_front);
-        let reversed = self.in_order(second, first, redis_in_front);
-        match (as_called, reversed) {
-            (Ok(model), _) => {
-                *self = model;
-                Ok(Order::AsCalled)
+    /// With the same payload, a later one may be told "in flight" and change nothing: it met an earlier
+    /// one's Redis marker (`redis_in_front`: Redis had no settled copy of the key, so the earlier one
+    /// wrote a marker before asking Postgres), waited on an earlier one's fresh claim, or lost the race to
+    /// mark the record indeterminate. That is the one round trip of "in flight" the protocol allows
+    /// without a lease.
+    pub fn begin_together(&mut self, begun: &[(Call, &Answer)], redis_in_front: bool) -> Result<Vec<usize>, String> {
+        let mut refusals = Vec::new();
+        for order in orders(begun.len()) {
+            match self.in_order(begun, &order, redis_in_front) {
+                Ok(model) => {
+                    *self = model;
+                    return Ok(order);
+                }
+                Err(refusal) => refusals.push(format!("in the order {order:?}: {refusal}")),
             }
-            (_, Ok(model)) => {
-                *self = model;
-                Ok(Order::Reversed)
-            }
-            (Err(as_called), Err(reversed)) => Err(format!(
-                "no order of the two concurrent begins explains their answers.\n  \
-                 first, then second: {as_called}\n  second, then first: {reversed}"
-            )),
         }
+        Err(format!("no order of the concurrent begins explains their answers.\n  {}", refusals.join("\n  ")))
     }
 
-    fn in_order(
-        &self,
-        earlier: (Call, &Answer),
-        later: (Call, &Answer),
-        redis_in_front: bool,
-    ) -> Result<Model, String> {
+    fn in_order(&self, begun: &[(Call, &Answer)], order: &[usize], redis_in_front: bool) -> Result<Model, String> {
         let mut model = self.clone();
-        model.begin(earlier.0, earlier.1)?;
-        // One that failed closed may have written, too.
-        let earlier_wrote = matches!(earlier.1, Answer::Acquired { .. } | Answer::Indeterminate | Answer::Unavailable);
-        let met_the_earlier =
-            earlier.0.payload == later.0.payload && *later.1 == Answer::InFlight && (redis_in_front || earlier_wrote);
-        if !met_the_earlier {
-            model.begin(later.0, later.1)?;
+        for (position, &index) in order.iter().enumerate() {
+            let (call, answer) = begun[index];
+            // One that failed closed may have written, too.
+            let wrote = |answer: &Answer| {
+                matches!(answer, Answer::Acquired { .. } | Answer::Indeterminate | Answer::Unavailable)
+            };
+            let met_an_earlier = *answer == Answer::InFlight
+                && order[..position].iter().any(|&earlier| {
+                    let (earlier_call, earlier_answer) = begun[earlier];
+                    earlier_call.payload == call.payload && (redis_in_front || wrote(earlier_answer))
+                });
+            if !met_an_earlier {
+                model.begin(call, answer)?;
+            }
         }
         Ok(model)
     }
@@ -752,4 +751,20 @@ impl Record {
             }
         }
     }
+}
+
+/// Every order of `n` things, the identity first.
+fn orders(n: usize) -> Vec<Vec<usize>> {
+    if n == 0 {
+        return vec![Vec::new()];
+    }
+    let mut all = Vec::new();
+    for shorter in orders(n - 1) {
+        for at in (0..n).rev() {
+            let mut order = shorter.clone();
+            order.insert(at, n - 1);
+            all.push(order);
+        }
+    }
+    all
 }

@@ -24,6 +24,10 @@ pub enum Step {
         first: (usize, Call),
         second: (usize, Call),
     },
+    /// Every client begins at the same time (client `i` with `calls[i]`).
+    EveryoneBegins {
+        calls: [Call; CLIENTS],
+    },
     /// A client runs a work through the run-once API: claim, work (which writes an effect row), and
     /// settlement in one call.
     Run {
@@ -153,6 +157,7 @@ fn step(mode: Mode) -> BoxedStrategy<Step> {
         2 => (client.clone(), 1..CLIENTS, call(), call()).prop_map(|(client, offset, first, second)| {
             Step::BeginTogether { first: (client, first), second: ((client + offset) % CLIENTS, second) }
         }),
+        1 => [call(), call(), call()].prop_map(|calls| Step::EveryoneBegins { calls }),
         3 => (client.clone(), call(), path(), work())
             .prop_map(|(client, call, path, work)| Step::Run { client, call, path, work }),
         4 => client.clone().prop_map(|client| Step::Complete { client }),
