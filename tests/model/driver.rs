@@ -85,6 +85,7 @@ const READ_COPY: &str = "local kind = redis.call('TYPE', KEYS[1]).ok
     if kind == 'string' then return {kind, {redis.call('GET', KEYS[1])}} end
     if kind == 'hash' then return {kind, redis.call('HMGET', KEYS[1], 's', 'h', 't')} end
     return {kind, {}}";
+const FALLBACKS: &str = "idemstore_redis_fallbacks_total";
 const FORGET_TOMBSTONE: &str = "DELETE FROM idempotency_tombstones WHERE digest = idempotency_key_digest($1, $2, $3)";
 
 /// What a campaign ran: cases, steps, faults among them, calls that failed closed, and those of them
@@ -615,6 +616,8 @@ struct Case<'w> {
     unanswered_run: Option<(Call, Committed)>,
     /// The case's requests go through the HTTP layer (a key is used through one interface).
     through_http: bool,
+    /// The stores' Redis fallbacks before the case.
+    fallbacks_before: f64,
     /// Redis was paused in this case, and its copy has not agreed with Postgres since: a marker written
     /// before may be behind Postgres until a store's background task deletes it (docs/protocol.md, "Not
     /// guaranteed").
@@ -640,6 +643,7 @@ impl<'w> Case<'w> {
             unanswered_run: None,
             redis_behind: false,
             through_http: false,
+            fallbacks_before: world.harness.counter(FALLBACKS, &[]),
         }
     }
 
@@ -750,14 +754,25 @@ impl<'w> Case<'w> {
         // A begin writes a marker only when Redis has no settled copy to answer from: only then may
         // another be told "in flight" by it.
         // During a pause, Redis cannot be read without waiting for its end: the begins may meet it back.
+        // A caller whose store cannot open the completed copy (sealed, or in clear) deletes it and asks
+        // Postgres: the others may then meet a marker (the model checker found this one).
+        let copy_sealing = match &self.last_seen {
+            Seen::Record(record) => record.sealing,
+            _ => None,
+        };
+        let evicted = copy_sealing.is_some_and(|sealing| calls.iter().any(|(_, call)| call.sealing != sealing));
+        // A store whose Redis call failed in this case deletes the key's copy later, in the background
+        // (it may lag behind Postgres): the same.
+        let fell_back = self.world.harness.counter(FALLBACKS, &[]) > self.fallbacks_before;
         let redis_in_front = self.world.mode() == Mode::TwoTier
-            && (self.paused_until.is_some() || !self.redis_holds_a_settled_copy().await);
+            && (self.paused_until.is_some() || evicted || fell_back || !self.redis_holds_a_settled_copy().await);
         let sent = calls.iter().map(|(client, call)| self.send_begin(*client, *call));
         let mut begun: Vec<Option<Begun>> = futures::future::join_all(sent).await.into_iter().map(Some).collect();
         let answers: Result<Vec<(Call, &Answer)>, String> = (begun.iter().flatten())
             .map(|begun| begun.read.as_ref().map(|(answer, _)| (begun.call, answer)).map_err(Clone::clone))
             .collect();
         let verdict = answers.and_then(|answers| self.model.begin_together(&answers, redis_in_front));
+        let verdict = verdict.map_err(|refusal| format!("{refusal}\n  (Redis in front: {redis_in_front})"));
         // In the order the model found, which is the order the history's checks must read them in.
         let order = verdict.as_ref().map_or_else(|_| (0..begun.len()).collect(), Clone::clone);
         for position in &order {
