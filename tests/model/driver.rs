@@ -86,6 +86,8 @@ const READ_COPY: &str = "local kind = redis.call('TYPE', KEYS[1]).ok
     if kind == 'hash' then return {kind, redis.call('HMGET', KEYS[1], 's', 'h', 't')} end
     return {kind, {}}";
 const FALLBACKS: &str = "idemstore_redis_fallbacks_total";
+/// For how many steps after a Redis fallback a store may still delete the key's copy.
+const FALLBACK_WINDOW: usize = 3;
 const FORGET_TOMBSTONE: &str = "DELETE FROM idempotency_tombstones WHERE digest = idempotency_key_digest($1, $2, $3)";
 
 /// What a campaign ran: cases, steps, faults among them, calls that failed closed, and those of them
@@ -108,8 +110,8 @@ pub struct World {
     /// One store per lease rule (as two services with different policies for the same operation have)
     /// and per sealing: `stores[rule][sealing]`. They reach Postgres through the harness's proxy.
     stores: [[Store; 2]; 2],
-    /// The checker's stores (sealing, and without the key), straight to Postgres: they look, whatever
-    /// the faults.
+    /// The checker's stores (sealing, and without the key), straight to Postgres and without Redis: they
+    /// look, whatever the faults.
     lookers: [Store; 2],
     fingerprints: [(Payload, Fingerprint); 2],
     /// The HTTP layer in front of each store, plain and with the handler's writes in the claim's
@@ -147,8 +149,11 @@ impl World {
             [Sealing::Sealed, Sealing::Clear]
                 .map(|sealing| store(&harness, &harness.store_url, POSTGRES_TIMEOUT, expiry, sealing))
         });
-        let lookers = [Sealing::Sealed, Sealing::Clear]
-            .map(|sealing| store(&harness, &harness.database_url, LOOKER_TIMEOUT, LeaseExpiry::TakeOver, sealing));
+        // Without Redis: a look at Postgres never waits for a paused Redis (the step after a pause runs
+        // during it).
+        let lookers = [Sealing::Sealed, Sealing::Clear].map(|sealing| {
+            store_with(&harness, &harness.database_url, LOOKER_TIMEOUT, LeaseExpiry::TakeOver, sealing, false)
+        });
         let routers = stores.each_ref().map(|by_sealing| {
             by_sealing.each_ref().map(|store| [Path::Plain, Path::InTx].map(|path| router(&harness, store, path)))
         });
@@ -222,9 +227,9 @@ impl World {
         let mut case = Case::new(self, self.cases.fetch_add(1, Ordering::Relaxed));
         case.through_http = steps.iter().any(|step| matches!(step, Step::Http { .. }));
         let verdict = case.run(steps).await;
-        case.settle().await;
+        let settled = case.settle().await;
         case.forget().await;
-        verdict
+        verdict.and(settled)
     }
 
     fn store(&self, rule: Rule, sealing: Sealing) -> &Store {
@@ -303,6 +308,18 @@ fn body(payload: Payload) -> Value {
 /// A store on the harness's Redis prefix and on Postgres at `database_url`, with a short Redis budget and
 /// cool-down and `postgres_timeout`, that seals with the model's own key or writes in clear.
 fn store(h: &Harness, database_url: &str, postgres_timeout: Duration, expiry: LeaseExpiry, sealing: Sealing) -> Store {
+    store_with(h, database_url, postgres_timeout, expiry, sealing, true)
+}
+
+/// [`store`], with Redis or without.
+fn store_with(
+    h: &Harness,
+    database_url: &str,
+    postgres_timeout: Duration,
+    expiry: LeaseExpiry,
+    sealing: Sealing,
+    redis: bool,
+) -> Store {
     let mut builder = Store::builder()
         .database_url(database_url)
         .key_prefix(&h.prefix)
@@ -310,7 +327,7 @@ fn store(h: &Harness, database_url: &str, postgres_timeout: Duration, expiry: Le
         .redis_cooldown(REDIS_COOLDOWN)
         .postgres_timeout(postgres_timeout)
         .policy(&h.operation, policy(expiry));
-    if let Some(url) = &h.redis_url {
+    if let Some(url) = h.redis_url.as_ref().filter(|_| redis) {
         builder = builder.redis_url(url);
     }
     builder = match sealing {
@@ -616,8 +633,10 @@ struct Case<'w> {
     unanswered_run: Option<(Call, Committed)>,
     /// The case's requests go through the HTTP layer (a key is used through one interface).
     through_http: bool,
-    /// The stores' Redis fallbacks before the case.
-    fallbacks_before: f64,
+    /// The stores' Redis fallbacks as of the end of the last step, and the last step in which there
+    /// were any.
+    fallbacks_seen: f64,
+    fell_back_at: Option<usize>,
     /// Redis was paused in this case, and its copy has not agreed with Postgres since: a marker written
     /// before may be behind Postgres until a store's background task deletes it (docs/protocol.md, "Not
     /// guaranteed").
@@ -643,7 +662,8 @@ impl<'w> Case<'w> {
             unanswered_run: None,
             redis_behind: false,
             through_http: false,
-            fallbacks_before: world.harness.counter(FALLBACKS, &[]),
+            fallbacks_seen: world.harness.counter(FALLBACKS, &[]),
+            fell_back_at: None,
         }
     }
 
@@ -659,7 +679,7 @@ impl<'w> Case<'w> {
             }
             let (stepped, ()) = tokio::join!(self.step(index, *step), heal(world, stall));
             stepped.map_err(|violation| self.report(index, &violation))?;
-            self.settle_postgres().await;
+            self.settle_postgres().await.map_err(|violation| self.report(index, &violation))?;
             self.check_effects(index).await.map_err(|violation| self.report(index, &violation))?;
             let before = self.last_seen.clone();
             let seen = self.look().await.map_err(|violation| self.report(index, &violation))?;
@@ -669,14 +689,20 @@ impl<'w> Case<'w> {
                 self.world.landed_late.fetch_add(1, Ordering::Relaxed);
                 self.landed(index, &before, call, fence);
             }
-            // A restart empties Redis: only writes skipped during a pause leave a marker behind.
+            // A restart empties Redis: only writes skipped or late (a pause, a call past its budget) leave a
+            // marker behind.
+            let fallbacks = self.world.harness.counter(FALLBACKS, &[]);
+            if fallbacks > std::mem::replace(&mut self.fallbacks_seen, fallbacks) {
+                self.fell_back_at = Some(index);
+                self.redis_behind = true;
+            }
             self.redis_behind |= matches!(step, Step::RedisPause);
             self.compare_redis()
                 .await
                 .map_err(|violation| self.report(index, &format!("after the step, {violation}")))?;
             // The step after a pause runs during it.
             if !matches!(step, Step::RedisPause) {
-                self.settle().await;
+                self.settle().await.map_err(|violation| self.report(index, &violation))?;
             }
         }
         self.history.check().map_err(|violation| self.report(steps.len(), &format!("the history: {violation}")))
@@ -756,14 +782,16 @@ impl<'w> Case<'w> {
         // During a pause, Redis cannot be read without waiting for its end: the begins may meet it back.
         // A caller whose store cannot open the completed copy (sealed, or in clear) deletes it and asks
         // Postgres: the others may then meet a marker (the model checker found this one).
-        let copy_sealing = match &self.last_seen {
-            Seen::Record(record) => record.sealing,
-            _ => None,
+        // (Another payload is told "mismatch" before any opening.)
+        let evicted = match &self.last_seen {
+            Seen::Record(SeenRecord { sealing: Some(sealing), payload, .. }) => {
+                calls.iter().any(|(_, call)| call.sealing != *sealing && Some(call.payload) == *payload)
+            }
+            _ => false,
         };
-        let evicted = copy_sealing.is_some_and(|sealing| calls.iter().any(|(_, call)| call.sealing != sealing));
-        // A store whose Redis call failed in this case deletes the key's copy later, in the background
-        // (it may lag behind Postgres): the same.
-        let fell_back = self.world.harness.counter(FALLBACKS, &[]) > self.fallbacks_before;
+        // A store whose Redis call failed lately deletes the key's copy later (it may lag behind Postgres):
+        // in the background once Redis answers, or before its next call on the key. The same.
+        let fell_back = self.fell_back_at.is_some_and(|step| index <= step + FALLBACK_WINDOW);
         let redis_in_front = self.world.mode() == Mode::TwoTier
             && (self.paused_until.is_some() || evicted || fell_back || !self.redis_holds_a_settled_copy().await);
         let sent = calls.iter().map(|(client, call)| self.send_begin(*client, *call));
@@ -1208,12 +1236,12 @@ impl<'w> Case<'w> {
 
     /// Ends a Postgres stall once its time is up, and waits until Postgres finished what the stores sent
     /// (a statement held by the stall, or sent by a call that gave up, lands now or never).
-    async fn settle_postgres(&mut self) {
+    async fn settle_postgres(&mut self) -> Result<(), String> {
         if let Some(until) = self.stalled_until.take() {
             heal(self.world, Some(until)).await;
         }
         if !std::mem::take(&mut self.unquiet) {
-            return;
+            return Ok(());
         }
         // Every connection of the stores back in its pool: sqlx returns one only once the server answered
         // what was sent on it (a ping after the statement its caller gave up on), so nothing of theirs is
@@ -1223,9 +1251,12 @@ impl<'w> Case<'w> {
             self.world.stores.iter().flatten().map(Store::pg_pool).any(|pool| pool.num_idle() < pool.size() as usize)
         };
         while busy() {
-            assert!(Instant::now() < deadline, "the stores' connections did not come back from Postgres in 20 s");
+            if Instant::now() >= deadline {
+                return Err("the stores' connections did not come back from Postgres in 20 s".to_owned());
+            }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        Ok(())
     }
 
     async fn flush_redis(&mut self, index: usize) {
@@ -1262,11 +1293,11 @@ impl<'w> Case<'w> {
     }
 
     /// Waits for a Redis pause to end and for what it queued to run, and for a Postgres stall to end.
-    async fn settle(&mut self) {
+    async fn settle(&mut self) -> Result<(), String> {
         if let Some(until) = self.paused_until.take() {
             tokio::time::sleep_until((until + AFTER_PAUSE).into()).await;
         }
-        self.settle_postgres().await;
+        self.settle_postgres().await
     }
 
     /// What Postgres holds for the key, as it is stored (not as `lookup` presents a record past its
@@ -1318,11 +1349,17 @@ impl<'w> Case<'w> {
             (*state as u8 as char, &fingerprint[..], owner.as_deref(), response.as_deref(), live.unwrap_or(false))
         });
         match (kind.as_str(), &fields[..]) {
-            ("none", _) => Ok(()),
+            ("none", _) => {
+                self.redis_behind = false;
+                Ok(())
+            }
             ("string", [Some(copy)]) => {
                 let (fingerprint, response) = copy.split_at(copy.len().min(32));
                 match postgres {
-                    Some(('c', held, _, Some(bytes), _)) if held == fingerprint && bytes == response => Ok(()),
+                    Some(('c', held, _, Some(bytes), _)) if held == fingerprint && bytes == response => {
+                        self.redis_behind = false;
+                        Ok(())
+                    }
                     _ => Err(format!(
                         "Redis holds a completed copy ({:?}), but Postgres holds {:?}: a replay from Redis must \
                          be Postgres's completion",
