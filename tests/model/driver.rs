@@ -1311,15 +1311,19 @@ impl<'w> Case<'w> {
     /// Whether Redis holds a completed or indeterminate copy of the key, which answers a begin without a
     /// marker.
     async fn redis_holds_a_settled_copy(&self) -> bool {
+        match self.redis_copy().await {
+            (kind, _) if kind == "string" => true,
+            (kind, fields) => kind == "hash" && fields.first().is_some_and(|state| state.as_deref() == Some(b"i")),
+        }
+    }
+
+    /// Redis's copy of the key, read at once: its type and its fields (a completed string; a marker's
+    /// state, fingerprint and owner).
+    async fn redis_copy(&self) -> (String, Vec<Option<Vec<u8>>>) {
         let h = &self.world.harness;
         let mut conn = h.redis_connection().await;
         let record_key = h.redis_key(&self.scope, &self.key);
-        let kind: String = redis::cmd("TYPE").arg(&record_key).query_async(&mut conn).await.expect("TYPE");
-        let state: Option<String> = match kind.as_str() {
-            "hash" => redis::cmd("HGET").arg(&record_key).arg("s").query_async(&mut conn).await.expect("HGET"),
-            _ => None,
-        };
-        kind == "string" || state.as_deref() == Some("i")
+        redis::Script::new(READ_COPY).key(&record_key).invoke_async(&mut conn).await.expect("read Redis's copy")
     }
 
     /// Compares Redis's copy of the key with what Postgres holds. A copy may always be missing (Redis
@@ -1333,11 +1337,7 @@ impl<'w> Case<'w> {
         if h.redis.is_none() || self.paused_until.is_some() {
             return Ok(());
         }
-        let mut conn = h.redis_connection().await;
-        let record_key = h.redis_key(&self.scope, &self.key);
-        // One atomic read: the key's type and its fields.
-        let (kind, fields): (String, Vec<Option<Vec<u8>>>) =
-            redis::Script::new(READ_COPY).key(&record_key).invoke_async(&mut conn).await.expect("read Redis's copy");
+        let (kind, fields) = self.redis_copy().await;
         let stored = sqlx::query_as::<_, (i8, Vec<u8>, Option<String>, Option<Vec<u8>>, Option<bool>)>(STORED)
             .bind(&self.tenant)
             .bind(self.scope.operation())

@@ -138,12 +138,7 @@ fn http_step(mode: Mode) -> BoxedStrategy<Step> {
     });
     let protocol = prop_oneof![
         10 => requests,
-        2 => Just(Step::ExpireLease),
-        2 => Just(Step::PassRetention),
-        1 => Just(Step::PassTombstoneHorizon),
-        2 => Just(Step::Purge),
-        1 => Just(Step::RecoverStale),
-        1 => (any::<bool>(), sealing()).prop_map(|(completed, sealing)| Step::Resolve { completed, sealing }),
+        9 => time_and_operator(),
     ];
     with_faults(mode, protocol.boxed())
 }
@@ -164,14 +159,21 @@ fn step(mode: Mode) -> BoxedStrategy<Step> {
         1 => client.clone().prop_map(|client| Step::Release { client }),
         1 => client.clone().prop_map(|client| Step::Extend { client }),
         1 => client.prop_map(|client| Step::Drop { client }),
+        9 => time_and_operator(),
+    ];
+    with_faults(mode, protocol.boxed())
+}
+
+/// Time passing in the servers' data and the operator's calls, in both kinds of case.
+fn time_and_operator() -> impl Strategy<Value = Step> {
+    prop_oneof![
         2 => Just(Step::ExpireLease),
         2 => Just(Step::PassRetention),
         1 => Just(Step::PassTombstoneHorizon),
         2 => Just(Step::Purge),
         1 => Just(Step::RecoverStale),
         1 => (any::<bool>(), sealing()).prop_map(|(completed, sealing)| Step::Resolve { completed, sealing }),
-    ];
-    with_faults(mode, protocol.boxed())
+    ]
 }
 
 /// `protocol`, with the faults of `mode` among its steps.
