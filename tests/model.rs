@@ -1,12 +1,14 @@
-//! Model-based checking of the store. Random sequences of begins (up to three at once), runs of a work
-//! that writes an effect row (`run_once`, `run_once_in_tx`, and requests through the HTTP layer, plain
-//! and transactional; results that serialize, that do not, and errors), completions, releases,
-//! extensions, crashed owners, leases running out, retentions and tombstone horizons passing, purges,
-//! recoveries, resolutions, (two-tier) Redis flushes, restarts and pauses, and stalls and cuts of the
-//! stores' connections to Postgres run against real Redis and Postgres, through stores that seal and
-//! stores without the key on one database. Every answer is checked against a reference model of the key
-//! (`model/reference.rs`), what Postgres holds (and Redis's copy) is compared with the model after every
-//! step, and each case's history is checked as a whole at its end (`model/history.rs`).
+//! Model-based checking of the store. Random sequences of begins (up to three at once, or waiting for the
+//! key's owner while it settles), runs of a work that writes an effect row (`run_once`,
+//! `run_once_in_tx`, and requests through the HTTP layer, plain and transactional; results that
+//! serialize, that do not, and errors), completions, releases, extensions, crashed owners, leases running
+//! out, retentions and tombstone horizons passing, purges, recoveries, resolutions, (two-tier) Redis
+//! flushes, restarts and pauses, and stalls and cuts of the stores' connections to Postgres run against
+//! real Redis and Postgres, through stores that seal and stores without the key on one database, on two
+//! keys per case, some cases under a live-key quota of one. Every answer is checked against a reference
+//! model of its key (`model/reference.rs`), what Postgres holds (and Redis's copy) is compared with the
+//! model after every step, and each case's history is checked as a whole at its end
+//! (`model/history.rs`).
 //!
 //! Each test starts its servers once; each case uses a tenant of its own (`model/driver.rs`). Time moves
 //! in the servers' data, so no case waits for a lease. proptest shrinks a failing sequence and the
@@ -38,7 +40,7 @@ use driver::World;
 
 suite!(every_answer_is_one_the_model_allows);
 
-/// Random step sequences on one key: every answer is one the reference model allows, Postgres holds
+/// Random step sequences on two keys: every answer is one the reference model allows, Postgres holds
 /// what the model holds after every step, and per life of the key at most one completion is stored and
 /// every replay repeats it.
 async fn every_answer_is_one_the_model_allows(mode: Mode) {
@@ -53,12 +55,15 @@ async fn every_answer_is_one_the_model_allows(mode: Mode) {
     }
     let counts = world.counts();
     eprintln!(
-        "model check, {mode:?}: {} cases, {} steps ({} HTTP requests, {} of them handled), {} faults, {} calls \
-         failed closed ({} of them landed late), 0 violations",
+        "model check, {mode:?}: {} cases, {} steps ({} HTTP requests, {} of them handled; {} claims refused by the \
+         quota; {} waiting begins answered after the owner settled), {} faults, {} calls failed closed ({} of them \
+         landed late), 0 violations",
         counts.cases,
         counts.steps,
         counts.requests,
         counts.handled,
+        counts.refused_by_quota,
+        counts.woken,
         counts.faults,
         counts.failed_closed,
         counts.landed_late
@@ -95,14 +100,14 @@ impl Campaign {
             ..Config::default()
         };
         let mut runner = TestRunner::new(config);
-        let sequences = steps::sequences(world.mode(), self.max_steps);
+        let scripts = steps::scripts(world.mode(), self.max_steps);
         let found =
-            runner.run(&sequences, |sequence| runtime.block_on(world.run_case(&sequence)).map_err(TestCaseError::fail));
+            runner.run(&scripts, |script| runtime.block_on(world.run_case(&script)).map_err(TestCaseError::fail));
         match found {
             Ok(()) => Ok(()),
-            Err(TestError::Fail(reason, sequence)) => Err(format!(
+            Err(TestError::Fail(reason, script)) => Err(format!(
                 "the store did what the model does not allow (replay: {self} cargo nextest run -E 'test(/^model::/)')\n\
-                 shortest failing sequence found: {sequence:#?}\n\n{reason}"
+                 shortest failing case found: {script:#?}\n\n{reason}"
             )),
             Err(TestError::Abort(reason)) => Err(format!("proptest gave up ({self}): {reason}")),
         }

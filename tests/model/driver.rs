@@ -1,6 +1,6 @@
 //! The real side of the model test: the servers of one test, and each case run on them. Every step goes
-//! to the store, its answer to the reference model, and after every step what Postgres holds is
-//! compared with the model.
+//! to the store, its answer to its key's reference model, and after every step what Postgres holds for
+//! each key is compared with the key's model.
 //!
 //! Stores that seal and stores without the key share the database, as they do while encryption is
 //! turned on or off or a second service lacks the key; a run's work writes an effect row, counted after
@@ -29,7 +29,7 @@ use idemstore::admin::Resolution;
 use idemstore::http::{ClaimTx, IdempotencyLayer, KeySpace, problem_types};
 use idemstore::{
     Begin, Encryption, EncryptionError, Fingerprint, FingerprintOptions, IdempotencyKey, LeaseExpiry, Mode, Owner,
-    Policy, Record, RunError, RunOutcome, Scope, State, Store, StoreError, TxFuture,
+    Policy, Quota, Record, RunError, RunOptions, RunOutcome, Scope, State, Store, StoreError, TxFuture,
 };
 use idemstore_testkit::ProxyMode;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -41,7 +41,7 @@ use super::history::{Effect, History, Span};
 use super::reference::{
     Answer, Call, Model, Outcome, Payload, Pending, Rule, Sealing, Seen, SeenRecord, Settle, Stage, Write,
 };
-use super::steps::{CLIENTS, Path, Step, Work};
+use super::steps::{CLIENTS, KEYS, Path, Script, Step, Work};
 use crate::support::{self, Harness, Servers};
 
 const LEASE: Duration = Duration::from_secs(60);
@@ -60,11 +60,17 @@ const AFTER_PAUSE: Duration = Duration::from_millis(50);
 /// the calls of the step during a stall fail closed (or, for a settlement, are asked again).
 const POSTGRES_TIMEOUT: Duration = Duration::from_millis(300);
 const POSTGRES_STALL: Duration = Duration::from_millis(500);
+/// How long a begin waits for an in-flight owner: the owner settles at once, and a waiter that missed
+/// its wake-up asks again within a second.
+const WAIT: Duration = Duration::from_millis(1500);
 /// The checker's own looks are never the ones to fail on a loaded machine.
 const LOOKER_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Purges and recoveries meet only the current case's key (each case removes its records at its end).
+/// Purges and recoveries meet only the current case's keys (each case removes its records at its end).
 const BATCH: u32 = 100;
+
+/// The operation of the cases under a quota: at most one live key per tenant.
+const QUOTA_OPERATION: &str = "model-quota";
 
 /// What `run_once` stores for a work whose result did not serialize (its private marker, read back
 /// through `inspect` and `begin`).
@@ -88,6 +94,9 @@ const READ_COPY: &str = "local kind = redis.call('TYPE', KEYS[1]).ok
 const FALLBACKS: &str = "idemstore_redis_fallbacks_total";
 /// For how many steps after a Redis fallback a store may still delete the key's copy.
 const FALLBACK_WINDOW: usize = 3;
+/// The connections that listen for settlements (`wait_in_flight` through Postgres), idle between
+/// notifications. This test's Postgres is its own.
+const LISTENING: &str = "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' AND query LIKE 'LISTEN %'";
 const FORGET_TOMBSTONE: &str = "DELETE FROM idempotency_tombstones WHERE digest = idempotency_key_digest($1, $2, $3)";
 
 /// What a campaign ran: cases, steps, faults among them, calls that failed closed, and those of them
@@ -101,6 +110,8 @@ pub struct Counts {
     pub landed_late: u64,
     pub requests: u64,
     pub handled: u64,
+    pub refused_by_quota: u64,
+    pub woken: u64,
 }
 
 /// The servers of one test and the stores on them. Cases run one after another, each under a tenant of
@@ -131,6 +142,9 @@ pub struct World {
     /// Requests through the HTTP layer, and those of them the handler answered (it ran).
     requests: AtomicU64,
     handled: AtomicU64,
+    /// Claims the live-key quota refused, and waiting begins answered after the owner's settlement.
+    refused_by_quota: AtomicU64,
+    woken: AtomicU64,
 }
 
 impl World {
@@ -171,6 +185,8 @@ impl World {
             landed_late: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             handled: AtomicU64::new(0),
+            refused_by_quota: AtomicU64::new(0),
+            woken: AtomicU64::new(0),
         };
         world.layer_fingerprints = world.learn_layer_fingerprints().await;
         world
@@ -213,6 +229,8 @@ impl World {
             landed_late: load(&self.landed_late),
             requests: load(&self.requests),
             handled: load(&self.handled),
+            refused_by_quota: load(&self.refused_by_quota),
+            woken: load(&self.woken),
         }
     }
 
@@ -221,11 +239,12 @@ impl World {
     }
 
     /// Runs one case; `Err` says what the store did that the model does not allow, with the history.
-    pub async fn run_case(&self, steps: &[Step]) -> Result<(), String> {
-        self.faults.fetch_add(steps.iter().filter(|step| step.is_fault()).count() as u64, Ordering::Relaxed);
+    pub async fn run_case(&self, script: &Script) -> Result<(), String> {
+        let steps = &script.steps;
+        self.faults.fetch_add(steps.iter().filter(|(_, step)| step.is_fault()).count() as u64, Ordering::Relaxed);
         self.steps.fetch_add(steps.len() as u64, Ordering::Relaxed);
-        let mut case = Case::new(self, self.cases.fetch_add(1, Ordering::Relaxed));
-        case.through_http = steps.iter().any(|step| matches!(step, Step::Http { .. }));
+        let mut case = Case::new(self, self.cases.fetch_add(1, Ordering::Relaxed), script.quota);
+        case.through_http = steps.iter().any(|(_, step)| matches!(step, Step::Http { .. }));
         let verdict = case.run(steps).await;
         let settled = case.settle().await;
         case.forget().await;
@@ -296,8 +315,11 @@ impl World {
 }
 
 fn policy(expiry: LeaseExpiry) -> Policy {
-    let builder = Policy::builder().lease(LEASE).redis_ttl(REDIS_TTL).retention(Some(RETENTION));
-    builder.lease_expiry(expiry).build().expect("a valid policy")
+    policy_builder(expiry).build().expect("a valid policy")
+}
+
+fn policy_builder(expiry: LeaseExpiry) -> idemstore::PolicyBuilder {
+    Policy::builder().lease(LEASE).redis_ttl(REDIS_TTL).retention(Some(RETENTION)).lease_expiry(expiry)
 }
 
 /// The body a payload stands for.
@@ -326,7 +348,11 @@ fn store_with(
         .redis_budget(REDIS_BUDGET)
         .redis_cooldown(REDIS_COOLDOWN)
         .postgres_timeout(postgres_timeout)
-        .policy(&h.operation, policy(expiry));
+        .policy(&h.operation, policy(expiry))
+        .policy(
+            QUOTA_OPERATION,
+            policy_builder(expiry).quota(Quota::default().live_keys(1)).build().expect("a policy"),
+        );
     if let Some(url) = h.redis_url.as_ref().filter(|_| redis) {
         builder = builder.redis_url(url);
     }
@@ -545,6 +571,7 @@ fn read(begun: Result<Begin, StoreError>, sealing: Sealing) -> Result<(Answer, O
         Ok(Begin::Mismatch) => Answer::Mismatch,
         Ok(Begin::Indeterminate) => Answer::Indeterminate,
         Ok(Begin::Expired) => Answer::Expired,
+        Ok(Begin::QuotaExceeded { .. }) => Answer::QuotaExceeded,
         Ok(other) => return Err(format!("an answer the model does not know: {other:?}")),
         Err(error) if cannot_open(sealing, &error) => Answer::Unreadable,
         Err(error) if unavailable(&error) => Answer::Unavailable,
@@ -576,6 +603,7 @@ fn ran(outcome: Result<RunOutcome<Reply>, RunError<String>>, sealing: Sealing) -
         Ok(RunOutcome::Mismatch) => answered(Answer::Mismatch),
         Ok(RunOutcome::Indeterminate) => answered(Answer::Indeterminate),
         Ok(RunOutcome::Expired) => answered(Answer::Expired),
+        Ok(RunOutcome::QuotaExceeded { .. }) => answered(Answer::QuotaExceeded),
         Err(RunError::Encode(_)) => Ok(Ran::Completed(NOT_REPLAYABLE.to_owned())),
         Err(RunError::Work(_)) => Ok(Ran::Failed),
         Err(RunError::Store(error)) if cannot_open(sealing, &error) => answered(Answer::Unreadable),
@@ -608,18 +636,32 @@ struct Followed {
     said: String,
 }
 
-/// One case: a key under a tenant of its own, the clients' leases, the model, and the history.
-struct Case<'w> {
-    world: &'w World,
-    tenant: String,
-    scope: Scope,
+/// One key of a case: its model, the clients' leases of it, and what the tiers held for it.
+struct Keyed {
     key: IdempotencyKey,
     model: Model,
     /// The owner each client is, with the call that acquired the key.
     leases: [Option<(Owner, Call)>; CLIENTS],
-    history: History,
     /// What Postgres held for the key after the last step.
     last_seen: Seen,
+    /// Redis was paused in this case, or a store fell back from it, and the key's copy has not agreed
+    /// with Postgres since: a marker written before may be behind Postgres until a store's background
+    /// task deletes it (docs/protocol.md, "Not guaranteed").
+    redis_behind: bool,
+    /// A step of the case named the key: until then neither tier holds anything of it.
+    named: bool,
+}
+
+/// One case: keys under a tenant of its own, each with its model and the clients' leases, and the
+/// history.
+struct Case<'w> {
+    world: &'w World,
+    tenant: String,
+    scope: Scope,
+    keys: Vec<Keyed>,
+    /// The key of the current step.
+    at: usize,
+    history: History,
     /// Runs of a work whose effect row committed.
     effects: i64,
     /// When the current Redis pause ends.
@@ -637,75 +679,97 @@ struct Case<'w> {
     /// were any.
     fallbacks_seen: f64,
     fell_back_at: Option<usize>,
-    /// Redis was paused in this case, and its copy has not agreed with Postgres since: a marker written
-    /// before may be behind Postgres until a store's background task deletes it (docs/protocol.md, "Not
-    /// guaranteed").
-    redis_behind: bool,
 }
 
 impl<'w> Case<'w> {
-    fn new(world: &'w World, number: u64) -> Self {
+    fn new(world: &'w World, number: u64, quota: bool) -> Self {
         let tenant = format!("m{number}");
+        let operation = if quota { QUOTA_OPERATION } else { &world.harness.operation };
+        let keys = (0..KEYS).map(|key| Keyed {
+            key: support::key(&format!("k{key}")),
+            model: Model::new(quota),
+            leases: Default::default(),
+            last_seen: Seen::Nothing,
+            redis_behind: false,
+            named: false,
+        });
         Self {
             world,
-            scope: world.harness.scope(&tenant),
+            scope: Scope::new(tenant.as_str(), operation).expect("a valid scope"),
             tenant,
-            key: support::key("k"),
-            model: Model::default(),
-            leases: Default::default(),
+            keys: keys.collect(),
+            at: 0,
             history: History::start(),
-            last_seen: Seen::Nothing,
             effects: 0,
             paused_until: None,
             stalled_until: None,
             unquiet: false,
             unanswered_run: None,
-            redis_behind: false,
             through_http: false,
             fallbacks_seen: world.harness.counter(FALLBACKS, &[]),
             fell_back_at: None,
         }
     }
 
-    async fn run(&mut self, steps: &[Step]) -> Result<(), String> {
-        for (index, step) in steps.iter().enumerate() {
+    async fn run(&mut self, steps: &[(usize, Step)]) -> Result<(), String> {
+        for (index, &(key, step)) in steps.iter().enumerate() {
+            self.turn_to(key);
+            self.keys[key].named = true;
             // The step after a stall runs during it, and the stall heals on time, whatever the step waits for.
             // A stall during a stall lasts until the later one ends.
             let (world, stall) = (self.world, self.stalled_until.take());
             if matches!(step, Step::PostgresStall) {
-                self.step(index, *step).await.map_err(|violation| self.report(index, &violation))?;
+                self.step(index, step).await.map_err(|violation| self.report(index, &violation))?;
                 self.stalled_until = self.stalled_until.max(stall);
                 continue;
             }
-            let (stepped, ()) = tokio::join!(self.step(index, *step), heal(world, stall));
+            let (stepped, ()) = tokio::join!(self.step(index, step), heal(world, stall));
             stepped.map_err(|violation| self.report(index, &violation))?;
             self.settle_postgres().await.map_err(|violation| self.report(index, &violation))?;
             self.check_effects(index).await.map_err(|violation| self.report(index, &violation))?;
-            let before = self.last_seen.clone();
-            let seen = self.look().await.map_err(|violation| self.report(index, &violation))?;
-            let landed = self.model.observe(&seen).map_err(|violation| format!("after the step, {violation}"));
-            let landed = landed.map_err(|violation| self.report(index, &violation))?;
-            for (call, fence) in landed {
-                self.world.landed_late.fetch_add(1, Ordering::Relaxed);
-                self.landed(index, &before, call, fence);
-            }
             // A restart empties Redis: only writes skipped or late (a pause, a call past its budget) leave a
             // marker behind.
             let fallbacks = self.world.harness.counter(FALLBACKS, &[]);
-            if fallbacks > std::mem::replace(&mut self.fallbacks_seen, fallbacks) {
+            let fell_back = fallbacks > std::mem::replace(&mut self.fallbacks_seen, fallbacks);
+            if fell_back {
                 self.fell_back_at = Some(index);
-                self.redis_behind = true;
             }
-            self.redis_behind |= matches!(step, Step::RedisPause);
-            self.compare_redis()
-                .await
-                .map_err(|violation| self.report(index, &format!("after the step, {violation}")))?;
+            let named: Vec<usize> = (0..KEYS).filter(|&key| self.keys[key].named).collect();
+            for key in named {
+                self.turn_to(key);
+                self.keys[key].redis_behind |= fell_back || matches!(step, Step::RedisPause);
+                self.compare_with_the_tiers(index).await.map_err(|violation| self.report(index, &violation))?;
+            }
             // The step after a pause runs during it.
             if !matches!(step, Step::RedisPause) {
                 self.settle().await.map_err(|violation| self.report(index, &violation))?;
             }
         }
         self.history.check().map_err(|violation| self.report(steps.len(), &format!("the history: {violation}")))
+    }
+
+    /// Makes `key` the current step's key; under a quota, its model learns whether another key holds the
+    /// operation's one live lease.
+    fn turn_to(&mut self, key: usize) {
+        self.at = key;
+        self.history.key = key;
+        let elsewhere =
+            self.keys.iter().enumerate().any(|(other, keyed)| other != key && keyed.model.holds_a_live_lease());
+        self.keys[key].model.set_quota_full(elsewhere);
+    }
+
+    /// Compares what Postgres holds for the current key with its model (the calls that failed closed
+    /// decided), then Redis's copy with Postgres.
+    async fn compare_with_the_tiers(&mut self, index: usize) -> Result<(), String> {
+        let before = self.keys[self.at].last_seen.clone();
+        let seen = self.look().await?;
+        let landed =
+            self.keys[self.at].model.observe(&seen).map_err(|violation| format!("after the step, {violation}"))?;
+        for (call, fence) in landed {
+            self.world.landed_late.fetch_add(1, Ordering::Relaxed);
+            self.landed(index, &before, call, fence);
+        }
+        self.compare_redis().await.map_err(|violation| format!("after the step, {violation}"))
     }
 
     async fn step(&mut self, index: usize, step: Step) -> Result<(), String> {
@@ -718,9 +782,10 @@ impl<'w> Case<'w> {
                 let calls: Vec<(usize, Call)> = calls.into_iter().enumerate().collect();
                 return self.begin_together(index, &calls).await;
             }
+            Step::Wait { client, call, complete } => return self.wait(index, client, call, complete).await,
             Step::Run { client, call, path, work } => return self.run_work(index, client, call, path, work).await,
             Step::Http { client, call, path, work } => return self.request(index, client, call, path, work).await,
-            Step::Complete { client } => return self.complete(index, client).await,
+            Step::Complete { client } => return self.fenced(index, client, self.completion_by(client, index)).await,
             Step::Release { client } => return self.fenced(index, client, Write::Release).await,
             Step::Extend { client } => return self.fenced(index, client, Write::Extend).await,
             Step::Purge => return self.purge(index).await,
@@ -731,18 +796,18 @@ impl<'w> Case<'w> {
                 self.history.note(index, format!("c{client} forgets its lease"), format!("{dropped:?}"));
             }
             Step::ExpireLease => {
-                h.pass_lease(&self.scope, &self.key).await;
-                self.model.expire_lease();
+                h.pass_lease(&self.scope, &self.keys[self.at].key).await;
+                self.keys[self.at].model.expire_lease();
                 self.history.note(index, "the lease runs out", "");
             }
             Step::PassRetention => {
-                h.pass_retention(&self.scope, &self.key).await;
-                self.model.pass_retention();
+                h.pass_retention(&self.scope, &self.keys[self.at].key).await;
+                self.keys[self.at].model.pass_retention();
                 self.history.note(index, "the retention passes", "");
             }
             Step::PassTombstoneHorizon => {
-                h.pass_tombstone_horizon(&self.scope, &self.key).await;
-                self.model.pass_horizon();
+                h.pass_tombstone_horizon(&self.scope, &self.keys[self.at].key).await;
+                self.keys[self.at].model.pass_horizon();
                 self.history.note(index, "the tombstone's horizon passes", "");
             }
             Step::RedisFlush => self.flush_redis(index).await,
@@ -764,9 +829,15 @@ impl<'w> Case<'w> {
     }
 
     async fn begin(&mut self, index: usize, client: usize, call: Call) -> Result<(), String> {
-        let begun = self.send_begin(client, call).await;
+        let begun = self.send_begin(client, call, &RunOptions::default()).await;
+        self.follow_begin(index, begun)
+    }
+
+    /// Checks a begin's answer against the model, and keeps the lease it acquired.
+    fn follow_begin(&mut self, index: usize, begun: Begun) -> Result<(), String> {
+        let call = begun.call;
         let verdict = match &begun.read {
-            Ok((answer, _)) => self.model.begin(call, answer),
+            Ok((answer, _)) => self.keys[self.at].model.begin(call, answer),
             Err(error) => Err(error.clone()),
         };
         self.log(index, &begun);
@@ -783,7 +854,7 @@ impl<'w> Case<'w> {
         // A caller whose store cannot open the completed copy (sealed, or in clear) deletes it and asks
         // Postgres: the others may then meet a marker (the model checker found this one).
         // (Another payload is told "mismatch" before any opening.)
-        let evicted = match &self.last_seen {
+        let evicted = match &self.keys[self.at].last_seen {
             Seen::Record(SeenRecord { sealing: Some(sealing), payload, .. }) => {
                 calls.iter().any(|(_, call)| call.sealing != *sealing && Some(call.payload) == *payload)
             }
@@ -794,12 +865,13 @@ impl<'w> Case<'w> {
         let fell_back = self.fell_back_at.is_some_and(|step| index <= step + FALLBACK_WINDOW);
         let redis_in_front = self.world.mode() == Mode::TwoTier
             && (self.paused_until.is_some() || evicted || fell_back || !self.redis_holds_a_settled_copy().await);
-        let sent = calls.iter().map(|(client, call)| self.send_begin(*client, *call));
+        let options = RunOptions::default();
+        let sent = calls.iter().map(|(client, call)| self.send_begin(*client, *call, &options));
         let mut begun: Vec<Option<Begun>> = futures::future::join_all(sent).await.into_iter().map(Some).collect();
         let answers: Result<Vec<(Call, &Answer)>, String> = (begun.iter().flatten())
             .map(|begun| begun.read.as_ref().map(|(answer, _)| (begun.call, answer)).map_err(Clone::clone))
             .collect();
-        let verdict = answers.and_then(|answers| self.model.begin_together(&answers, redis_in_front));
+        let verdict = answers.and_then(|answers| self.keys[self.at].model.begin_together(&answers, redis_in_front));
         let verdict = verdict.map_err(|refusal| format!("{refusal}\n  (Redis in front: {redis_in_front})"));
         // In the order the model found, which is the order the history's checks must read them in.
         let order = verdict.as_ref().map_or_else(|_| (0..begun.len()).collect(), Clone::clone);
@@ -814,16 +886,21 @@ impl<'w> Case<'w> {
         Ok(())
     }
 
-    async fn send_begin(&self, client: usize, call: Call) -> Begun {
+    async fn send_begin(&self, client: usize, call: Call, options: &RunOptions) -> Begun {
         let store = self.world.store(call.rule, call.sealing);
-        let begin = store.begin(&self.scope, &self.key, self.world.fingerprint(call.payload));
+        let fingerprint = self.world.fingerprint(call.payload);
+        let begin = store.begin_with(&self.scope, &self.keys[self.at].key, fingerprint, options);
         let (begun, span) = self.history.timed(begin).await;
         Begun { client, call, span, read: read(begun, call.sealing) }
     }
 
     fn log(&mut self, index: usize, begun: &Begun) {
-        if matches!(begun.read, Ok((Answer::Unavailable, _))) {
-            self.count_failed_closed();
+        match begun.read {
+            Ok((Answer::Unavailable, _)) => self.count_failed_closed(),
+            Ok((Answer::QuotaExceeded, _)) => {
+                self.world.refused_by_quota.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
         }
         let (answer, effect) = match &begun.read {
             Ok((answer, _)) => (format!("{answer:?}"), self.effect_of(answer)),
@@ -835,7 +912,7 @@ impl<'w> Case<'w> {
     /// What a begin's answer means to the history.
     fn effect_of(&self, answer: &Answer) -> Effect {
         match answer {
-            Answer::Acquired { .. } if self.last_seen == Seen::Nothing => Effect::NewLife,
+            Answer::Acquired { .. } if self.keys[self.at].last_seen == Seen::Nothing => Effect::NewLife,
             Answer::Completed(response) => Effect::Replay(response.clone()),
             Answer::ReplayedBody(body) => Effect::ReplayBody(body.clone()),
             Answer::Expired => Effect::Expired,
@@ -845,7 +922,7 @@ impl<'w> Case<'w> {
 
     /// The client forgets its owner, as a crashed process would: the lease is left to run out.
     fn abandon(&mut self, client: usize) -> Option<i64> {
-        self.leases[client].take().map(|(owner, _)| {
+        self.keys[self.at].leases[client].take().map(|(owner, _)| {
             let fence = owner.fence();
             owner.abandon();
             fence
@@ -855,62 +932,104 @@ impl<'w> Case<'w> {
     fn keep(&mut self, begun: Begun) {
         if let Ok((_, Some(owner))) = begun.read {
             self.abandon(begun.client);
-            self.leases[begun.client] = Some((owner, begun.call));
+            self.keys[self.at].leases[begun.client] = Some((owner, begun.call));
         }
     }
 
-    /// Completes with a response that names who stored it, so that every completion's bytes differ.
-    async fn complete(&mut self, index: usize, client: usize) -> Result<(), String> {
-        let write = match &self.leases[client] {
+    /// A completion that names who stored it, so that every completion's bytes differ.
+    fn completion_by(&self, client: usize, index: usize) -> Write {
+        match &self.keys[self.at].leases[client] {
             Some((lease, call)) => {
                 let text = format!("{:?}:c{client}:f{}:s{index}", call.payload, lease.fence());
                 Write::Complete(response(text), call.sealing)
             }
             None => Write::Complete(String::new(), Sealing::Sealed),
-        };
-        self.fenced(index, client, write).await
+        }
     }
 
     async fn fenced(&mut self, index: usize, client: usize, write: Write) -> Result<(), String> {
         // Completing or releasing spends the owner (a second try is not expressible); extending keeps it.
         let owner = match write {
             Write::Extend => None,
-            _ => self.leases[client].take().map(|(owner, _)| owner),
+            _ => self.keys[self.at].leases[client].take().map(|(owner, _)| owner),
         };
-        let Some(fence) = owner.as_ref().or(self.leases[client].as_ref().map(|(owner, _)| owner)).map(Owner::fence)
-        else {
+        let held = self.keys[self.at].leases[client].as_ref().map(|(owner, _)| owner);
+        let Some(fence) = owner.as_ref().or(held).map(Owner::fence) else {
             self.history.note(index, format!("c{client} {write}"), "holds no lease: nothing sent");
             return Ok(());
         };
-        let (written, span) = self
-            .history
-            .timed(async {
-                match (&write, owner) {
-                    (Write::Complete(response, _), Some(owner)) => owner.complete(response.as_bytes()).await,
-                    (Write::Release, Some(owner)) => owner.release().await,
-                    _ => self.leases[client].as_ref().map(|(owner, _)| owner).expect("held").extend().await,
-                }
-            })
-            .await;
-        let outcome = match written {
+        let (written, span) = self.history.timed(self.send_write(client, owner, &write)).await;
+        let outcome = self.outcome_of(&write, written)?;
+        self.record_write(index, span, client, fence, &write, outcome);
+        self.keys[self.at].model.write(fence, &write, outcome)
+    }
+
+    /// An owner's write: a completion or a release spends `owner`; an extension uses the client's lease.
+    async fn send_write(&self, client: usize, owner: Option<Owner>, write: &Write) -> Result<(), StoreError> {
+        match (write, owner) {
+            (Write::Complete(response, _), Some(owner)) => owner.complete(response.as_bytes()).await,
+            (Write::Release, Some(owner)) => owner.release().await,
+            _ => self.keys[self.at].leases[client].as_ref().map(|(owner, _)| owner).expect("held").extend().await,
+        }
+    }
+
+    /// How a fenced write ended, as the model reads it.
+    fn outcome_of(&mut self, write: &Write, written: Result<(), StoreError>) -> Result<Outcome, String> {
+        match written {
             Ok(()) => Ok(Outcome::Done),
             Err(StoreError::LeaseLost { .. }) => Ok(Outcome::LeaseLost),
             Err(error) if unavailable(&error) => {
                 self.count_failed_closed();
-                Err(error)
+                Ok(Outcome::Unavailable)
             }
-            Err(error) => return Err(format!("{write} failed with an error that is not a refusal: {error:?}")),
+            Err(error) => Err(format!("{write} failed with an error that is not a refusal: {error:?}")),
+        }
+    }
+
+    fn record_write(&mut self, index: usize, span: Span, client: usize, fence: i64, write: &Write, outcome: Outcome) {
+        let effect = match (outcome, write) {
+            (Outcome::Done, Write::Complete(response, _)) => Effect::Completion(response.clone()),
+            _ => Effect::None,
         };
-        let (answer, effect) = match (&outcome, &write) {
-            (Ok(Outcome::Done), Write::Complete(response, _)) => {
-                ("Done".to_owned(), Effect::Completion(response.clone()))
-            }
-            (Ok(outcome), _) => (format!("{outcome:?}"), Effect::None),
-            (Err(error), _) => (format!("{error:?}"), Effect::None),
+        self.history.record(index, span, format!("c{client} {write} (fence {fence})"), format!("{outcome:?}"), effect);
+    }
+
+    /// A begin that waits for the key's owner (`wait_in_flight`) while the first other client that
+    /// holds a lease of the key settles it. Some order of the two explains both answers, and a waiter
+    /// is told "in flight" only while a live lease still holds the key after the settlement (the
+    /// settlement wakes it).
+    async fn wait(&mut self, index: usize, client: usize, call: Call, complete: bool) -> Result<(), String> {
+        let waiting = RunOptions::default().wait_in_flight(WAIT);
+        let holder = (0..CLIENTS).find(|&other| other != client && self.keys[self.at].leases[other].is_some());
+        let Some(holder) = holder else {
+            // Nobody to settle: a begin that waits for a lease nobody holds any more, or for nothing.
+            let begun = self.send_begin(client, call, &waiting).await;
+            return self.follow_begin(index, begun);
         };
-        let call = format!("c{client} {write} (fence {fence})");
-        self.history.record(index, span, call, answer, effect);
-        self.model.write(fence, &write, outcome.unwrap_or(Outcome::Unavailable))
+        let write = if complete { self.completion_by(holder, index) } else { Write::Release };
+        let (owner, _) = self.keys[self.at].leases[holder].take().expect("held");
+        let fence = owner.fence();
+        let settle = self.history.timed(self.send_write(holder, Some(owner), &write));
+        let (begun, (written, span)) = tokio::join!(self.send_begin(client, call, &waiting), settle);
+        let outcome = self.outcome_of(&write, written)?;
+        let verdict = match &begun.read {
+            Ok((answer, _)) => self.keys[self.at].model.wait_for(call, answer, fence, &write, outcome),
+            Err(error) => Err(error.clone()),
+        };
+        if verdict == Ok(true) && !matches!(begun.read, Ok((Answer::Unavailable, _))) {
+            self.world.woken.fetch_add(1, Ordering::Relaxed);
+        }
+        // In the order the model found (the settlement first when none did).
+        if verdict.as_ref().is_ok_and(|settled_first| !settled_first) {
+            self.log(index, &begun);
+            self.record_write(index, span, holder, fence, &write, outcome);
+        } else {
+            self.record_write(index, span, holder, fence, &write, outcome);
+            self.log(index, &begun);
+        }
+        verdict?;
+        self.keep(begun);
+        Ok(())
     }
 
     async fn purge(&mut self, index: usize) -> Result<(), String> {
@@ -921,7 +1040,7 @@ impl<'w> Case<'w> {
         match purged {
             Ok(purged) => {
                 self.history.record(index, span, "purge", format!("{purged} purged"), Effect::None);
-                self.model.purge();
+                self.keys.iter_mut().for_each(|keyed| keyed.model.purge());
             }
             Err(error) if unavailable(&error) => self.failed_closed(index, span, "purge", &error, Pending::Purge),
             Err(error) => return Err(format!("purge failed: {error:?}")),
@@ -935,7 +1054,7 @@ impl<'w> Case<'w> {
         match recovered {
             Ok(recovered) => {
                 self.history.record(index, span, call, format!("{recovered:?}"), Effect::None);
-                self.model.recover_stale();
+                self.keys.iter_mut().for_each(|keyed| keyed.model.recover_stale());
             }
             Err(error) if unavailable(&error) => self.failed_closed(index, span, call, &error, Pending::RecoverStale),
             Err(error) => return Err(format!("recover_stale failed: {error:?}")),
@@ -957,7 +1076,7 @@ impl<'w> Case<'w> {
             (Settle::Released, Resolution::Released)
         };
         let admin = self.world.store(Rule::TakeOver, sealing).admin();
-        let resolve = admin.resolve(&self.scope, &self.key, resolution);
+        let resolve = admin.resolve(&self.scope, &self.keys[self.at].key, resolution);
         let (resolved, span) = self.history.timed(resolve).await;
         let call = format!("resolve {settle:?} ({sealing:?})");
         let resolved = match resolved {
@@ -970,14 +1089,15 @@ impl<'w> Case<'w> {
             }
             Err(error) => return Err(format!("resolve failed: {error:?}")),
         };
-        let replaced = matches!(&self.last_seen, Seen::Record(record) if record.stage == Stage::Completed);
+        let replaced =
+            matches!(&self.keys[self.at].last_seen, Seen::Record(record) if record.stage == Stage::Completed);
         let effect = match &settle {
             Settle::Completed(response) if resolved && replaced => Effect::Replacement(response.clone()),
             Settle::Completed(response) if resolved => Effect::Completion(response.clone()),
             _ => Effect::None,
         };
         self.history.record(index, span, call, resolved.to_string(), effect);
-        self.model.resolve(&settle, sealing, resolved)
+        self.keys[self.at].model.resolve(&settle, sealing, resolved)
     }
 
     /// A call of this step failed closed: Postgres must finish what it sent before the look.
@@ -1015,7 +1135,13 @@ impl<'w> Case<'w> {
         pending: Pending,
     ) {
         self.history.record(index, span, call, format!("{error}"), Effect::None);
-        self.model.failed_closed(pending);
+        match pending {
+            // They meet every key.
+            Pending::Purge | Pending::RecoverStale => {
+                self.keys.iter_mut().for_each(|keyed| keyed.model.failed_closed(pending.clone()));
+            }
+            pending => self.keys[self.at].model.failed_closed(pending),
+        }
         self.count_failed_closed();
     }
 
@@ -1046,10 +1172,10 @@ impl<'w> Case<'w> {
                         let mut conn = pool.acquire().await.expect("a connection for the work");
                         work_effect(&mut conn, tenant, step, result).await
                     };
-                    store.run_once(&self.scope, &self.key, &body, work).await
+                    store.run_once(&self.scope, &self.keys[self.at].key, &body, work).await
                 }
                 Path::InTx => {
-                    let (scope, key) = (&self.scope, &self.key);
+                    let (scope, key) = (&self.scope, &self.keys[self.at].key);
                     store.run_once_in_tx(scope, key, &body, move |tx| work_effect(tx, tenant, step, result)).await
                 }
             }
@@ -1081,7 +1207,7 @@ impl<'w> Case<'w> {
     /// the key's one completion.
     async fn request(&mut self, index: usize, client: usize, call: Call, path: Path, work: Work) -> Result<(), String> {
         let run_text = reply_text(call, client, index);
-        let request = http_request(&self.tenant, &self.key, call.payload, index, work, &run_text);
+        let request = http_request(&self.tenant, &self.keys[self.at].key, call.payload, index, work, &run_text);
         let router = self.world.router(call.rule, call.sealing, path);
         let sent = async {
             let (parts, body) = router.oneshot(request).await.expect("infallible").into_parts();
@@ -1099,7 +1225,7 @@ impl<'w> Case<'w> {
         }
         let ran = match heard {
             Ok(Ran::Completed(answered)) => {
-                let stored = match self.world.inspect(&self.scope, &self.key).await? {
+                let stored = match self.world.inspect(&self.scope, &self.keys[self.at].key).await? {
                     Seen::Record(SeenRecord { stage: Stage::Completed, response: Some(stored), .. }) => stored,
                     other => return Err(format!("the handler answered {said}, but Postgres holds {other:?}")),
                 };
@@ -1136,7 +1262,7 @@ impl<'w> Case<'w> {
                 self.history.record(index, span, call_said, said, Effect::None);
                 self.unanswered_run = Some((call, stores));
                 self.count_failed_closed();
-                self.model.failed_closed(Pending::Begin(call));
+                self.keys[self.at].model.failed_closed(Pending::Begin(call));
                 Ok(())
             }
             // In the claim's transaction the mark commits with it, and a commit that fails (or whose answer
@@ -1144,18 +1270,21 @@ impl<'w> Case<'w> {
             Ran::Answered(Answer::Indeterminate) if path == Path::InTx => {
                 self.history.record(index, span, call_said, said, Effect::None);
                 self.unquiet = true;
-                self.model.indeterminate_in_tx(call)
+                self.keys[self.at].model.indeterminate_in_tx(call)
             }
             Ran::Answered(answer) => {
+                if *answer == Answer::QuotaExceeded {
+                    self.world.refused_by_quota.fetch_add(1, Ordering::Relaxed);
+                }
                 let effect = self.effect_of(answer);
                 self.history.record(index, span, call_said, said, effect);
-                self.model.begin(call, answer)
+                self.keys[self.at].model.begin(call, answer)
             }
             // Rolled back: no claim was durable, nothing changed; but the work ran, so the claim must
             // have been allowed.
             Ran::Failed if path == Path::InTx => {
                 self.history.record(index, span, call_said, said, Effect::None);
-                self.model.may_acquire(call)
+                self.keys[self.at].model.may_acquire(call)
             }
             Ran::Completed(_) | Ran::Failed => self.ran(index, span, call_said, said, call, &ran).await,
         }
@@ -1172,14 +1301,14 @@ impl<'w> Case<'w> {
         call: Call,
         ran: &Ran,
     ) -> Result<(), String> {
-        let fence = match self.world.inspect(&self.scope, &self.key).await? {
+        let fence = match self.world.inspect(&self.scope, &self.keys[self.at].key).await? {
             Seen::Record(record) => record.fence,
             other => return Err(format!("a run settled, but Postgres holds {other:?}")),
         };
         let acquired = Answer::Acquired { fence };
         let effect = self.effect_of(&acquired);
         self.history.record(index, span, call_said, said, effect);
-        self.model.begin(call, &acquired)?;
+        self.keys[self.at].model.begin(call, &acquired)?;
         let write = match ran {
             Ran::Completed(response) => {
                 self.history.record(index, span, "  (its completion)", "Done", Effect::Completion(response.clone()));
@@ -1187,7 +1316,7 @@ impl<'w> Case<'w> {
             }
             _ => Write::Release,
         };
-        self.model.write(fence, &write, Outcome::Done)
+        self.keys[self.at].model.write(fence, &write, Outcome::Done)
     }
 
     /// The effect rows must be the runs that committed one: a work that ran without the store saying so,
@@ -1211,20 +1340,22 @@ impl<'w> Case<'w> {
                         ));
                     }
                     Committed::Write(write) => write,
-                    Committed::AsStored { sealing, run } => match self.world.inspect(&self.scope, &self.key).await? {
-                        Seen::Record(SeenRecord { stage: Stage::Completed, response: Some(response), .. })
-                            if response.contains(&format!("\"{run}\"")) =>
-                        {
-                            Write::Complete(response, sealing)
+                    Committed::AsStored { sealing, run } => {
+                        match self.world.inspect(&self.scope, &self.keys[self.at].key).await? {
+                            Seen::Record(SeenRecord { stage: Stage::Completed, response: Some(response), .. })
+                                if response.contains(&format!("\"{run}\"")) =>
+                            {
+                                Write::Complete(response, sealing)
+                            }
+                            other => {
+                                return Err(format!("request {run:?}'s work committed, but Postgres holds {other:?}"));
+                            }
                         }
-                        other => {
-                            return Err(format!("request {run:?}'s work committed, but Postgres holds {other:?}"));
-                        }
-                    },
+                    }
                 };
                 self.effects = rows;
                 self.history.note(index, "  (the run's effect row committed)", "");
-                self.model.ran_after_all(call, settle);
+                self.keys[self.at].model.ran_after_all(call, settle);
                 Ok(())
             }
             _ => Err(format!(
@@ -1245,18 +1376,28 @@ impl<'w> Case<'w> {
         }
         // Every connection of the stores back in its pool: sqlx returns one only once the server answered
         // what was sent on it (a ping after the statement its caller gave up on), so nothing of theirs is
-        // on its way any more. Polled: the pools signal nothing.
+        // on its way any more. A store that waited for an owner through Postgres keeps one out of its pool
+        // for the store's life, listening for settlements: the server says how many listen. Polled: the
+        // pools signal nothing.
         let deadline = Instant::now() + Duration::from_secs(20);
-        let busy = || {
-            self.world.stores.iter().flatten().map(Store::pg_pool).any(|pool| pool.num_idle() < pool.size() as usize)
-        };
-        while busy() {
+        let pools = || self.world.stores.iter().flatten().map(Store::pg_pool);
+        loop {
+            let out = pools().map(|pool| pool.size() as usize - pool.num_idle()).sum::<usize>();
+            if out == 0 {
+                return Ok(());
+            }
+            let listening: i64 = sqlx::query_scalar(LISTENING)
+                .fetch_one(&self.world.harness.pool)
+                .await
+                .expect("count the listening connections");
+            if out as i64 <= listening {
+                return Ok(());
+            }
             if Instant::now() >= deadline {
                 return Err("the stores' connections did not come back from Postgres in 20 s".to_owned());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        Ok(())
     }
 
     async fn flush_redis(&mut self, index: usize) {
@@ -1303,8 +1444,8 @@ impl<'w> Case<'w> {
     /// What Postgres holds for the key, as it is stored (not as `lookup` presents a record past its
     /// retention).
     async fn look(&mut self) -> Result<Seen, String> {
-        let seen = self.world.inspect(&self.scope, &self.key).await?;
-        self.last_seen = seen.clone();
+        let seen = self.world.inspect(&self.scope, &self.keys[self.at].key).await?;
+        self.keys[self.at].last_seen = seen.clone();
         Ok(seen)
     }
 
@@ -1322,7 +1463,7 @@ impl<'w> Case<'w> {
     async fn redis_copy(&self) -> (String, Vec<Option<Vec<u8>>>) {
         let h = &self.world.harness;
         let mut conn = h.redis_connection().await;
-        let record_key = h.redis_key(&self.scope, &self.key);
+        let record_key = h.redis_key(&self.scope, &self.keys[self.at].key);
         redis::Script::new(READ_COPY).key(&record_key).invoke_async(&mut conn).await.expect("read Redis's copy")
     }
 
@@ -1341,7 +1482,7 @@ impl<'w> Case<'w> {
         let stored = sqlx::query_as::<_, (i8, Vec<u8>, Option<String>, Option<Vec<u8>>, Option<bool>)>(STORED)
             .bind(&self.tenant)
             .bind(self.scope.operation())
-            .bind(self.key.as_str())
+            .bind(self.keys[self.at].key.as_str())
             .fetch_optional(&h.pool)
             .await
             .expect("read the record");
@@ -1350,14 +1491,14 @@ impl<'w> Case<'w> {
         });
         match (kind.as_str(), &fields[..]) {
             ("none", _) => {
-                self.redis_behind = false;
+                self.keys[self.at].redis_behind = false;
                 Ok(())
             }
             ("string", [Some(copy)]) => {
                 let (fingerprint, response) = copy.split_at(copy.len().min(32));
                 match postgres {
                     Some(('c', held, _, Some(bytes), _)) if held == fingerprint && bytes == response => {
-                        self.redis_behind = false;
+                        self.keys[self.at].redis_behind = false;
                         Ok(())
                     }
                     _ => Err(format!(
@@ -1379,10 +1520,10 @@ impl<'w> Case<'w> {
                 };
                 if agrees {
                     // What lagged behind a pause has caught up (or was deleted).
-                    self.redis_behind = false;
+                    self.keys[self.at].redis_behind = false;
                     return Ok(());
                 }
-                if self.redis_behind {
+                if self.keys[self.at].redis_behind {
                     return Ok(());
                 }
                 Err(format!(
@@ -1398,31 +1539,37 @@ impl<'w> Case<'w> {
     /// Removes what the case left in both tiers, so that later cases' purges and recoveries meet only
     /// their own key.
     async fn forget(&mut self) {
-        for client in 0..CLIENTS {
-            self.abandon(client);
+        for key in 0..KEYS {
+            self.turn_to(key);
+            for client in 0..CLIENTS {
+                self.abandon(client);
+            }
         }
         let h = &self.world.harness;
         let records = sqlx::query(FORGET_RECORDS).bind(&self.tenant).execute(&h.pool);
         records.await.expect("delete the case's records");
         let effects = sqlx::query(FORGET_EFFECTS).bind(&self.tenant).execute(&h.pool);
         effects.await.expect("delete the case's effect rows");
-        let tombstone = sqlx::query(FORGET_TOMBSTONE).bind(&self.tenant).bind(&h.operation).bind(self.key.as_str());
-        tombstone.execute(&h.pool).await.expect("delete the case's tombstone");
-        if h.redis.is_some() {
-            let mut conn = h.redis_connection().await;
-            let record_key = h.redis_key(&self.scope, &self.key);
-            let _: i64 = redis::cmd("DEL").arg(record_key).query_async(&mut conn).await.expect("delete its Redis copy");
+        for Keyed { key, .. } in &self.keys {
+            let tombstone = sqlx::query(FORGET_TOMBSTONE).bind(&self.tenant).bind(self.scope.operation());
+            tombstone.bind(key.as_str()).execute(&h.pool).await.expect("delete the case's tombstones");
+            if h.redis.is_some() {
+                let mut conn = h.redis_connection().await;
+                let record_key = h.redis_key(&self.scope, key);
+                let _: i64 =
+                    redis::cmd("DEL").arg(record_key).query_async(&mut conn).await.expect("delete its Redis copy");
+            }
         }
     }
 
     fn report(&self, step: usize, violation: &str) -> String {
         format!(
             "{mode:?}, case {tenant}, step {step}: {violation}\n\nhistory (step, ms into the case, call -> answer):\n\
-             {history}model after the last step it accepted: {model:?}",
+             {history}models (per key) after the last step they accepted: {models:#?}",
             mode = self.world.mode(),
             tenant = self.tenant,
             history = self.history,
-            model = self.model,
+            models = self.keys.iter().map(|keyed| &keyed.model).collect::<Vec<_>>(),
         )
     }
 }

@@ -36,6 +36,7 @@ pub enum Effect {
 
 struct Entry {
     step: usize,
+    key: usize,
     span: Span,
     call: String,
     answer: String,
@@ -46,12 +47,14 @@ struct Entry {
 pub struct History {
     origin: Instant,
     entries: Vec<Entry>,
+    /// The key the next entries are about.
+    pub key: usize,
 }
 
 impl History {
     /// An empty history whose clock starts now.
     pub fn start() -> Self {
-        Self { origin: Instant::now(), entries: Vec::new() }
+        Self { origin: Instant::now(), entries: Vec::new(), key: 0 }
     }
 
     /// Runs `call`, timing it.
@@ -70,7 +73,8 @@ impl History {
         answer: impl Into<String>,
         effect: Effect,
     ) {
-        self.entries.push(Entry { step, span, call: call.into(), answer: answer.into(), effect });
+        let key = self.key;
+        self.entries.push(Entry { step, key, span, call: call.into(), answer: answer.into(), effect });
     }
 
     /// Adds what the checker learnt of a call after it returned (a write that landed late).
@@ -84,12 +88,19 @@ impl History {
         self.record_now(step, call, answer, Effect::None);
     }
 
-    /// At most one completion per life of the key; every replay equals the completion of its life, and
-    /// "expired" is only said of a life that completed.
+    /// Per key: at most one completion per life of the key; every replay equals the completion of its
+    /// life, and "expired" is only said of a life that completed.
     pub fn check(&self) -> Result<(), String> {
+        let mut keys: Vec<usize> = self.entries.iter().map(|entry| entry.key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys.into_iter().try_for_each(|key| self.check_key(key).map_err(|violation| format!("key {key}: {violation}")))
+    }
+
+    fn check_key(&self, key: usize) -> Result<(), String> {
         // The completion of the key's current life, and the step that stored it.
         let mut completion: Option<(usize, &str)> = None;
-        for entry in &self.entries {
+        for entry in self.entries.iter().filter(|entry| entry.key == key) {
             let step = entry.step;
             match (&entry.effect, completion) {
                 (Effect::NewLife, _) => completion = None,
@@ -131,9 +142,9 @@ impl History {
 impl fmt::Display for History {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ms = |at: Duration| at.as_secs_f64() * 1e3;
-        for Entry { step, span, call, answer, .. } in &self.entries {
+        for Entry { step, key, span, call, answer, .. } in &self.entries {
             let (started, ended) = (ms(span.started), ms(span.ended));
-            writeln!(f, "  {step:>3}  {started:>8.1}..{ended:<8.1}  {call:<40} -> {answer}")?;
+            writeln!(f, "  {step:>3}  k{key}  {started:>8.1}..{ended:<8.1}  {call:<40} -> {answer}")?;
         }
         Ok(())
     }

@@ -82,6 +82,8 @@ pub enum Answer {
     Unreadable,
     /// The store failed closed: Postgres did not answer in time, or the connection broke.
     Unavailable,
+    /// The claim would have started the key, but the tenant holds its live-key quota elsewhere.
+    QuotaExceeded,
 }
 
 /// An owner's fenced write. A completion is stored as its owner's store writes responses.
@@ -185,6 +187,11 @@ pub struct Model {
     highest_fence: Option<i64>,
     /// Calls of the current step that failed closed, in the order they were made.
     pending: Vec<Pending>,
+    /// The operation's live-key quota is held by the case's other keys: a claim that would start this
+    /// key is refused instead (the driver says before each step: [`Model::set_quota_full`]).
+    quota_full: bool,
+    /// The operation has a live-key quota of one.
+    under_quota: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -249,6 +256,7 @@ enum Kind {
     Expired,
     Unreadable,
     Unavailable,
+    QuotaExceeded,
 }
 
 impl Answer {
@@ -262,11 +270,41 @@ impl Answer {
             Answer::Expired => Kind::Expired,
             Answer::Unreadable => Kind::Unreadable,
             Answer::Unavailable => Kind::Unavailable,
+            Answer::QuotaExceeded => Kind::QuotaExceeded,
         }
     }
 }
 
+impl Allowed {
+    /// Whether an answer of `kind` is allowed, with the live-key quota full or not: a claim that would
+    /// start the key is then refused, and nothing else changes (replays, duplicates in flight and
+    /// mismatches are answered as before).
+    fn permits(&self, kind: Kind, quota_full: bool) -> bool {
+        match kind {
+            Kind::Acquired => !quota_full && self.kinds.contains(&Kind::Acquired),
+            Kind::QuotaExceeded => quota_full && self.kinds.contains(&Kind::Acquired),
+            kind => self.kinds.contains(&kind),
+        }
+    }
+
+    fn refusal(&self, subject: impl fmt::Display, answer: impl fmt::Debug, quota_full: bool) -> String {
+        let quota =
+            if quota_full { " (the live-key quota is full: a claim that would start it is refused)" } else { "" };
+        format!("{subject} was answered {answer:?}, but {}{quota}: only {:?} may be answered", self.why, self.kinds)
+    }
+}
+
 impl Model {
+    /// A key that holds nothing yet, of an operation with a live-key quota of one or without.
+    pub fn new(under_quota: bool) -> Self {
+        Self { under_quota, ..Self::default() }
+    }
+
+    /// Whether the case's other keys hold the operation's live-key quota.
+    pub fn set_quota_full(&mut self, full: bool) {
+        self.quota_full = self.under_quota && full;
+    }
+
     /// Checks a begin's answer and follows it.
     pub fn begin(&mut self, call: Call, answer: &Answer) -> Verdict {
         if *answer == Answer::Unavailable {
@@ -274,11 +312,8 @@ impl Model {
             return Ok(());
         }
         let allowed = self.allowed(call);
-        if !allowed.kinds.contains(&answer.kind()) {
-            return Err(format!(
-                "{call} was answered {answer:?}, but {}: only {:?} may be answered",
-                allowed.why, allowed.kinds
-            ));
+        if !allowed.permits(answer.kind(), self.quota_full) {
+            return Err(allowed.refusal(call, answer, self.quota_full));
         }
         match answer {
             Answer::Acquired { fence } => self.acquired(call, *fence),
@@ -290,7 +325,12 @@ impl Model {
                 }
                 Ok(())
             }
-            Answer::InFlight | Answer::Mismatch | Answer::Expired | Answer::Unreadable | Answer::Unavailable => Ok(()),
+            Answer::InFlight
+            | Answer::Mismatch
+            | Answer::Expired
+            | Answer::Unreadable
+            | Answer::Unavailable
+            | Answer::QuotaExceeded => Ok(()),
         }
     }
 
@@ -298,11 +338,8 @@ impl Model {
     /// with the transaction's commit, or not (decided at the next [`Model::observe`]).
     pub fn indeterminate_in_tx(&mut self, call: Call) -> Verdict {
         let allowed = self.allowed(call);
-        if !allowed.kinds.contains(&Kind::Indeterminate) {
-            return Err(format!(
-                "{call} was answered Indeterminate, but {}: only {:?} may be answered",
-                allowed.why, allowed.kinds
-            ));
+        if !allowed.permits(Kind::Indeterminate, self.quota_full) {
+            return Err(allowed.refusal(call, Answer::Indeterminate, self.quota_full));
         }
         self.pending.push(Pending::Begin(call));
         Ok(())
@@ -327,13 +364,10 @@ impl Model {
     /// that rolled back (its work failed) left nothing, but it must still have been allowed.
     pub fn may_acquire(&self, call: Call) -> Verdict {
         let allowed = self.allowed(call);
-        if allowed.kinds.contains(&Kind::Acquired) {
+        if allowed.permits(Kind::Acquired, self.quota_full) {
             return Ok(());
         }
-        Err(format!(
-            "{call} acquired (its work ran, then rolled back), but {}: only {:?} may be answered",
-            allowed.why, allowed.kinds
-        ))
+        Err(allowed.refusal(format!("{call} (its work ran, then rolled back)"), Kind::Acquired, self.quota_full))
     }
 
     /// Checks the answers of begins that ran at the same time: some order of them must explain every
@@ -366,7 +400,10 @@ impl Model {
             let wrote = |answer: &Answer| {
                 matches!(answer, Answer::Acquired { .. } | Answer::Indeterminate | Answer::Unavailable)
             };
-            let met_an_earlier = *answer == Answer::InFlight
+            // Under a quota, a duplicate of a claim not yet committed may be refused by the quota instead.
+            let refused_for_an_earlier =
+                *answer == Answer::InFlight || (*answer == Answer::QuotaExceeded && model.under_quota);
+            let met_an_earlier = refused_for_an_earlier
                 && order[..position].iter().any(|&earlier| {
                     let (earlier_call, earlier_answer) = begun[earlier];
                     earlier_call.payload == call.payload && (redis_in_front || wrote(earlier_answer))
@@ -426,6 +463,42 @@ impl Model {
         Ok(())
     }
 
+    /// A begin of `waiter` that waited for the key's owner while the owner's `write` under `fence` ended
+    /// `outcome`: some order of the two explains both answers. A waiter answered "in flight" was not
+    /// woken, so the settlement must have left a live lease (only the settlement first explains it).
+    /// Returns whether the settlement came first.
+    pub fn wait_for(
+        &mut self,
+        waiter: Call,
+        answer: &Answer,
+        fence: i64,
+        write: &Write,
+        outcome: Outcome,
+    ) -> Result<bool, String> {
+        let mut settled_first = self.clone();
+        let first = settled_first.write(fence, write, outcome).and_then(|()| settled_first.begin(waiter, answer));
+        let Err(first) = first else {
+            *self = settled_first;
+            return Ok(true);
+        };
+        let mut waiter_first = self.clone();
+        let second = if *answer == Answer::InFlight {
+            Err(format!("{waiter} waited, but was told \"in flight\" although the owner settled: it was not woken"))
+        } else {
+            waiter_first.begin(waiter, answer).and_then(|()| waiter_first.write(fence, write, outcome))
+        };
+        match second {
+            Ok(()) => {
+                *self = waiter_first;
+                Ok(false)
+            }
+            Err(second) => Err(format!(
+                "no order of a waiting begin and the owner's settlement explains their answers.\n  the settlement \
+                 first: {first}\n  the waiter first: {second}"
+            )),
+        }
+    }
+
     /// Checks whether `resolve`, by a store that seals or not, acted, and follows it.
     pub fn resolve(&mut self, settle: &Settle, sealing: Sealing, resolved: bool) -> Verdict {
         let indeterminate = self.record.as_ref().is_some_and(|record| record.phase == Phase::Indeterminate);
@@ -456,6 +529,11 @@ impl Model {
             };
         }
         Ok(())
+    }
+
+    /// Whether the key holds a live lease (which counts towards the live-key quota).
+    pub fn holds_a_live_lease(&self) -> bool {
+        matches!(self.record, Some(Record { phase: Phase::InProgress { live: true }, .. }))
     }
 
     /// The owner's lease ran out (it stopped extending).
@@ -545,18 +623,18 @@ impl Model {
     fn land(&mut self, pending: &Pending, seen: &Seen) -> Result<Option<i64>, String> {
         match pending {
             Pending::Begin(call) => {
-                let allowed = self.allowed(*call).kinds;
+                let allowed = self.allowed(*call);
                 let new_fence = match seen {
                     Seen::Record(record) if record.stage == Stage::InProgress => {
                         Some(record.fence).filter(|fence| self.highest_fence.is_none_or(|highest| *fence > highest))
                     }
                     _ => None,
                 };
-                if let Some(fence) = new_fence.filter(|_| allowed.contains(&Kind::Acquired)) {
+                if let Some(fence) = new_fence.filter(|_| allowed.permits(Kind::Acquired, self.quota_full)) {
                     self.acquired(*call, fence)?;
                     return Ok(Some(fence));
                 }
-                if allowed.contains(&Kind::Indeterminate) {
+                if allowed.permits(Kind::Indeterminate, self.quota_full) {
                     return self.begin(*call, &Answer::Indeterminate).map(|()| None);
                 }
                 Err(format!("{call} failed closed, and nothing it may have done explains what Postgres holds"))
@@ -575,8 +653,13 @@ impl Model {
                 let Seen::Record(record) = seen else {
                     return Err(format!("{call} ran its work and committed, but Postgres holds {seen:?}"));
                 };
-                if !self.allowed(*call).kinds.contains(&Kind::Acquired) {
-                    return Err(format!("{call} ran its work and committed, but {}", self.allowed(*call).why));
+                let allowed = self.allowed(*call);
+                if !allowed.permits(Kind::Acquired, self.quota_full) {
+                    return Err(allowed.refusal(
+                        format!("{call} (its work ran and committed)"),
+                        Kind::Acquired,
+                        self.quota_full,
+                    ));
                 }
                 self.acquired(*call, record.fence)?;
                 self.write(record.fence, settle, Outcome::Done)?;

@@ -7,8 +7,19 @@ use proptest::prelude::*;
 
 use super::reference::{Call, Payload, Rule, Sealing};
 
-/// How many clients share the key.
+/// How many clients share each key.
 pub const CLIENTS: usize = 3;
+
+/// How many keys a case has, under one tenant and operation.
+pub const KEYS: usize = 2;
+
+/// A case: its steps, each naming the key it is about (a fault, a purge and a recovery meet every key),
+/// and whether the operation has a live-key quota of one (the keys then compete for it).
+#[derive(Clone, Debug)]
+pub struct Script {
+    pub quota: bool,
+    pub steps: Vec<(usize, Step)>,
+}
 
 /// One step of a case: a call to the store, time passing in the servers' data, or a fault of Redis or
 /// of the stores' connections to Postgres.
@@ -27,6 +38,14 @@ pub enum Step {
     /// Every client begins at the same time (client `i` with `calls[i]`).
     EveryoneBegins {
         calls: [Call; CLIENTS],
+    },
+    /// A client begins and waits for the key's owner (`wait_in_flight`), while the first other client
+    /// that holds a lease of the key completes (or releases) it: a waiter is woken by the settlement
+    /// and answered as a begin after it.
+    Wait {
+        client: usize,
+        call: Call,
+        complete: bool,
     },
     /// A client runs a work through the run-once API: claim, work (which writes an effect row), and
     /// settlement in one call.
@@ -118,14 +137,22 @@ pub enum Work {
     Fails,
 }
 
-/// Sequences of 1 to `max_steps` steps; Redis faults only in two-tier mode, Postgres faults in both. One
+/// Cases of 1 to `max_steps` steps; Redis faults only in two-tier mode, Postgres faults in both. One
 /// case in four goes through the HTTP layer: a key is used through one interface (the layer's stored
-/// form and fingerprints are its own), so those cases send no begins of the store's.
-pub fn sequences(mode: Mode, max_steps: usize) -> impl Strategy<Value = Vec<Step>> {
+/// form and fingerprints are its own), so those cases send no begins of the store's. One case of the
+/// store's in three runs under a live-key quota.
+pub fn scripts(mode: Mode, max_steps: usize) -> impl Strategy<Value = Script> {
+    let keyed = |step: BoxedStrategy<Step>| proptest::collection::vec((key(), step), 1..=max_steps);
+    let quota = prop_oneof![2 => Just(false), 1 => Just(true)];
     prop_oneof![
-        3 => proptest::collection::vec(step(mode), 1..=max_steps),
-        1 => proptest::collection::vec(http_step(mode), 1..=max_steps),
+        3 => (quota, keyed(step(mode))).prop_map(|(quota, steps)| Script { quota, steps }),
+        1 => keyed(http_step(mode)).prop_map(|steps| Script { quota: false, steps }),
     ]
+}
+
+/// Most steps go to the first key; shrinking moves them there.
+fn key() -> impl Strategy<Value = usize> {
+    prop_oneof![3 => Just(0), 1 => 1..KEYS]
 }
 
 /// A step of a case through the HTTP layer: requests, time passing, the operator's calls and faults.
@@ -153,6 +180,8 @@ fn step(mode: Mode) -> BoxedStrategy<Step> {
             Step::BeginTogether { first: (client, first), second: ((client + offset) % CLIENTS, second) }
         }),
         1 => [call(), call(), call()].prop_map(|calls| Step::EveryoneBegins { calls }),
+        1 => (client.clone(), call(), any::<bool>())
+            .prop_map(|(client, call, complete)| Step::Wait { client, call, complete }),
         3 => (client.clone(), call(), path(), work())
             .prop_map(|(client, call, path, work)| Step::Run { client, call, path, work }),
         4 => client.clone().prop_map(|client| Step::Complete { client }),
