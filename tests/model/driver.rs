@@ -63,6 +63,8 @@ const POSTGRES_STALL: Duration = Duration::from_millis(500);
 /// How long a begin waits for an in-flight owner: the owner settles at once, and a waiter that missed
 /// its wake-up asks again within a second.
 const WAIT: Duration = Duration::from_millis(1500);
+/// How long a begin waits when no client of the case is there to settle the key.
+const WAIT_FOR_NOBODY: Duration = Duration::from_millis(200);
 /// The checker's own looks are never the ones to fail on a loaded machine.
 const LOOKER_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -94,9 +96,13 @@ const READ_COPY: &str = "local kind = redis.call('TYPE', KEYS[1]).ok
 const FALLBACKS: &str = "idemstore_redis_fallbacks_total";
 /// For how many steps after a Redis fallback a store may still delete the key's copy.
 const FALLBACK_WINDOW: usize = 3;
-/// The connections that listen for settlements (`wait_in_flight` through Postgres), idle between
-/// notifications. This test's Postgres is its own.
-const LISTENING: &str = "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' AND query LIKE 'LISTEN %'";
+/// The name the stores' connections give the server.
+const STORES_APPLICATION: &str = "model-stores";
+/// Of the stores' connections on the server: those that listen for settlements (`wait_in_flight`
+/// through Postgres, idle between notifications), and those busy with a statement or a transaction.
+const LISTENING_AND_BUSY: &str = "SELECT count(*) FILTER (WHERE state = 'idle' AND query LIKE 'LISTEN %'),
+        count(*) FILTER (WHERE state <> 'idle')
+    FROM pg_stat_activity WHERE application_name = 'model-stores'";
 const FORGET_TOMBSTONE: &str = "DELETE FROM idempotency_tombstones WHERE digest = idempotency_key_digest($1, $2, $3)";
 
 /// What a campaign ran: cases, steps, faults among them, calls that failed closed, and those of them
@@ -145,6 +151,8 @@ pub struct World {
     /// Claims the live-key quota refused, and waiting begins answered after the owner's settlement.
     refused_by_quota: AtomicU64,
     woken: AtomicU64,
+    /// The checker's connection for reading Redis's copies, made again after a restart.
+    redis_reader: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
 }
 
 impl World {
@@ -159,9 +167,12 @@ impl World {
             let body = body(payload);
             (payload, Fingerprint::of_serialize(&body, &FingerprintOptions::default()).expect("fingerprint"))
         });
+        // Named, so that the quiescence check can tell their connections on the server.
+        let separator = if harness.store_url.contains('?') { '&' } else { '?' };
+        let stores_url = format!("{}{separator}application_name={STORES_APPLICATION}", harness.store_url);
         let stores = [LeaseExpiry::TakeOver, LeaseExpiry::MarkIndeterminate].map(|expiry| {
             [Sealing::Sealed, Sealing::Clear]
-                .map(|sealing| store(&harness, &harness.store_url, POSTGRES_TIMEOUT, expiry, sealing))
+                .map(|sealing| store(&harness, &stores_url, POSTGRES_TIMEOUT, expiry, sealing))
         });
         // Without Redis: a look at Postgres never waits for a paused Redis (the step after a pause runs
         // during it).
@@ -187,6 +198,7 @@ impl World {
             handled: AtomicU64::new(0),
             refused_by_quota: AtomicU64::new(0),
             woken: AtomicU64::new(0),
+            redis_reader: tokio::sync::Mutex::default(),
         };
         world.layer_fingerprints = world.learn_layer_fingerprints().await;
         world
@@ -232,6 +244,12 @@ impl World {
             refused_by_quota: load(&self.refused_by_quota),
             woken: load(&self.woken),
         }
+    }
+
+    /// The stores' Redis fallbacks so far, under both operations of the cases.
+    fn fallbacks(&self) -> f64 {
+        let h = &self.harness;
+        h.counter(FALLBACKS, &[]) + support::counter(QUOTA_OPERATION, FALLBACKS, &[])
     }
 
     pub fn mode(&self) -> Mode {
@@ -648,8 +666,6 @@ struct Keyed {
     /// with Postgres since: a marker written before may be behind Postgres until a store's background
     /// task deletes it (docs/protocol.md, "Not guaranteed").
     redis_behind: bool,
-    /// A step of the case named the key: until then neither tier holds anything of it.
-    named: bool,
 }
 
 /// One case: keys under a tenant of its own, each with its model and the clients' leases, and the
@@ -691,7 +707,6 @@ impl<'w> Case<'w> {
             leases: Default::default(),
             last_seen: Seen::Nothing,
             redis_behind: false,
-            named: false,
         });
         Self {
             world,
@@ -706,7 +721,7 @@ impl<'w> Case<'w> {
             unquiet: false,
             unanswered_run: None,
             through_http: false,
-            fallbacks_seen: world.harness.counter(FALLBACKS, &[]),
+            fallbacks_seen: world.fallbacks(),
             fell_back_at: None,
         }
     }
@@ -714,7 +729,6 @@ impl<'w> Case<'w> {
     async fn run(&mut self, steps: &[(usize, Step)]) -> Result<(), String> {
         for (index, &(key, step)) in steps.iter().enumerate() {
             self.turn_to(key);
-            self.keys[key].named = true;
             // The step after a stall runs during it, and the stall heals on time, whatever the step waits for.
             // A stall during a stall lasts until the later one ends.
             let (world, stall) = (self.world, self.stalled_until.take());
@@ -729,13 +743,13 @@ impl<'w> Case<'w> {
             self.check_effects(index).await.map_err(|violation| self.report(index, &violation))?;
             // A restart empties Redis: only writes skipped or late (a pause, a call past its budget) leave a
             // marker behind.
-            let fallbacks = self.world.harness.counter(FALLBACKS, &[]);
+            let fallbacks = self.world.fallbacks();
             let fell_back = fallbacks > std::mem::replace(&mut self.fallbacks_seen, fallbacks);
             if fell_back {
                 self.fell_back_at = Some(index);
             }
-            let named: Vec<usize> = (0..KEYS).filter(|&key| self.keys[key].named).collect();
-            for key in named {
+            // Every key, named by the step or not: a step must not touch another key.
+            for key in 0..KEYS {
                 self.turn_to(key);
                 self.keys[key].redis_behind |= fell_back || matches!(step, Step::RedisPause);
                 self.compare_with_the_tiers(index).await.map_err(|violation| self.report(index, &violation))?;
@@ -999,24 +1013,41 @@ impl<'w> Case<'w> {
     /// is told "in flight" only while a live lease still holds the key after the settlement (the
     /// settlement wakes it).
     async fn wait(&mut self, index: usize, client: usize, call: Call, complete: bool) -> Result<(), String> {
-        let waiting = RunOptions::default().wait_in_flight(WAIT);
-        let holder = (0..CLIENTS).find(|&other| other != client && self.keys[self.at].leases[other].is_some());
-        let Some(holder) = holder else {
-            // Nobody to settle: a begin that waits for a lease nobody holds any more, or for nothing.
-            let begun = self.send_begin(client, call, &waiting).await;
+        // The owner of the record Postgres holds, if another client is it.
+        let keyed = &self.keys[self.at];
+        let fence = match &keyed.last_seen {
+            Seen::Record(record) => Some(record.fence),
+            _ => None,
+        };
+        let owns = |other: usize| keyed.leases[other].as_ref().is_some_and(|(owner, _)| Some(owner.fence()) == fence);
+        let Some(holder) = (0..CLIENTS).find(|&other| other != client && owns(other)) else {
+            // Nobody here to settle: a begin that waits for an owner that is gone or is the waiter itself,
+            // or for nothing. Briefly: nobody settles it.
+            let begun = self.send_begin(client, call, &RunOptions::default().wait_in_flight(WAIT_FOR_NOBODY)).await;
             return self.follow_begin(index, begun);
         };
+        let waiting = RunOptions::default().wait_in_flight(WAIT);
         let write = if complete { self.completion_by(holder, index) } else { Write::Release };
         let (owner, _) = self.keys[self.at].leases[holder].take().expect("held");
         let fence = owner.fence();
         let settle = self.history.timed(self.send_write(holder, Some(owner), &write));
         let (begun, (written, span)) = tokio::join!(self.send_begin(client, call, &waiting), settle);
-        let outcome = self.outcome_of(&write, written)?;
+        let outcome = match self.outcome_of(&write, written) {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                self.log(index, &begun);
+                return Err(error);
+            }
+        };
         let verdict = match &begun.read {
             Ok((answer, _)) => self.keys[self.at].model.wait_for(call, answer, fence, &write, outcome),
             Err(error) => Err(error.clone()),
         };
-        if verdict == Ok(true) && !matches!(begun.read, Ok((Answer::Unavailable, _))) {
+        // A waiter that began before the settlement ended and answered after it.
+        if verdict == Ok(true)
+            && begun.span.began_before_the_end_of(span)
+            && !matches!(begun.read, Ok((Answer::Unavailable, _)))
+        {
             self.world.woken.fetch_add(1, Ordering::Relaxed);
         }
         // In the order the model found (the settlement first when none did).
@@ -1377,20 +1408,22 @@ impl<'w> Case<'w> {
         // Every connection of the stores back in its pool: sqlx returns one only once the server answered
         // what was sent on it (a ping after the statement its caller gave up on), so nothing of theirs is
         // on its way any more. A store that waited for an owner through Postgres keeps one out of its pool
-        // for the store's life, listening for settlements: the server says how many listen. Polled: the
-        // pools signal nothing.
+        // for the store's life, listening for settlements: the server says how many listen, asked before
+        // and after the pools are read (a listener that connects meanwhile is not taken for another), and
+        // that none of the stores' connections is busy. Polled: the pools signal nothing.
         let deadline = Instant::now() + Duration::from_secs(20);
         let pools = || self.world.stores.iter().flatten().map(Store::pg_pool);
+        let server = || async {
+            let query = sqlx::query_as::<_, (i64, i64)>(LISTENING_AND_BUSY).fetch_one(&self.world.harness.pool);
+            query.await.expect("read the stores' connections on the server")
+        };
         loop {
-            let out = pools().map(|pool| pool.size() as usize - pool.num_idle()).sum::<usize>();
-            if out == 0 {
-                return Ok(());
-            }
-            let listening: i64 = sqlx::query_scalar(LISTENING)
-                .fetch_one(&self.world.harness.pool)
-                .await
-                .expect("count the listening connections");
-            if out as i64 <= listening {
+            let (listening_before, _) = server().await;
+            let out: Vec<usize> = pools().map(|pool| (pool.size() as usize).saturating_sub(pool.num_idle())).collect();
+            let (listening_after, busy) = server().await;
+            let listening = listening_before.min(listening_after) as usize;
+            // At most one listener per store.
+            if out.iter().all(|&out| out <= 1) && out.iter().sum::<usize>() <= listening && busy == 0 {
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -1462,9 +1495,20 @@ impl<'w> Case<'w> {
     /// state, fingerprint and owner).
     async fn redis_copy(&self) -> (String, Vec<Option<Vec<u8>>>) {
         let h = &self.world.harness;
-        let mut conn = h.redis_connection().await;
         let record_key = h.redis_key(&self.scope, &self.keys[self.at].key);
-        redis::Script::new(READ_COPY).key(&record_key).invoke_async(&mut conn).await.expect("read Redis's copy")
+        let mut reader = self.world.redis_reader.lock().await;
+        // Once more on a new connection when Redis restarted under the last one.
+        for _ in 0..2 {
+            let conn = match reader.as_mut() {
+                Some(conn) => conn,
+                None => reader.insert(h.redis_connection().await),
+            };
+            match redis::Script::new(READ_COPY).key(&record_key).invoke_async(conn).await {
+                Ok(copy) => return copy,
+                Err(_) => *reader = None,
+            }
+        }
+        panic!("Redis's copy could not be read on a new connection")
     }
 
     /// Compares Redis's copy of the key with what Postgres holds. A copy may always be missing (Redis

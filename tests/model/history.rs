@@ -13,6 +13,13 @@ pub struct Span {
     ended: Duration,
 }
 
+impl Span {
+    /// Whether this call began before `other` ended.
+    pub fn began_before_the_end_of(self, other: Span) -> bool {
+        self.started < other.ended
+    }
+}
+
 /// What an entry means to the end-of-case checks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Effect {

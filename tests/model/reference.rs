@@ -400,10 +400,7 @@ impl Model {
             let wrote = |answer: &Answer| {
                 matches!(answer, Answer::Acquired { .. } | Answer::Indeterminate | Answer::Unavailable)
             };
-            // Under a quota, a duplicate of a claim not yet committed may be refused by the quota instead.
-            let refused_for_an_earlier =
-                *answer == Answer::InFlight || (*answer == Answer::QuotaExceeded && model.under_quota);
-            let met_an_earlier = refused_for_an_earlier
+            let met_an_earlier = *answer == Answer::InFlight
                 && order[..position].iter().any(|&earlier| {
                     let (earlier_call, earlier_answer) = begun[earlier];
                     earlier_call.payload == call.payload && (redis_in_front || wrote(earlier_answer))
@@ -464,9 +461,9 @@ impl Model {
     }
 
     /// A begin of `waiter` that waited for the key's owner while the owner's `write` under `fence` ended
-    /// `outcome`: some order of the two explains both answers. A waiter answered "in flight" was not
-    /// woken, so the settlement must have left a live lease (only the settlement first explains it).
-    /// Returns whether the settlement came first.
+    /// `outcome`: some order of the two explains both answers. A waiter answers "in flight" only at the
+    /// end of its wait, so the settlement, which came before, must have left a live lease. Returns
+    /// whether the settlement came first.
     pub fn wait_for(
         &mut self,
         waiter: Call,
@@ -483,7 +480,7 @@ impl Model {
         };
         let mut waiter_first = self.clone();
         let second = if *answer == Answer::InFlight {
-            Err(format!("{waiter} waited, but was told \"in flight\" although the owner settled: it was not woken"))
+            Err(format!("{waiter} waited, and was told \"in flight\" although the owner settled within its wait"))
         } else {
             waiter_first.begin(waiter, answer).and_then(|()| waiter_first.write(fence, write, outcome))
         };
