@@ -56,7 +56,7 @@ async fn every_answer_is_one_the_model_allows(mode: Mode) {
     let counts = world.counts();
     eprintln!(
         "model check, {mode:?}: {} cases, {} steps ({} HTTP requests, {} of them handled; {} claims refused by the \
-         quota; {} waiting begins answered after the owner settled), {} faults, {} calls failed closed ({} of them \
+         quota; {} waiters answered with the owner's result), {} faults, {} calls failed closed ({} of them \
          landed late), 0 violations",
         counts.cases,
         counts.steps,

@@ -1008,10 +1008,9 @@ impl<'w> Case<'w> {
         self.history.record(index, span, format!("c{client} {write} (fence {fence})"), format!("{outcome:?}"), effect);
     }
 
-    /// A begin that waits for the key's owner (`wait_in_flight`) while the first other client that
-    /// holds a lease of the key settles it. Some order of the two explains both answers, and a waiter
-    /// is told "in flight" only while a live lease still holds the key after the settlement (the
-    /// settlement wakes it).
+    /// A begin that waits for the key's owner (`wait_in_flight`) while the client that owns the record
+    /// Postgres holds (by its fence) settles it. Some order of the two explains both answers, and a
+    /// waiter is told "in flight" only while a live lease still holds the key after the settlement.
     async fn wait(&mut self, index: usize, client: usize, call: Call, complete: bool) -> Result<(), String> {
         // The owner of the record Postgres holds, if another client is it.
         let keyed = &self.keys[self.at];
@@ -1035,6 +1034,11 @@ impl<'w> Case<'w> {
         let outcome = match self.outcome_of(&write, written) {
             Ok(outcome) => outcome,
             Err(error) => {
+                self.history.note(
+                    index,
+                    format!("c{holder} {write} (fence {fence})"),
+                    "an error that is not a refusal",
+                );
                 self.log(index, &begun);
                 return Err(error);
             }
@@ -1043,11 +1047,10 @@ impl<'w> Case<'w> {
             Ok((answer, _)) => self.keys[self.at].model.wait_for(call, answer, fence, &write, outcome),
             Err(error) => Err(error.clone()),
         };
-        // A waiter that began before the settlement ended and answered after it.
-        if verdict == Ok(true)
-            && begun.span.began_before_the_end_of(span)
-            && !matches!(begun.read, Ok((Answer::Unavailable, _)))
-        {
+        // A waiter answered with the settlement's result (a replay, or the key after a release) after the
+        // settlement ended, having begun before: it waited for it.
+        let with_the_result = matches!(begun.read, Ok((Answer::Completed(_) | Answer::Acquired { .. }, _)));
+        if verdict == Ok(true) && with_the_result && begun.span.waited_for(span) {
             self.world.woken.fetch_add(1, Ordering::Relaxed);
         }
         // In the order the model found (the settlement first when none did).

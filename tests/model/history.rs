@@ -14,9 +14,10 @@ pub struct Span {
 }
 
 impl Span {
-    /// Whether this call began before `other` ended.
-    pub fn began_before_the_end_of(self, other: Span) -> bool {
-        self.started < other.ended
+    /// Whether this call was under way at the end of `other`: it began before `other` ended, and ended
+    /// after.
+    pub fn waited_for(self, other: Span) -> bool {
+        self.started < other.ended && other.ended <= self.ended
     }
 }
 

@@ -39,9 +39,8 @@ pub enum Step {
     EveryoneBegins {
         calls: [Call; CLIENTS],
     },
-    /// A client begins and waits for the key's owner (`wait_in_flight`), while the first other client
-    /// that holds a lease of the key completes (or releases) it: a waiter is woken by the settlement
-    /// and answered as a begin after it.
+    /// A client begins and waits for the key's owner (`wait_in_flight`), while the client that owns the
+    /// record completes (or releases) it: the waiter is answered as a begin after the settlement.
     Wait {
         client: usize,
         call: Call,
