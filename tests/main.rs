@@ -15,6 +15,7 @@ mod edges;
 mod encryption;
 mod faults;
 mod formats;
+mod group_commit;
 mod grpc;
 mod http;
 mod inbox;

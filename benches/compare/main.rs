@@ -155,6 +155,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Subject::TwoTierEncrypted,
         Subject::TwoTierQuota,
         Subject::PostgresOnly,
+        Subject::TwoTierAlone,
+        Subject::PostgresOnlyAlone,
     ] {
         let store = stores.of(subject);
         for workload in [Workload::New, Workload::Replay] {
@@ -218,6 +220,9 @@ struct Stores {
     encrypted: Store,
     /// Under a quota the load never reaches: every new key pays for the counting, none is refused.
     quoted: Store,
+    /// Group commit off, in each mode.
+    two_tier_alone: Store,
+    postgres_only_alone: Store,
 }
 
 impl Stores {
@@ -233,6 +238,8 @@ impl Stores {
             cluster: clear().redis_cluster(seeds.to_vec()).key_prefix("bench").build()?,
             encrypted: two_tier().encryption(idemstore::Encryption::new([[0x5e; 32]])?).build()?,
             quoted: two_tier().default_policy(idemstore::Policy::builder().quota(quota).build()?).build()?,
+            two_tier_alone: two_tier().group_commit(false).build()?,
+            postgres_only_alone: clear().group_commit(false).build()?,
         })
     }
 
@@ -242,15 +249,18 @@ impl Stores {
             Subject::TwoTierCluster => &self.cluster,
             Subject::TwoTierEncrypted => &self.encrypted,
             Subject::TwoTierQuota => &self.quoted,
+            Subject::TwoTierAlone => &self.two_tier_alone,
+            Subject::PostgresOnlyAlone => &self.postgres_only_alone,
             Subject::PostgresOnly | Subject::PostgresOnlyInTx => &self.postgres_only,
             _ => &self.two_tier,
         }
     }
 }
 
-/// The library subjects a workload runs, in a round's order: A (Q K S) B (C D E). Replays and new keys
-/// also run on the Redis Cluster (K) and with responses encrypted (S), new keys also under a quota (Q),
-/// transactionally in both modes (C, D), and with an outbox row (E).
+/// The library subjects a workload runs, in a round's order: A (Q K S) B (C D E F G). Replays and new
+/// keys also run on the Redis Cluster (K) and with responses encrypted (S), new keys also under a quota
+/// (Q), transactionally in both modes (C, D), with an outbox row (E), and with group commit off in both
+/// modes (F, G).
 fn subjects_of(workload: Workload) -> Vec<Subject> {
     let mut order = vec![Subject::TwoTier, Subject::PostgresOnly];
     if matches!(workload, Workload::New | Workload::Replay) {
@@ -258,7 +268,13 @@ fn subjects_of(workload: Workload) -> Vec<Subject> {
     }
     if workload == Workload::New {
         order.insert(1, Subject::TwoTierQuota);
-        order.extend([Subject::TwoTierInTx, Subject::PostgresOnlyInTx, Subject::TwoTierInTxOutbox]);
+        order.extend([
+            Subject::TwoTierInTx,
+            Subject::PostgresOnlyInTx,
+            Subject::TwoTierInTxOutbox,
+            Subject::TwoTierAlone,
+            Subject::PostgresOnlyAlone,
+        ]);
     }
     order
 }

@@ -37,6 +37,11 @@ pub enum Subject {
     /// counting new keys and live leases (new keys only; nothing else reaches the quota).
     TwoTierQuota,
     PostgresOnly,
+    /// Two-tier with group commit off (`StoreBuilder::group_commit(false)`): each claim and completion
+    /// its own statement (new keys only).
+    TwoTierAlone,
+    /// Postgres-only with group commit off (new keys only).
+    PostgresOnlyAlone,
     /// Two-tier with `run_once_in_tx`: claim, work and completion in one commit (new keys only).
     TwoTierInTx,
     /// Postgres-only with `run_once_in_tx`: the transactional path's own baseline (new keys only).
@@ -57,6 +62,8 @@ impl Subject {
             Subject::TwoTierEncrypted => "two-tier encrypted",
             Subject::TwoTierQuota => "two-tier quota",
             Subject::PostgresOnly => "postgres-only",
+            Subject::TwoTierAlone => "two-tier, writes alone",
+            Subject::PostgresOnlyAlone => "postgres-only, writes alone",
             Subject::TwoTierInTx => "two-tier in-tx",
             Subject::PostgresOnlyInTx => "postgres-only in-tx",
             Subject::TwoTierInTxOutbox => "two-tier in-tx + outbox",
@@ -85,13 +92,21 @@ impl Subject {
                 Some(Subject::PostgresOnly)
             }
             Subject::TwoTierInTx | Subject::TwoTierInTxOutbox => Some(Subject::PostgresOnlyInTx),
+            Subject::TwoTierAlone => Some(Subject::PostgresOnlyAlone),
             _ => None,
         }
     }
 
-    /// Whether this is a variant of two-tier, compared with plain two-tier (one Redis, responses in clear).
-    pub fn is_two_tier_variant(self) -> bool {
-        matches!(self, Subject::TwoTierCluster | Subject::TwoTierEncrypted | Subject::TwoTierQuota)
+    /// The subject this one is a variant of, and compared with: plain two-tier (one Redis, responses in
+    /// clear, group commit on) or plain Postgres-only.
+    pub fn variant_of(self) -> Option<Subject> {
+        match self {
+            Subject::TwoTierCluster | Subject::TwoTierEncrypted | Subject::TwoTierQuota | Subject::TwoTierAlone => {
+                Some(Subject::TwoTier)
+            }
+            Subject::PostgresOnlyAlone => Some(Subject::PostgresOnly),
+            _ => None,
+        }
     }
 
     pub fn new_key_path(self) -> NewKeyPath {

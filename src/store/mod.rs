@@ -4,6 +4,7 @@ mod admin;
 mod background;
 mod begin;
 mod clear_writes;
+mod group_commit;
 mod lagging;
 mod owner;
 mod pool;
@@ -32,6 +33,7 @@ use crate::telemetry;
 pub use admin::{Admin, Inspection, Purging, Recovery, Resolution, StatsRow};
 pub(crate) use background::Background;
 pub use begin::Begin;
+use group_commit::GroupCommit;
 pub use owner::{KeepAlive, Owner};
 pub use pool::{pool_options, server_bounded};
 use postgres_tier::PostgresTier;
@@ -231,6 +233,7 @@ pub struct StoreBuilder {
     redis_cooldown: Option<Duration>,
     postgres_timeout: Option<Duration>,
     server_timeouts: Option<bool>,
+    group_commit: Option<bool>,
     default_policy: Option<Policy>,
     policies: HashMap<String, Policy>,
     encryption: Option<Encryption>,
@@ -329,8 +332,10 @@ impl StoreBuilder {
     ///
     /// The server enforces it too, with room to spare, on the connections the store opens from
     /// [`StoreBuilder::database_url`] (see [`server_bounded`](crate::server_bounded)): a statement the store
-    /// gave up on has been cancelled by the server by then, so a claim answered "unavailable" never
-    /// commits afterwards, and no abandoned statement holds a connection past the timeout. This includes
+    /// gave up on has been cancelled by the server by then, so a claim answered "unavailable" is not
+    /// left claimed (one that a shared statement of [`group_commit`](Self::group_commit) wrote after
+    /// its caller gave up is given back at once), and no abandoned statement holds a connection past
+    /// the timeout. This includes
     /// the statements of [`Store::run_once_in_tx`]'s work, which runs on the store's connection
     /// (`SET LOCAL statement_timeout` there to give it longer).
     pub fn postgres_timeout(mut self, timeout: Duration) -> Self {
@@ -343,6 +348,20 @@ impl StoreBuilder {
     /// `ignore_startup_parameters` lists `options`), and set `statement_timeout` and `lock_timeout` there.
     pub fn server_timeouts(mut self, enabled: bool) -> Self {
         self.server_timeouts = Some(enabled);
+        self
+    }
+
+    /// Whether concurrent calls share their Postgres writes (default `true`): the claims of keys that are
+    /// most likely new, and the completions, of calls under way at the same time go to Postgres as one
+    /// statement each, which commits before any of them is answered. Under load this is several times
+    /// fewer statements for the server; a call that is alone is sent at once, alone. Claims and
+    /// completions inside the caller's transaction never share. A key whose row another transaction
+    /// holds holds up a shared claim for at most 50 ms; then each of its calls claims alone. The store
+    /// has a task for the shared statements, on the runtime of its first call (and of the next one if
+    /// that runtime ends); a store shared between runtimes depends on that one. Turn it off to measure
+    /// what it buys, or where calls run on many runtimes.
+    pub fn group_commit(mut self, enabled: bool) -> Self {
+        self.group_commit = Some(enabled);
         self
     }
 
@@ -458,9 +477,10 @@ impl StoreBuilder {
         let registered = telemetry::Registered::default();
         let subscriber = subscriber.zip(redis.as_ref().map(|redis| redis.channel().to_owned()));
         let wakeups = wakeup::Wakeups::new(subscriber, pg_pool.clone(), background.clone());
+        let group = self.group_commit.unwrap_or(true).then(|| GroupCommit::new(&pg_pool, timeout, &background));
         Ok(Store {
             inner: Arc::new(Inner {
-                postgres: PostgresTier::new(pg_pool, timeout),
+                postgres: PostgresTier::new(pg_pool, timeout, group),
                 redis,
                 default_policy: Arc::new(self.default_policy.unwrap_or_default()),
                 patterns,

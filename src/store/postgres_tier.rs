@@ -6,6 +6,7 @@ use std::time::Duration;
 use sqlx::Row as _;
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
 
+use super::group_commit::{Batched, Completion, GroupCommit, NewClaim};
 use super::statement::{self, ACQUIRE, Statement};
 use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope, key_digest};
@@ -56,14 +57,16 @@ macro_rules! tombstone {
 }
 
 /// When an in-progress record under `$retention` milliseconds (NULL: forever) expires: never before its
-/// lease (`$6`) ends, so retention cannot cut a live lease.
+/// lease (`$lease` milliseconds) ends, so retention cannot cut a live lease.
 macro_rules! in_progress_expiry {
-    ($retention:expr) => {
+    (lease: $lease:expr, retention: $retention:expr) => {
         concat!(
             "CASE WHEN ",
             $retention,
             " IS NOT NULL
-                  THEN now() + GREATEST($6::float8, ",
+                  THEN now() + GREATEST(",
+            $lease,
+            ", ",
             $retention,
             ") * interval '1 millisecond' END"
         )
@@ -115,21 +118,33 @@ macro_rules! quota_ctes {
     };
 }
 
-/// A new in-progress record from the claim's parameters (`$1`..`$10`): the caller's policy (its tier, rule,
-/// retention and horizon stay with the record) and the next fence.
+/// A new in-progress record from a claim's values (the claim's parameters `$1`..`$10`, or the columns of
+/// `v`, one row per claim of a batch): the caller's policy (its tier, rule, retention and horizon stay
+/// with the record) and the next fence. The statement goes on after the select list (`FROM`, `WHERE`).
 macro_rules! insert_new_record {
     () => {
+        insert_new_record!("$1", "$2", "$3", "$4", "$5", "$6", "$7", "$8", "$9", "$10")
+    };
+    (v) => {
+        insert_new_record!(
+            "v.tenant", "v.operation", "v.idempotency_key", "v.fingerprint", "v.owner", "v.lease_ms", "v.retention_ms",
+            "v.take_over", "v.tier", "v.tombstone_ms"
+        )
+    };
+    ($tenant:expr, $operation:expr, $key:expr, $fingerprint:expr, $owner:expr, $lease:expr, $retention:expr,
+     $take_over:expr, $tier:expr, $tombstone:expr) => {
         concat!(
             "INSERT INTO idempotency_records AS r
                 (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
                  tier, on_lease_expiry, retention_ms, tombstone_ms)
-            SELECT $1, $2, $3, $4, 'p'::\"char\", nextval('idempotency_fences'), $5,
-                   now() + $6::float8 * interval '1 millisecond',
+            SELECT ", $tenant, ", ", $operation, ", ", $key, ", ", $fingerprint, ", 'p'::\"char\",
+                   nextval('idempotency_fences'), ", $owner, ",
+                   now() + ", $lease, "::float8 * interval '1 millisecond',
                    ",
-            in_progress_expiry!("$7::float8"),
+            in_progress_expiry!(lease: concat!($lease, "::float8"), retention: concat!($retention, "::float8")),
             ",
-                   $9, CASE WHEN $8 THEN 't' ELSE 'm' END::\"char\", $7::float8::bigint,
-                   $10::float8::bigint"
+                   ", $tier, ", CASE WHEN ", $take_over, " THEN 't' ELSE 'm' END::\"char\", ", $retention,
+            "::float8::bigint, ", $tombstone, "::float8::bigint"
         )
     };
 }
@@ -164,7 +179,7 @@ macro_rules! claim_sql {
                 fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
                 owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
                 expires_at = ",
-            in_progress_expiry!("r.retention_ms::float8"),
+            in_progress_expiry!(lease: "$6::float8", retention: "r.retention_ms::float8"),
             ",
                 waited = false, updated_at = now()
             WHERE (r.state = 'r' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
@@ -180,7 +195,7 @@ macro_rules! claim_sql {
             record_columns!(),
             " FROM claimed
         UNION ALL
-        SELECT false, NULL, ",
+        SELECT coalesce(state = 'p' AND owner = $5 AND lease_expires_at > now(), false), NULL, ",
             $prior_quota,
             record_columns!(),
             " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
@@ -201,7 +216,8 @@ macro_rules! claim_sql {
 /// did not carry the sequence along).
 /// Completed and indeterminate records, live leases and tombstones are never written: the statement
 /// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
-/// row lock. `prior` also says what was re-acquired (for the takeover metric). `quota_limit` and
+/// row lock. A live record of this very claim (its owner, a token no other call has) is acquired: a
+/// batch wrote it, and the caller never heard (see [`group_commit`](super::group_commit)). `prior` also says what was re-acquired (for the takeover metric). `quota_limit` and
 /// `quota_retry_ms` are NULL ([`CLAIM_UNDER_QUOTA`] fills them).
 const CLAIM: Statement = Statement::new(
     "claim",
@@ -279,7 +295,7 @@ fn live_slots(scope: &Scope) -> i64 {
     (u64::from_le_bytes(bytes) >> 17) as i64
 }
 
-/// The claim of a key that is most likely new (Redis had nothing of it), without a quota: the new record,
+/// The claim of a key that is most likely new (Redis had nothing of it, or there is no Redis), without a quota: the new record,
 /// unless the key has a record or a live tombstone, and then no row, and [`CLAIM`] answers. Same
 /// parameters and row as [`CLAIM`]. A new key is the common case, and Postgres runs this statement about
 /// 1.5 times as fast as [`CLAIM`] (benches/pgbench): no takeover, no answer from a record, one branch, and
@@ -304,6 +320,40 @@ const CLAIM_NEW: Statement = Statement::new(
     ),
 );
 
+/// [`CLAIM_NEW`] for a batch of keys ([`group_commit`](super::group_commit)): one row of `v` per claim,
+/// from arrays of the same parameters (`$1`..`$11`), in the order of the keys (every batch writes its
+/// keys in that order, so two batches never wait for each other in a circle). A key already in the
+/// table or buried is left out, as is a second claim of one key in the batch; the new records come back
+/// with their `owner`, which tells whose each is. The lookups are scalar subqueries, which Postgres
+/// runs as an index lookup per row: as a join, a plan made on stale statistics (a new table) can scan
+/// every record for each batch.
+/// A key whose record another transaction is writing (a claim inside the caller's transaction, a batch
+/// under way) makes the insert wait for that transaction: the statement waits at most 50 ms
+/// (`set_config(.., true)` holds for this statement's own transaction only), then fails, and each of
+/// its callers claims alone, waiting for its own key only, up to the store's lock timeout.
+pub(crate) const CLAIM_NEW_BATCH: Statement = Statement::new(
+    "claim",
+    concat!(
+        "WITH bounded AS MATERIALIZED (SELECT set_config('lock_timeout', '50ms', true))
+    ",
+        insert_new_record!(v),
+        "
+    FROM bounded, unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::float8[], $7::float8[],
+                $8::bool[], $9::text[], $10::float8[], $11::text[])
+         AS v(tenant, operation, idempotency_key, fingerprint, owner, lease_ms, retention_ms, take_over, tier,
+              tombstone_ms, digest)
+    WHERE (SELECT true FROM idempotency_records x
+           WHERE x.tenant = v.tenant AND x.operation = v.operation AND x.idempotency_key = v.idempotency_key
+           LIMIT 1) IS NULL
+      AND (SELECT true FROM (",
+        tombstone!("v.digest"),
+        ") AS buried LIMIT 1) IS NULL
+    ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING
+    RETURNING owner, ",
+        record_columns!()
+    ),
+);
+
 /// A key's record, or its live tombstone once the record was purged.
 const LOOKUP: Statement = Statement::new(
     "lookup",
@@ -324,20 +374,69 @@ const LOOKUP: Statement = Statement::new(
     ),
 );
 
-/// Retention counts from completion, under the retention the record was claimed under.
+/// The completion's writes, with the stored response `$response`: retention counts from completion,
+/// under the retention the record was claimed under.
+macro_rules! completed {
+    ($response:expr) => {
+        concat!(
+            "SET state = 'c', response = ",
+            $response,
+            ", owner = NULL, lease_expires_at = NULL,
+        expires_at = now() + retention_ms::float8 * interval '1 millisecond',
+        updated_at = now()"
+        )
+    };
+}
+
+/// How long a completed record is kept, and whether a claim waits for it.
+macro_rules! retained_columns {
+    () => {
+        concat!("waited, CASE WHEN expires_at IS NOT NULL THEN ", millis_until!("expires_at"), " END AS expires_ms")
+    };
+}
+
 const COMPLETE: Statement = Statement::new(
     "complete",
     concat!(
         "
-    UPDATE idempotency_records
-    SET state = 'c', response = $5, owner = NULL, lease_expires_at = NULL,
-        expires_at = now() + retention_ms::float8 * interval '1 millisecond',
-        updated_at = now()
+    UPDATE idempotency_records ",
+        completed!("$5"),
+        "
     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
       AND state IN ('p', 'i')
-    RETURNING waited, CASE WHEN expires_at IS NOT NULL THEN ",
-        millis_until!("expires_at"),
-        " END AS expires_ms"
+    RETURNING ",
+        retained_columns!()
+    ),
+);
+
+/// [`COMPLETE`] for a batch of leases ([`group_commit`](super::group_commit)), from arrays of its
+/// parameters (`$1`..`$5`): each completed record comes back with its place in the arrays (`n`, from 1).
+/// A record another transaction holds is skipped, not waited for (one locked key must not hold back
+/// the batch), as is one whose fence moved on: those callers send [`COMPLETE`] themselves, which waits
+/// or says the lease was lost. The rows are updated by their location as locked (`tableoid` tells the
+/// partitions apart), and by key, which lets a plan made on stale statistics look each one up by index.
+pub(crate) const COMPLETE_BATCH: Statement = Statement::new(
+    "complete",
+    concat!(
+        "
+    WITH locked AS (
+        SELECT held.table_id, held.row_id, v.tenant, v.operation, v.idempotency_key, v.response, v.n
+        FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::bytea[]) WITH ORDINALITY
+             AS v(tenant, operation, idempotency_key, fence, response, n),
+        LATERAL (SELECT tableoid AS table_id, ctid AS row_id FROM idempotency_records r
+                 WHERE r.tenant = v.tenant AND r.operation = v.operation
+                   AND r.idempotency_key = v.idempotency_key AND r.fence = v.fence AND r.state IN ('p', 'i')
+                 FOR UPDATE SKIP LOCKED) AS held
+    )
+    UPDATE idempotency_records AS r ",
+        completed!("locked.response"),
+        "
+    FROM locked
+    WHERE r.tableoid = locked.table_id AND r.ctid = locked.row_id
+      AND r.tenant = locked.tenant AND r.operation = locked.operation
+      AND r.idempotency_key = locked.idempotency_key
+    RETURNING locked.n, ",
+        retained_columns!()
     ),
 );
 
@@ -429,11 +528,13 @@ pub(crate) struct PostgresTier {
     /// Longest wait for one statement: a partitioned or stalled Postgres fails the call (closed)
     /// instead of holding the request forever.
     timeout: Duration,
+    /// Claims of new keys and completions sent in batches; `None`: each alone.
+    group: Option<GroupCommit>,
 }
 
 impl PostgresTier {
-    pub(crate) fn new(pool: PgPool, timeout: Duration) -> Self {
-        Self { pool, timeout }
+    pub(crate) fn new(pool: PgPool, timeout: Duration, group: Option<GroupCommit>) -> Self {
+        Self { pool, timeout, group }
     }
 
     /// `call`, sent as `statement` under the store's timeout ([`statement::bounded`]).
@@ -460,13 +561,29 @@ impl PostgresTier {
     }
 
     /// The claim on a pooled connection, or on `conn` (inside the caller's transaction) when given.
-    /// `likely_new`: Redis had nothing of the key, so [`CLAIM_NEW`] is tried first (without a quota).
+    /// `likely_new`: nothing says the key has a record, so [`CLAIM_NEW`] is tried first (without a
+    /// quota), in a batch outside a transaction.
     pub(crate) async fn claim(
         &self,
         lease: &Lease,
         likely_new: bool,
         conn: Option<&mut PgConnection>,
     ) -> Result<ClaimAnswer, StoreError> {
+        let digest = key_digest(&lease.scope, &lease.key);
+        let mut new_key_first = likely_new && lease.policy.quota.is_off();
+        if new_key_first
+            && conn.is_none()
+            && let Some(group) = &self.group
+        {
+            match group.claims.submit(NewClaim { lease: lease.clone(), digest }).await? {
+                Batched::Answered(Some(record)) => {
+                    return Ok(ClaimAnswer::Claim(Claim { acquired: true, took_over: false, record }));
+                }
+                // Not new after all: the full claim answers.
+                Batched::Answered(None) => new_key_first = false,
+                Batched::AskAlone => {}
+            }
+        }
         let mut pooled;
         let in_tx = conn.is_some();
         let conn = match conn {
@@ -490,8 +607,6 @@ impl PostgresTier {
                 live_keys = Some(0);
             }
         }
-        let digest = key_digest(&lease.scope, &lease.key);
-        let mut new_key_first = likely_new && quota.is_off();
         // A concurrent claim that committed after this statement's snapshot conflicts with the insert
         // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
         // record this claim would have re-acquired). The next attempt sees the winner.
@@ -560,14 +675,21 @@ impl PostgresTier {
         response: &[u8],
         conn: Option<&mut PgConnection>,
     ) -> Result<Option<Retained>, StoreError> {
+        if conn.is_none()
+            && Completion::fits(response)
+            && let Some(group) = &self.group
+        {
+            let completion = Completion { lease: lease.clone(), response: response.to_vec() };
+            if let Batched::Answered(retained) = group.completions.submit(completion).await? {
+                return Ok(Some(retained));
+            }
+        }
         let query = fenced(&COMPLETE, lease).bind(response);
         let row = match conn {
             Some(conn) => self.bounded(&COMPLETE, query.fetch_optional(conn)).await?,
             None => self.bounded(&COMPLETE, query.fetch_optional(&self.pool)).await?,
         };
-        let retained = row
-            .map(|row| Ok(Retained { expires_in: millis_column(&row, "expires_ms")?, waited: row.try_get("waited")? }));
-        retained.transpose().map_err(|e| COMPLETE.failed(e))
+        row.as_ref().map(retained).transpose().map_err(|e| COMPLETE.failed(e))
     }
 
     /// Marks the record of `stale` (the lease that ran out, as read) indeterminate, on `conn` when given:
@@ -588,9 +710,7 @@ impl PostgresTier {
     /// The fenced release: `None` when it matched no record (the lease was lost), else whether a claim
     /// waits for it.
     pub(crate) async fn release(&self, lease: &Lease) -> Result<Option<bool>, StoreError> {
-        let waited = fenced(&RELEASE, lease).fetch_optional(&self.pool);
-        let row = self.bounded(&RELEASE, waited).await?;
-        row.map(|row| row.try_get("waited")).transpose().map_err(|e| RELEASE.failed(e))
+        release(&self.pool, self.timeout, lease).await
     }
 
     /// Flags the key's in-progress record as waited for; false when it is not in progress (any more).
@@ -601,14 +721,31 @@ impl PostgresTier {
 
     /// Announces the settlement of the key named `digest` to waiting claims.
     pub(crate) async fn notify(&self, digest: &str) -> Result<(), StoreError> {
-        let notify = sqlx::query(NOTIFY.sql).bind(super::wakeup::POSTGRES_CHANNEL).bind(digest);
-        self.bounded(&NOTIFY, notify.execute(&self.pool)).await.map(drop)
+        notify(&self.pool, self.timeout, digest).await
     }
 
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<bool, StoreError> {
         let lease_ms = millis(lease.policy.lease) as f64;
         self.bounded(&EXTEND, fenced(&EXTEND, lease).bind(lease_ms).execute(&self.pool)).await.map(matched)
     }
+}
+
+/// [`PostgresTier::notify`], for a batch whose claim went back.
+pub(crate) async fn notify(pool: &PgPool, timeout: Duration, digest: &str) -> Result<(), StoreError> {
+    let notify = sqlx::query(NOTIFY.sql).bind(super::wakeup::POSTGRES_CHANNEL).bind(digest);
+    statement::bounded(timeout, &NOTIFY, notify.execute(pool)).await.map(drop)
+}
+
+/// [`PostgresTier::release`], for a batch that claimed for a caller who stopped waiting.
+pub(crate) async fn release(pool: &PgPool, timeout: Duration, lease: &Lease) -> Result<Option<bool>, StoreError> {
+    let waited = fenced(&RELEASE, lease).fetch_optional(pool);
+    let row = statement::bounded(timeout, &RELEASE, waited).await?;
+    row.map(|row| row.try_get("waited")).transpose().map_err(|e| RELEASE.failed(e))
+}
+
+/// How long a completed record is kept, from [`retained_columns`].
+pub(crate) fn retained(row: &PgRow) -> Result<Retained, sqlx::Error> {
+    Ok(Retained { expires_in: millis_column(row, "expires_ms")?, waited: row.try_get("waited")? })
 }
 
 /// A write keyed by the lease's record and fence (`$1`..`$4`).
@@ -679,7 +816,7 @@ fn matched(result: sqlx::postgres::PgQueryResult) -> bool {
     result.rows_affected() == 1
 }
 
-fn decode_record(row: &PgRow) -> Result<Record, sqlx::Error> {
+pub(crate) fn decode_record(row: &PgRow) -> Result<Record, sqlx::Error> {
     let code: i8 = row.try_get("state")?;
     let state = State::from_code(code as u8)
         .ok_or_else(|| sqlx::Error::Decode(format!("unknown idempotency record state {code}").into()))?;

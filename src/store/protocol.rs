@@ -381,7 +381,11 @@ impl Store {
                     lazy.as_deref_mut()
                 }
             };
-            let claim = match self.inner.postgres.claim(&candidate, marked.is_some(), tx.as_deref_mut()).await {
+            // Redis missed the key, or there is no Redis: a new key is the common case, so the claim of a new
+            // key goes first (in a shared statement, see `group_commit`), and the full claim only when the
+            // key has a record. When Redis is out of reach, it says nothing of how likely a new key is.
+            let likely_new = marked.is_some() || self.inner.redis.is_none();
+            let claim = match self.inner.postgres.claim(&candidate, likely_new, tx.as_deref_mut()).await {
                 Ok(ClaimAnswer::Claim(claim)) => claim,
                 // Nothing runs and nothing is recorded: the marker goes too, so that a retry is not told
                 // "in flight".

@@ -90,7 +90,11 @@ pub(crate) async fn bounded<T>(
     }
     match tokio::time::timeout(timeout, call).await {
         Ok(result) => result.map_err(|source| statement.failed(source)),
-        Err(_) => Err(statement
-            .failed(sqlx::Error::Io(io::Error::new(io::ErrorKind::TimedOut, "Postgres did not answer in time")))),
+        Err(_) => Err(statement.failed(timed_out())),
     }
+}
+
+/// A statement past the store's timeout: an I/O error, like a lost connection.
+pub(crate) fn timed_out() -> sqlx::Error {
+    sqlx::Error::Io(io::Error::new(io::ErrorKind::TimedOut, "Postgres did not answer in time"))
 }

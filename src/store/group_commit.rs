@@ -1,0 +1,340 @@
+//! Group commit: the claims of new keys and the completions of concurrent calls, written together.
+//!
+//! Why: for a new key Postgres spends most of its time on each statement (its executor, its commit),
+//! not on the row it writes; eight claims in one statement cost the server about a third of eight
+//! statements (benches/pgbench). A batch is whatever queued while the batches before it were under way,
+//! so a call that is alone is sent at once, alone, and batches grow only under load.
+//!
+//! What stays as it was: each batch is one statement that commits before anyone hears of it, so a
+//! claim is durable before its work runs, and a completion is stored before the client is answered. A
+//! call the batch cannot answer for on its own (a row another transaction holds, a statement that failed
+//! on some row's account) is told to ask alone, and sends its own statement as it would without group
+//! commit. A claim whose caller stopped waiting (cancelled, or past the store's timeout) is released
+//! at once, so nobody is told "in flight" for work that never started. Claims inside the caller's
+//! transaction never join a batch: they commit with the caller's work.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use sqlx::Row as _;
+use sqlx::postgres::{PgPool, PgRow};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use super::Background;
+use super::postgres_tier::{CLAIM_NEW_BATCH, COMPLETE_BATCH, Retained, decode_record, notify, release, retained};
+use super::statement::{self, Statement};
+use crate::error::StoreError;
+use crate::key::KeyDigest;
+use crate::policy::{LeaseExpiry, millis};
+use crate::record::{Lease, Record};
+
+/// The most calls in one statement.
+const MAX_BATCH: usize = 64;
+/// Batches of one kind under way at once: while they are, the next calls queue and go together.
+const BATCHES_UNDER_WAY: usize = 2;
+/// A completion that stores more than this goes alone: a batch is one message to Postgres, and one
+/// large response would hold up the small ones.
+const MAX_BATCHED_RESPONSE: usize = 64 * 1024;
+
+/// What a batch answered a call.
+#[derive(Debug)]
+pub(crate) enum Batched<A> {
+    Answered(A),
+    /// The batch could not answer for this call on its own: the caller sends its own statement.
+    AskAlone,
+}
+
+/// The two kinds of write that go in batches.
+pub(crate) struct GroupCommit {
+    pub(crate) claims: Batcher<NewClaim>,
+    pub(crate) completions: Batcher<Completion>,
+}
+
+impl GroupCommit {
+    pub(crate) fn new(pool: &PgPool, timeout: Duration, background: &Background) -> Self {
+        Self { claims: Batcher::new(pool, timeout, background), completions: Batcher::new(pool, timeout, background) }
+    }
+}
+
+/// A write that can go in a batch.
+pub(crate) trait Job: Send + Sync + Sized + 'static {
+    type Answer: Send + 'static;
+    const STATEMENT: Statement;
+
+    /// The lease the job writes for; every batch writes its rows in the order of their keys.
+    fn lease(&self) -> &Lease;
+
+    /// The batch as one statement: an answer per job, in order; `None` where the job must ask alone.
+    fn send(
+        pool: &PgPool,
+        jobs: &[&Self],
+    ) -> impl Future<Output = Result<Vec<Option<Self::Answer>>, sqlx::Error>> + Send;
+
+    /// The caller stopped waiting before `answer` reached it.
+    fn unheard(self, answer: Self::Answer, pool: &PgPool, timeout: Duration) -> impl Future<Output = ()> + Send;
+}
+
+struct Queued<J: Job> {
+    job: J,
+    reply: oneshot::Sender<Result<Batched<J::Answer>, StoreError>>,
+}
+
+/// The queue of one kind of write, and the task that sends its batches.
+pub(crate) struct Batcher<J: Job> {
+    /// The running task's queue; started on first use, and again if its runtime ended.
+    queue: Mutex<Option<mpsc::UnboundedSender<Queued<J>>>>,
+    pool: PgPool,
+    timeout: Duration,
+    background: Background,
+}
+
+impl<J: Job> Batcher<J> {
+    fn new(pool: &PgPool, timeout: Duration, background: &Background) -> Self {
+        Self { queue: Mutex::new(None), pool: pool.clone(), timeout, background: background.clone() }
+    }
+
+    /// Sends `job` in the next batch and waits, at most the store's Postgres timeout, for its answer.
+    pub(crate) async fn submit(&self, job: J) -> Result<Batched<J::Answer>, StoreError> {
+        let (reply, mut answer) = oneshot::channel();
+        if !self.enqueue(Queued { job, reply }) {
+            return Ok(Batched::AskAlone);
+        }
+        match tokio::time::timeout(self.timeout, &mut answer).await {
+            Ok(Ok(answered)) => answered,
+            // The batch was dropped (its runtime ended), perhaps after it was sent: a claim it wrote is
+            // this call's own, which the full claim recognises by its owner.
+            Ok(Err(_)) => Ok(Batched::AskAlone),
+            Err(_) => {
+                // Closed first: an answer sent before the close is taken, and after it the batch knows
+                // nobody hears it (and releases a claim).
+                answer.close();
+                answer.try_recv().unwrap_or_else(|_| Err(J::STATEMENT.failed(statement::timed_out())))
+            }
+        }
+    }
+
+    /// Queues `queued`, starting the task if none runs; false when no task can run (no runtime, or the
+    /// store was shut down).
+    fn enqueue(&self, queued: Queued<J>) -> bool {
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        let queued = match queue.as_ref() {
+            Some(sender) => match sender.send(queued) {
+                Ok(()) => return true,
+                Err(mpsc::error::SendError(queued)) => queued,
+            },
+            None => queued,
+        };
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let task = drive(receiver, self.pool.clone(), self.timeout, self.background.clone());
+        if self.background.follow(task).is_none() {
+            return false;
+        }
+        let sent = sender.send(queued).is_ok();
+        *queue = Some(sender);
+        sent
+    }
+}
+
+/// Takes what queued into batches, with at most [`BATCHES_UNDER_WAY`] of them under way.
+async fn drive<J: Job>(
+    mut queue: mpsc::UnboundedReceiver<Queued<J>>,
+    pool: PgPool,
+    timeout: Duration,
+    background: Background,
+) {
+    let under_way = Arc::new(Semaphore::new(BATCHES_UNDER_WAY));
+    while let Some(first) = queue.recv().await {
+        let Ok(permit) = Arc::clone(&under_way).acquire_owned().await else { return };
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH
+            && let Ok(next) = queue.try_recv()
+        {
+            batch.push(next);
+        }
+        // A settlement: a shutdown waits for the batch, whose claims and completions may have landed.
+        let pool = pool.clone();
+        background.settle(async move {
+            flush(batch, &pool, timeout).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Sends one batch and answers its callers.
+async fn flush<J: Job>(mut batch: Vec<Queued<J>>, pool: &PgPool, timeout: Duration) {
+    // A caller that stopped waiting is not written for.
+    batch.retain(|queued| !queued.reply.is_closed());
+    if batch.is_empty() {
+        return;
+    }
+    batch.sort_by(|a, b| order(a.job.lease()).cmp(&order(b.job.lease())));
+    let jobs: Vec<&J> = batch.iter().map(|queued| &queued.job).collect();
+    let sent = statement::bounded(timeout, &J::STATEMENT, J::send(pool, &jobs)).await;
+    let answers = match sent {
+        Ok(answers) => answers,
+        Err(error) => {
+            let out_of_reach = out_of_reach(&error);
+            for queued in batch {
+                let _ = queued.reply.send(match &out_of_reach {
+                    // Each call would fail the same way alone.
+                    Some(copy) => Err(J::STATEMENT.failed(copy())),
+                    // The statement failed on some row's account (a lock waited out, a deadlock, a
+                    // constraint, a row it could not read): each call asks alone, and only its own row
+                    // can fail it.
+                    None => Ok(Batched::AskAlone),
+                });
+            }
+            return;
+        }
+    };
+    // Fault tests: the statement committed, and its callers hear of it only after `return(ms)`.
+    #[cfg(feature = "failpoints")]
+    if let Some(ms) = (|| {
+        fail::fail_point!("group-commit-before-answers", |ms: Option<String>| ms.and_then(|ms| ms.parse().ok()));
+        None
+    })() {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    // Everyone is answered first; then what nobody heard is undone.
+    let mut unheard = Vec::new();
+    for (queued, answer) in batch.into_iter().zip(answers) {
+        let reply = answer.map_or(Batched::AskAlone, Batched::Answered);
+        if let Err(Ok(Batched::Answered(answer))) = queued.reply.send(Ok(reply)) {
+            unheard.push((queued.job, answer));
+        }
+    }
+    for (job, answer) in unheard {
+        job.unheard(answer, pool, timeout).await;
+    }
+}
+
+/// Where a lease's row comes in a batch.
+fn order(lease: &Lease) -> (&str, &str, &str) {
+    (lease.scope.tenant(), lease.scope.operation(), lease.key.as_str())
+}
+
+/// When a batch failed because Postgres is out of reach (a connection lost or refused, no connection
+/// in time, the server shutting down or out of resources, the store's timeout): the error each of its
+/// callers gets, as each would alone, and as retryable. `None` when the failure is some row's, or the
+/// store's own (its pool closed): asked alone, each call meets it again, with its cause.
+fn out_of_reach(error: &StoreError) -> Option<impl Fn() -> sqlx::Error + use<>> {
+    let StoreError::StoreUnavailable { source, .. } = error else { return None };
+    let kind = match source {
+        sqlx::Error::Io(io) => io.kind(),
+        sqlx::Error::PoolTimedOut => std::io::ErrorKind::TimedOut,
+        sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed => std::io::ErrorKind::Other,
+        // Connection exceptions, insufficient resources, operator intervention (a shutdown, a cancel).
+        sqlx::Error::Database(db) if db.code().is_some_and(|code| ["08", "53", "57"].contains(&&code[..2])) => {
+            std::io::ErrorKind::Other
+        }
+        _ => return None,
+    };
+    let text = source.to_string();
+    Some(move || sqlx::Error::Io(std::io::Error::new(kind, text.clone())))
+}
+
+/// The claim of a key that is most likely new; answered with its new record, or `None` when the key has
+/// a record or a live tombstone (the full claim answers then).
+pub(crate) struct NewClaim {
+    pub(crate) lease: Lease,
+    pub(crate) digest: KeyDigest,
+}
+
+impl Job for NewClaim {
+    type Answer = Option<Record>;
+    const STATEMENT: Statement = CLAIM_NEW_BATCH;
+
+    fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    async fn send(pool: &PgPool, jobs: &[&Self]) -> Result<Vec<Option<Option<Record>>>, sqlx::Error> {
+        let leases = || jobs.iter().map(|job| &job.lease);
+        let rows = sqlx::query(CLAIM_NEW_BATCH.sql)
+            .bind(leases().map(|lease| lease.scope.tenant()).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.scope.operation()).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.key.as_str()).collect::<Vec<_>>())
+            .bind(leases().map(|lease| &lease.fingerprint.as_bytes()[..]).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.owner.as_str()).collect::<Vec<_>>())
+            .bind(leases().map(|lease| millis(lease.policy.lease) as f64).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.policy.retention.map(|r| millis(r) as f64)).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.policy.lease_expiry == LeaseExpiry::TakeOver).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.policy.name()).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.policy.tombstone.map(|t| millis(t) as f64)).collect::<Vec<_>>())
+            .bind(jobs.iter().map(|job| job.digest.as_str()).collect::<Vec<_>>())
+            .fetch_all(pool)
+            .await?;
+        let mut answers: Vec<Option<Record>> = jobs.iter().map(|_| None).collect();
+        for row in rows {
+            let owner: &str = row.try_get("owner")?;
+            let place = jobs.iter().position(|job| job.lease.owner == owner);
+            let place =
+                place.ok_or_else(|| sqlx::Error::Decode("a batch claimed for an owner it was not sent".into()))?;
+            answers[place] = Some(decode_record(&row)?);
+        }
+        Ok(answers.into_iter().map(Some).collect())
+    }
+
+    /// Nobody runs the work of a claim its caller never heard of: the key is given back at once, and
+    /// claims that wait for it hear so.
+    async fn unheard(self, answer: Option<Record>, pool: &PgPool, timeout: Duration) {
+        let Some(record) = answer else { return };
+        let lease = Lease { fence: record.fence, ..self.lease };
+        let announced = match release(pool, timeout, &lease).await {
+            Ok(Some(true)) => notify(pool, timeout, self.digest.as_str()).await,
+            Ok(_) => Ok(()),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = announced {
+            tracing::warn!(%error, fence = lease.fence, "could not give back a claim nobody waited for; its lease runs out instead");
+        }
+    }
+}
+
+/// A fenced completion; answered with how long the record is kept, or told to ask alone when the
+/// record is held by another transaction or its fence moved on.
+pub(crate) struct Completion {
+    pub(crate) lease: Lease,
+    pub(crate) response: Vec<u8>,
+}
+
+impl Completion {
+    /// Whether `response` may go in a batch ([`MAX_BATCHED_RESPONSE`]).
+    pub(crate) fn fits(response: &[u8]) -> bool {
+        response.len() <= MAX_BATCHED_RESPONSE
+    }
+}
+
+impl Job for Completion {
+    type Answer = Retained;
+    const STATEMENT: Statement = COMPLETE_BATCH;
+
+    fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    async fn send(pool: &PgPool, jobs: &[&Self]) -> Result<Vec<Option<Retained>>, sqlx::Error> {
+        let leases = || jobs.iter().map(|job| &job.lease);
+        let rows: Vec<PgRow> = sqlx::query(COMPLETE_BATCH.sql)
+            .bind(leases().map(|lease| lease.scope.tenant()).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.scope.operation()).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.key.as_str()).collect::<Vec<_>>())
+            .bind(leases().map(|lease| lease.fence).collect::<Vec<_>>())
+            .bind(jobs.iter().map(|job| &job.response[..]).collect::<Vec<_>>())
+            .fetch_all(pool)
+            .await?;
+        let mut answers: Vec<Option<Retained>> = jobs.iter().map(|_| None).collect();
+        for row in rows {
+            let n: i64 = row.try_get("n")?;
+            let place = usize::try_from(n - 1).ok().filter(|&place| place < answers.len());
+            let place = place
+                .ok_or_else(|| sqlx::Error::Decode(format!("a batch completed row {n} it was not sent").into()))?;
+            answers[place] = Some(retained(&row)?);
+        }
+        Ok(answers)
+    }
+
+    /// A completion stands whether or not its caller heard of it: the work ran.
+    async fn unheard(self, _: Retained, _: &PgPool, _: Duration) {}
+}

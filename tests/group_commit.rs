@@ -1,0 +1,179 @@
+//! Group commit: concurrent calls share their claims' and completions' statements, and no call is held
+//! up, lost or left claimed because it shared one.
+
+use crate::support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::future::join_all;
+use idemstore::{Begin, Fingerprint, FingerprintOptions, Mode, Policy, RunOutcome, State, Store};
+use serde_json::json;
+use support::{Harness, key};
+use tokio::sync::Notify;
+
+suite!(concurrent_new_keys_share_statements, a_claim_whose_caller_left_is_given_back);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_held_in_a_transaction_holds_up_no_shared_claim() {
+    a_key_held_in_a_transaction_holds_up_no_shared_claim_in(Mode::PostgresOnly).await;
+}
+
+type Outcome = Result<RunOutcome<serde_json::Value>, idemstore::RunError<sqlx::Error>>;
+
+async fn store_run(store: &Store, h: &Harness, scope: &idemstore::Scope, k: &idemstore::IdempotencyKey) -> Outcome {
+    store.run_once(scope, k, &json!({"amount": 3}), || h.charge("acme", k)).await
+}
+
+/// Statements of one kind sent for this test's store so far.
+fn statements(statement: &str) -> f64 {
+    support::labelled("idemstore_postgres_statements_total", &[("statement", statement)])
+}
+
+/// 64 new keys at once cost far fewer than 64 claims and 64 completions (each call alone sends one of
+/// each, as the store without group commit shows), and each key's work ran once.
+async fn concurrent_new_keys_share_statements(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
+    let keys: Vec<_> = (0..64).map(|i| key(&format!("shared-{i}"))).collect();
+    let outcomes = join_all(keys.iter().map(|k| store_run(&h.store, &h, &scope, k))).await;
+    assert!(outcomes.iter().all(|o| matches!(o, Ok(RunOutcome::Executed(_)))), "{outcomes:?}");
+    let (claims, completions) = (statements("claim"), statements("complete"));
+    assert!(claims < 48.0 && completions < 48.0, "{claims} claims and {completions} completions for 64 keys");
+    for k in &keys {
+        assert_eq!(h.effects("acme", k).await, 1, "{k:?}");
+    }
+
+    // The same keys again, through a store that writes alone: every call is answered from its record.
+    let alone = support::sealed(
+        Store::builder()
+            .database_url(&h.store_url)
+            .key_prefix(&h.prefix)
+            .postgres_timeout(Duration::from_secs(2))
+            .policy(&h.operation, Policy::default())
+            .group_commit(false),
+    );
+    let alone = match &h.redis_url {
+        Some(url) => alone.redis_url(url),
+        None => alone,
+    }
+    .build()
+    .expect("a store that writes alone");
+    let replays = join_all(keys.iter().map(|k| store_run(&alone, &h, &scope, k))).await;
+    assert!(replays.iter().all(|o| matches!(o, Ok(RunOutcome::Replayed(_)))), "{replays:?}");
+    for k in &keys {
+        assert_eq!(h.effects("acme", k).await, 1, "{k:?}");
+    }
+}
+
+/// A claim a shared statement wrote for a call that was cancelled before it heard of it is given back:
+/// nobody is told "in flight" for work that never started, and the key runs at the next call. Before
+/// the fix, the record stayed in progress until its lease ran out. The shared statement's answers are
+/// held back after it committed (a failpoint) while the call is cancelled.
+async fn a_claim_whose_caller_left_is_given_back(mode: Mode) {
+    let h = Arc::new(Harness::start(mode).await);
+    let (scope, k) = (h.scope("acme"), key("cancelled"));
+    let fingerprint = Fingerprint::of_json(br#"{"amount":5}"#, &FingerprintOptions::default()).expect("fingerprint");
+    // The shared statement's callers hear of it 5 s after it committed.
+    fail::cfg("group-commit-before-answers", "return(5000)").expect("failpoint");
+    let call = {
+        let (h, scope, k, fingerprint) = (h.clone(), scope.clone(), k.clone(), fingerprint.clone());
+        tokio::spawn(async move { h.store.begin(&scope, &k, &fingerprint).await.map(drop) })
+    };
+    let in_progress = || async {
+        let record = h.store.admin().lookup(&scope, &k).await.expect("lookup");
+        record.map(|record| record.state)
+    };
+    let started = std::time::Instant::now();
+    while in_progress().await != Some(State::InProgress) {
+        assert!(started.elapsed() < Duration::from_secs(10), "the shared claim never committed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    call.abort();
+    assert!(call.await.expect_err("cancelled").is_cancelled());
+    fail::cfg("group-commit-before-answers", "off").expect("failpoint");
+
+    while in_progress().await == Some(State::InProgress) {
+        assert!(started.elapsed() < Duration::from_secs(20), "the claim nobody heard of was never given back");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(in_progress().await, Some(State::Released));
+    if mode == Mode::PostgresOnly {
+        // (Two-tier: the cancelled call's Redis marker answers "in flight" until its lease ends.)
+        let begun = h.store.begin(&scope, &k, &fingerprint).await.expect("begin");
+        assert!(matches!(begun, Begin::Acquired(_)), "{begun:?}");
+    }
+}
+
+/// The work of the transaction that holds a key: its effect, then it waits for `released` (at most 20 s).
+fn hold(
+    tx: &mut sqlx::PgConnection,
+    holding: tokio::sync::oneshot::Sender<()>,
+    released: Arc<Notify>,
+    still_held: Arc<AtomicBool>,
+) -> idemstore::TxFuture<'_, i64, sqlx::Error> {
+    Box::pin(async move {
+        sqlx::query("INSERT INTO effects (tenant, key) VALUES ('acme', 'held')").execute(&mut *tx).await?;
+        let _ = holding.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(20), released.notified()).await;
+        still_held.store(false, Ordering::SeqCst);
+        Ok(1)
+    })
+}
+
+/// A key whose claim is open in another transaction (`run_once_in_tx`, its work under way) makes a
+/// shared claim that carries a duplicate of it wait for that transaction. The other keys of that
+/// statement are answered while the transaction is still open (after 50 ms, each claims alone), not
+/// after the store's lock timeout. Before the fix they waited for the transaction (here, the holder lets
+/// go after 20 s without them; the store's lock timeout is 30 s).
+async fn a_key_held_in_a_transaction_holds_up_no_shared_claim_in(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let store = support::sealed(
+        Store::builder()
+            .database_url(&h.store_url)
+            .key_prefix(&h.prefix)
+            .postgres_timeout(Duration::from_secs(60))
+            .policy(&h.operation, Policy::default()),
+    )
+    .build()
+    .expect("store");
+    let (scope, held, payload) = (h.scope("acme"), key("held"), json!({"amount": 1}));
+    const FREE: usize = 40;
+    let free_left = AtomicUsize::new(FREE);
+    let (all_free_answered, still_held) = (Arc::new(Notify::new()), Arc::new(AtomicBool::new(true)));
+    let (holding, held_now) = tokio::sync::oneshot::channel::<()>();
+    let (answered_signal, held_flag) = (all_free_answered.clone(), still_held.clone());
+    let holder = store.run_once_in_tx(&scope, &held, &payload, |tx| hold(tx, holding, answered_signal, held_flag));
+    let others = async {
+        held_now.await.expect("the holder claimed");
+        // Duplicates of the held key among the free ones, so that they share statements.
+        join_all((0..FREE + 8).map(|i| {
+            let k = if i % 6 == 0 { held.clone() } else { key(&format!("free-{i}")) };
+            let (store, scope, payload, h, held) = (&store, &scope, &payload, &h, &held);
+            let (free_left, all_free_answered, still_held) = (&free_left, &all_free_answered, &still_held);
+            async move {
+                let outcome = store.run_once(scope, &k, payload, || h.charge("acme", &k)).await;
+                let while_held = still_held.load(Ordering::SeqCst);
+                if k != *held && free_left.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    all_free_answered.notify_one();
+                }
+                (k, outcome, while_held)
+            }
+        }))
+        .await
+    };
+    let (held_done, answered) = tokio::join!(holder, others);
+    assert!(matches!(held_done, Ok(RunOutcome::Executed(1))), "{held_done:?}");
+    assert_eq!(answered.iter().filter(|(k, ..)| *k != held).count(), FREE);
+    for (k, outcome, while_held) in answered {
+        if k == held {
+            assert!(matches!(outcome, Ok(RunOutcome::Replayed(_))), "{k:?}: {outcome:?}");
+        } else {
+            assert!(matches!(outcome, Ok(RunOutcome::Executed(_))), "{k:?}: {outcome:?}");
+            assert!(while_held, "{k:?} was answered only after the held key's transaction ended");
+            assert_eq!(h.effects("acme", &k).await, 1, "{k:?}");
+        }
+    }
+    assert_eq!(h.effects("acme", &held).await, 1);
+}
