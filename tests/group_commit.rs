@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::future::join_all;
-use idemstore::{Begin, Fingerprint, FingerprintOptions, Mode, Policy, RunOutcome, State, Store};
+use idemstore::{Begin, Fingerprint, FingerprintOptions, Mode, Policy, RunOutcome, Store};
 use serde_json::json;
 use support::{Harness, key};
 use tokio::sync::Notify;
@@ -67,41 +67,51 @@ async fn concurrent_new_keys_share_statements(mode: Mode) {
     }
 }
 
-/// A claim a shared statement wrote for a call that was cancelled before it heard of it is given back:
-/// nobody is told "in flight" for work that never started, and the key runs at the next call. Before
-/// the fix, the record stayed in progress until its lease ran out. The shared statement's answers are
-/// held back after it committed (a failpoint) while the call is cancelled.
+/// Claims a shared statement wrote for calls that were cancelled before they heard of them are given
+/// back: nobody is told "in flight" for work that never started, and the key runs at the next call.
+/// Before the fix, such records stayed in progress until their leases ran out. The shared statements'
+/// answers are held back after they committed (a failpoint) while the calls are cancelled; the calls that
+/// found a slot to write alone are given back by their dropped owners.
 async fn a_claim_whose_caller_left_is_given_back(mode: Mode) {
     let h = Arc::new(Harness::start(mode).await);
-    let (scope, k) = (h.scope("acme"), key("cancelled"));
+    let scope = h.scope("acme");
+    let keys: Vec<_> = (0..32).map(|i| key(&format!("cancelled-{i}"))).collect();
     let fingerprint = Fingerprint::of_json(br#"{"amount":5}"#, &FingerprintOptions::default()).expect("fingerprint");
-    // The shared statement's callers hear of it 5 s after it committed.
+    // A shared statement's callers hear of it 5 s after it committed.
     fail::cfg("group-commit-before-answers", "return(5000)").expect("failpoint");
-    let call = {
-        let (h, scope, k, fingerprint) = (h.clone(), scope.clone(), k.clone(), fingerprint.clone());
-        tokio::spawn(async move { h.store.begin(&scope, &k, &fingerprint).await.map(drop) })
-    };
-    let in_progress = || async {
-        let record = h.store.admin().lookup(&scope, &k).await.expect("lookup");
-        record.map(|record| record.state)
+    let calls: Vec<_> = keys
+        .iter()
+        .map(|k| {
+            let (h, scope, k, fingerprint) = (h.clone(), scope.clone(), k.clone(), fingerprint.clone());
+            tokio::spawn(async move { h.store.begin(&scope, &k, &fingerprint).await.map(drop) })
+        })
+        .collect();
+    let count = |states: &'static str| {
+        let query = "SELECT count(*) FROM idempotency_records WHERE operation = $1 AND state::text = ANY($2)";
+        let states: Vec<String> = states.split(',').map(str::to_owned).collect();
+        let (pool, operation) = (&h.pool, &h.operation);
+        async move { sqlx::query_scalar::<_, i64>(query).bind(operation).bind(states).fetch_one(pool).await.expect("count") }
     };
     let started = std::time::Instant::now();
-    while in_progress().await != Some(State::InProgress) {
-        assert!(started.elapsed() < Duration::from_secs(10), "the shared claim never committed");
+    while count("p,r").await < 32 {
+        assert!(started.elapsed() < Duration::from_secs(10), "the claims never committed");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    call.abort();
-    assert!(call.await.expect_err("cancelled").is_cancelled());
+    assert!(statements("claim") < 32.0, "no claim was shared");
+    for call in calls {
+        call.abort();
+        let _ = call.await;
+    }
     fail::cfg("group-commit-before-answers", "off").expect("failpoint");
 
-    while in_progress().await == Some(State::InProgress) {
-        assert!(started.elapsed() < Duration::from_secs(20), "the claim nobody heard of was never given back");
+    while count("p").await > 0 {
+        assert!(started.elapsed() < Duration::from_secs(20), "a claim nobody heard of was never given back");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(in_progress().await, Some(State::Released));
+    assert_eq!(count("r").await, 32);
     if mode == Mode::PostgresOnly {
-        // (Two-tier: the cancelled call's Redis marker answers "in flight" until its lease ends.)
-        let begun = h.store.begin(&scope, &k, &fingerprint).await.expect("begin");
+        // (Two-tier: a cancelled call's Redis marker answers "in flight" until its lease ends.)
+        let begun = h.store.begin(&scope, &keys[31], &fingerprint).await.expect("begin");
         assert!(matches!(begun, Begin::Acquired(_)), "{begun:?}");
     }
 }

@@ -335,9 +335,8 @@ impl StoreBuilder {
     /// gave up on has been cancelled by the server by then, so a claim answered "unavailable" is not
     /// left claimed (one that a shared statement of [`group_commit`](Self::group_commit) wrote after
     /// its caller gave up is given back at once), and no abandoned statement holds a connection past
-    /// the timeout. This includes
-    /// the statements of [`Store::run_once_in_tx`]'s work, which runs on the store's connection
-    /// (`SET LOCAL statement_timeout` there to give it longer).
+    /// the timeout. This includes the statements of [`Store::run_once_in_tx`]'s work, which runs on the
+    /// store's connection (`SET LOCAL statement_timeout` there to give it longer).
     pub fn postgres_timeout(mut self, timeout: Duration) -> Self {
         self.postgres_timeout = Some(timeout);
         self
@@ -354,7 +353,8 @@ impl StoreBuilder {
     /// Whether concurrent calls share their Postgres writes (default `true`): the claims of keys that are
     /// most likely new, and the completions, of calls under way at the same time go to Postgres as one
     /// statement each, which commits before any of them is answered. Under load this is several times
-    /// fewer statements for the server; a call that is alone is sent at once, alone. Claims and
+    /// fewer statements for the server; a call that finds fewer than two shared statements under way
+    /// writes at once, alone, on its own task. Claims and
     /// completions inside the caller's transaction never share. A key whose row another transaction
     /// holds holds up a shared claim for at most 50 ms; then each of its calls claims alone. The store
     /// has a task for the shared statements, on the runtime of its first call (and of the next one if

@@ -217,8 +217,9 @@ macro_rules! claim_sql {
 /// Completed and indeterminate records, live leases and tombstones are never written: the statement
 /// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
 /// row lock. A live record of this very claim (its owner, a token no other call has) is acquired: a
-/// batch wrote it, and the caller never heard (see [`group_commit`](super::group_commit)). `prior` also says what was re-acquired (for the takeover metric). `quota_limit` and
-/// `quota_retry_ms` are NULL ([`CLAIM_UNDER_QUOTA`] fills them).
+/// batch wrote it, and the caller never heard (see [`group_commit`](super::group_commit)). `prior` also
+/// says what was re-acquired (for the takeover metric). `quota_limit` and `quota_retry_ms` are NULL
+/// ([`CLAIM_UNDER_QUOTA`] fills them).
 const CLAIM: Statement = Statement::new(
     "claim",
     claim_sql!(quota_ctes: "", held_back: "", counted: "", prior_quota: "NULL, NULL, ", refused: ""),
@@ -295,8 +296,9 @@ fn live_slots(scope: &Scope) -> i64 {
     (u64::from_le_bytes(bytes) >> 17) as i64
 }
 
-/// The claim of a key that is most likely new (Redis had nothing of it, or there is no Redis), without a quota: the new record,
-/// unless the key has a record or a live tombstone, and then no row, and [`CLAIM`] answers. Same
+/// The claim of a key that is most likely new (Redis had nothing of it, or there is no Redis), without
+/// a quota: the new record, unless the key has a record or a live tombstone, and then no row, and
+/// [`CLAIM`] answers. Same
 /// parameters and row as [`CLAIM`]. A new key is the common case, and Postgres runs this statement about
 /// 1.5 times as fast as [`CLAIM`] (benches/pgbench): no takeover, no answer from a record, one branch, and
 /// Postgres builds every part of a statement's plan on every execution. The record is looked for in the
@@ -571,9 +573,11 @@ impl PostgresTier {
     ) -> Result<ClaimAnswer, StoreError> {
         let digest = key_digest(&lease.scope, &lease.key);
         let mut new_key_first = likely_new && lease.policy.quota.is_off();
-        if new_key_first
-            && conn.is_none()
-            && let Some(group) = &self.group
+        let group = self.group.as_ref().filter(|_| new_key_first && conn.is_none());
+        // Held until this call's own statement is done.
+        let alone = group.and_then(|group| group.claims.alone());
+        if alone.is_none()
+            && let Some(group) = group
         {
             match group.claims.submit(NewClaim { lease: lease.clone(), digest }).await? {
                 Batched::Answered(Some(record)) => {
@@ -675,9 +679,10 @@ impl PostgresTier {
         response: &[u8],
         conn: Option<&mut PgConnection>,
     ) -> Result<Option<Retained>, StoreError> {
-        if conn.is_none()
-            && Completion::fits(response)
-            && let Some(group) = &self.group
+        let group = self.group.as_ref().filter(|_| conn.is_none() && Completion::fits(response));
+        let alone = group.and_then(|group| group.completions.alone());
+        if alone.is_none()
+            && let Some(group) = group
         {
             let completion = Completion { lease: lease.clone(), response: response.to_vec() };
             if let Batched::Answered(retained) = group.completions.submit(completion).await? {
