@@ -10,8 +10,9 @@
 //! claim is durable before its work runs, and a completion is stored before the client is answered. A
 //! call the batch cannot answer for on its own (a row another transaction holds, a statement that failed
 //! on some row's account) is told to ask alone, and sends its own statement as it would without group
-//! commit. A claim whose caller stopped waiting (cancelled, or past the store's timeout) is released
-//! at once, so nobody is told "in flight" for work that never started. Claims inside the caller's
+//! commit. A claim whose caller stopped waiting (cancelled, or past the store's timeout) is taken back
+//! at once, so nobody is told "in flight" for work that never started, and a call answered
+//! "unavailable" leaves no record, as a statement the server cancelled does not. Claims inside the caller's
 //! transaction never join a batch: they commit with the caller's work.
 
 use std::future::Future;
@@ -23,7 +24,7 @@ use sqlx::postgres::{PgPool, PgRow};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use super::Background;
-use super::postgres_tier::{CLAIM_NEW_BATCH, COMPLETE_BATCH, Retained, decode_record, notify, release, retained};
+use super::postgres_tier::{CLAIM_NEW_BATCH, COMPLETE_BATCH, Retained, decode_record, forget, notify, retained};
 use super::statement::{self, Statement};
 use crate::error::StoreError;
 use crate::key::KeyDigest;
@@ -294,12 +295,13 @@ impl Job for NewClaim {
         Ok(answers.into_iter().map(Some).collect())
     }
 
-    /// Nobody runs the work of a claim its caller never heard of: the key is given back at once, and
-    /// claims that wait for it hear so.
+    /// Nobody runs the work of a claim its caller never heard of: the claim is taken back at once, as
+    /// if it had never been written (the caller was told so, or nothing), and claims that wait for it
+    /// hear so.
     async fn unheard(self, answer: Option<Record>, pool: &PgPool, timeout: Duration) {
         let Some(record) = answer else { return };
         let lease = Lease { fence: record.fence, ..self.lease };
-        let announced = match release(pool, timeout, &lease).await {
+        let announced = match forget(pool, timeout, &lease).await {
             Ok(Some(true)) => notify(pool, timeout, self.digest.as_str()).await,
             Ok(_) => Ok(()),
             Err(error) => Err(error),

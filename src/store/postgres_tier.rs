@@ -452,6 +452,17 @@ const RELEASE: Statement = Statement::new(
     RETURNING waited",
 );
 
+/// A claim a batch wrote for a caller who never heard of it, taken back whole ([`group_commit`](
+/// super::group_commit)): as if its statement had been cancelled, which is what the caller was told
+/// (a release would leave a record that refuses another payload). Counted as a release.
+const FORGET: Statement = Statement::new(
+    "release",
+    "
+    DELETE FROM idempotency_records
+    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4 AND state = 'p'
+    RETURNING waited",
+);
+
 /// A claim that waits for the record's live owner asks to hear of its settlement: true if the record is
 /// flagged (already, or now). A flagged record is not written again. Unfenced: a waiter told "in flight"
 /// by Redis has no fence, and the flag only costs an owner a notification.
@@ -715,7 +726,9 @@ impl PostgresTier {
     /// The fenced release: `None` when it matched no record (the lease was lost), else whether a claim
     /// waits for it.
     pub(crate) async fn release(&self, lease: &Lease) -> Result<Option<bool>, StoreError> {
-        release(&self.pool, self.timeout, lease).await
+        let waited = fenced(&RELEASE, lease).fetch_optional(&self.pool);
+        let row = self.bounded(&RELEASE, waited).await?;
+        row.map(|row| row.try_get("waited")).transpose().map_err(|e| RELEASE.failed(e))
     }
 
     /// Flags the key's in-progress record as waited for; false when it is not in progress (any more).
@@ -741,11 +754,12 @@ pub(crate) async fn notify(pool: &PgPool, timeout: Duration, digest: &str) -> Re
     statement::bounded(timeout, &NOTIFY, notify.execute(pool)).await.map(drop)
 }
 
-/// [`PostgresTier::release`], for a batch that claimed for a caller who stopped waiting.
-pub(crate) async fn release(pool: &PgPool, timeout: Duration, lease: &Lease) -> Result<Option<bool>, StoreError> {
-    let waited = fenced(&RELEASE, lease).fetch_optional(pool);
-    let row = statement::bounded(timeout, &RELEASE, waited).await?;
-    row.map(|row| row.try_get("waited")).transpose().map_err(|e| RELEASE.failed(e))
+/// Takes back the claim a batch wrote for a caller who stopped waiting ([`FORGET`]): `None` when it
+/// matched no record, else whether a claim waits for it.
+pub(crate) async fn forget(pool: &PgPool, timeout: Duration, lease: &Lease) -> Result<Option<bool>, StoreError> {
+    let waited = fenced(&FORGET, lease).fetch_optional(pool);
+    let row = statement::bounded(timeout, &FORGET, waited).await?;
+    row.map(|row| row.try_get("waited")).transpose().map_err(|e| FORGET.failed(e))
 }
 
 /// How long a completed record is kept, from [`retained_columns`].
