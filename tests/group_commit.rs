@@ -34,6 +34,10 @@ fn statements(statement: &str) -> f64 {
 /// 64 new keys at once cost fewer than 64 claims and 64 completions (each call alone sends one of
 /// each, as the store without group commit shows), and each key's work ran once.
 async fn concurrent_new_keys_share_statements(mode: Mode) {
+    // It counts the process's statements: under `cargo test`, in a process of its own.
+    if support::rerun_alone(mode, module_path!(), "concurrent_new_keys_share_statements") {
+        return;
+    }
     let h = Harness::start(mode).await;
     let scope = h.scope("acme");
     let keys: Vec<_> = (0..64).map(|i| key(&format!("shared-{i}"))).collect();
@@ -74,6 +78,10 @@ async fn concurrent_new_keys_share_statements(mode: Mode) {
 /// shared statement's answers are held back after it committed (a failpoint) while the calls are
 /// cancelled; the other calls were answered, and their dropped owners released their keys.
 async fn a_claim_whose_caller_left_is_given_back(mode: Mode) {
+    // Its failpoint and statement count are the process's: under `cargo test`, in a process of its own.
+    if support::rerun_alone(mode, module_path!(), "a_claim_whose_caller_left_is_given_back") {
+        return;
+    }
     let h = Arc::new(Harness::start(mode).await);
     let scope = h.scope("acme");
     let keys: Vec<_> = (0..32).map(|i| key(&format!("cancelled-{i}"))).collect();
