@@ -31,8 +31,28 @@ fn statements(statement: &str) -> f64 {
     support::labelled("idemstore_postgres_statements_total", &[("statement", statement)])
 }
 
-/// 64 new keys at once cost fewer than 64 claims and 64 completions (each call alone sends one of
-/// each, as the store without group commit shows), and each key's work ran once.
+/// A store on the harness's servers, its own pool of `connections`, sharing its writes or not.
+async fn store_on(h: &Harness, connections: u32, group_commit: bool) -> Store {
+    let pool = idemstore::pool_options().max_connections(connections).connect(&h.store_url).await.expect("pool");
+    let store = support::sealed(
+        Store::builder()
+            .postgres(pool)
+            .key_prefix(&h.prefix)
+            .postgres_timeout(Duration::from_secs(2))
+            .policy(&h.operation, Policy::default())
+            .group_commit(group_commit),
+    );
+    match &h.redis_url {
+        Some(url) => store.redis_url(url),
+        None => store,
+    }
+    .build()
+    .expect("store")
+}
+
+/// 64 new keys at once, through a pool of two connections (so every connection is busy and calls
+/// queue for shared statements), cost fewer than 64 claims and 64 completions (each call alone sends one
+/// of each, as the store without group commit shows), and each key's work ran once.
 async fn concurrent_new_keys_share_statements(mode: Mode) {
     // It counts the process's statements: under `cargo test`, in a process of its own.
     if support::rerun_alone(mode, module_path!(), "concurrent_new_keys_share_statements") {
@@ -41,7 +61,8 @@ async fn concurrent_new_keys_share_statements(mode: Mode) {
     let h = Harness::start(mode).await;
     let scope = h.scope("acme");
     let keys: Vec<_> = (0..64).map(|i| key(&format!("shared-{i}"))).collect();
-    let outcomes = join_all(keys.iter().map(|k| store_run(&h.store, &h, &scope, k))).await;
+    let shared = store_on(&h, 2, true).await;
+    let outcomes = join_all(keys.iter().map(|k| store_run(&shared, &h, &scope, k))).await;
     assert!(outcomes.iter().all(|o| matches!(o, Ok(RunOutcome::Executed(_)))), "{outcomes:?}");
     let (claims, completions) = (statements("claim"), statements("complete"));
     // Fewer than one each: some were shared (how many depends on how the calls met).
@@ -51,20 +72,7 @@ async fn concurrent_new_keys_share_statements(mode: Mode) {
     }
 
     // The same keys again, through a store that writes alone: every call is answered from its record.
-    let alone = support::sealed(
-        Store::builder()
-            .database_url(&h.store_url)
-            .key_prefix(&h.prefix)
-            .postgres_timeout(Duration::from_secs(2))
-            .policy(&h.operation, Policy::default())
-            .group_commit(false),
-    );
-    let alone = match &h.redis_url {
-        Some(url) => alone.redis_url(url),
-        None => alone,
-    }
-    .build()
-    .expect("a store that writes alone");
+    let alone = store_on(&h, 16, false).await;
     let replays = join_all(keys.iter().map(|k| store_run(&alone, &h, &scope, k))).await;
     assert!(replays.iter().all(|o| matches!(o, Ok(RunOutcome::Replayed(_)))), "{replays:?}");
     for k in &keys {
