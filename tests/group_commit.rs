@@ -31,9 +31,8 @@ fn statements(statement: &str) -> f64 {
     support::labelled("idemstore_postgres_statements_total", &[("statement", statement)])
 }
 
-/// A store on the harness's servers, its own pool of `connections`, sharing its writes or not.
-async fn store_on(h: &Harness, connections: u32, group_commit: bool) -> Store {
-    let pool = idemstore::pool_options().max_connections(connections).connect(&h.store_url).await.expect("pool");
+/// A store on the harness's servers and `pool`, sharing its writes or not.
+fn store_on(h: &Harness, pool: sqlx::PgPool, group_commit: bool) -> Store {
     let store = support::sealed(
         Store::builder()
             .postgres(pool)
@@ -50,9 +49,10 @@ async fn store_on(h: &Harness, connections: u32, group_commit: bool) -> Store {
     .expect("store")
 }
 
-/// 64 new keys at once, through a pool of two connections (so every connection is busy and calls
-/// queue for shared statements), cost fewer than 64 claims and 64 completions (each call alone sends one
-/// of each, as the store without group commit shows), and each key's work ran once.
+/// 64 new keys at once, through a pool of one connection that the test holds until every call is at its
+/// claim (so none finds a connection to spare and all but two queue for shared statements), cost fewer
+/// than 64 claims and 64 completions (each call alone sends one of each, as the store without group
+/// commit shows), and each key's work ran once.
 async fn concurrent_new_keys_share_statements(mode: Mode) {
     // It counts the process's statements: under `cargo test`, in a process of its own.
     if support::rerun_alone(mode, module_path!(), "concurrent_new_keys_share_statements") {
@@ -61,8 +61,19 @@ async fn concurrent_new_keys_share_statements(mode: Mode) {
     let h = Harness::start(mode).await;
     let scope = h.scope("acme");
     let keys: Vec<_> = (0..64).map(|i| key(&format!("shared-{i}"))).collect();
-    let shared = store_on(&h, 2, true).await;
-    let outcomes = join_all(keys.iter().map(|k| store_run(&shared, &h, &scope, k))).await;
+    let pool = idemstore::pool_options().max_connections(1).connect(&h.store_url).await.expect("pool");
+    let held = pool.acquire().await.expect("the pool's connection");
+    let shared = store_on(&h, pool, true);
+    let release = async {
+        // Two-tier: every call's Redis marker is set, so each is at its Postgres claim.
+        if mode == Mode::TwoTier {
+            while h.redis_keys().await.len() < keys.len() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        drop(held);
+    };
+    let (outcomes, ()) = tokio::join!(join_all(keys.iter().map(|k| store_run(&shared, &h, &scope, k))), release);
     assert!(outcomes.iter().all(|o| matches!(o, Ok(RunOutcome::Executed(_)))), "{outcomes:?}");
     let (claims, completions) = (statements("claim"), statements("complete"));
     // Fewer than one each: some were shared (how many depends on how the calls met).
@@ -72,7 +83,8 @@ async fn concurrent_new_keys_share_statements(mode: Mode) {
     }
 
     // The same keys again, through a store that writes alone: every call is answered from its record.
-    let alone = store_on(&h, 16, false).await;
+    let pool = idemstore::pool_options().connect(&h.store_url).await.expect("pool");
+    let alone = store_on(&h, pool, false);
     let replays = join_all(keys.iter().map(|k| store_run(&alone, &h, &scope, k))).await;
     assert!(replays.iter().all(|o| matches!(o, Ok(RunOutcome::Replayed(_)))), "{replays:?}");
     for k in &keys {

@@ -5,8 +5,8 @@
 //! statements (pgbench on the development machine: 29-37k new records a second in statements of eight,
 //! 9-12k one at a time). But Postgres already commits concurrent statements together (one WAL flush for
 //! all of them), so while the pool has a connection to spare a call writes at once, alone, on its own
-//! task: batches form only once every connection is busy. A batch is whatever queued while the batches
-//! before it were under way.
+//! task, as it does while fewer than two batches are under way: batches form under load. A batch is
+//! whatever queued while the batches before it were under way.
 //!
 //! What stays as it was: each batch is one statement that commits before anyone hears of it, so a
 //! claim is durable before its work runs, and a completion is stored before the client is answered. A
@@ -36,18 +36,29 @@ use crate::record::{Lease, Record};
 
 /// A call's leave to write alone ([`Batcher::alone`]), held until its statement is done.
 pub(crate) enum Alone {
-    /// Counted against the pool's idle connections.
-    OnIdleConnection { _counted: OnIdleConnection },
+    /// On its way to one of the pool's spare connections.
+    ToSpareConnection(ToSpareConnection),
     /// A batch slot.
     InSlot { _slot: OwnedSemaphorePermit },
 }
 
-/// One lone call counted against the pool's idle connections, until it is dropped.
-pub(crate) struct OnIdleConnection(Arc<AtomicUsize>);
+impl Alone {
+    /// The call has its connection: it no longer counts against the pool's spare ones.
+    pub(crate) fn took_connection(&mut self) {
+        if let Alone::ToSpareConnection(counted) = self {
+            drop(std::mem::replace(counted, ToSpareConnection(None)));
+        }
+    }
+}
 
-impl Drop for OnIdleConnection {
+/// One lone call counted against the pool's spare connections, until it took one or was dropped.
+pub(crate) struct ToSpareConnection(Option<Arc<AtomicUsize>>);
+
+impl Drop for ToSpareConnection {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        if let Some(on_the_way) = self.0.take() {
+            on_the_way.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -108,8 +119,8 @@ pub(crate) struct Batcher<J: Job> {
     queue: Mutex<Option<mpsc::UnboundedSender<Queued<J>>>>,
     /// The batches under way, and the calls that write alone in a batch's slot (see [`Batcher::alone`]).
     under_way: Arc<Semaphore>,
-    /// The calls that write alone on a connection the pool had idle (see [`Batcher::alone`]).
-    on_idle_connections: Arc<AtomicUsize>,
+    /// The lone calls on their way to a spare connection of the pool (see [`Batcher::alone`]).
+    on_the_way: Arc<AtomicUsize>,
     pool: PgPool,
     timeout: Duration,
     background: Background,
@@ -120,28 +131,30 @@ impl<J: Job> Batcher<J> {
         Self {
             queue: Mutex::new(None),
             under_way: Arc::new(Semaphore::new(BATCHES_UNDER_WAY)),
-            on_idle_connections: Arc::new(AtomicUsize::new(0)),
+            on_the_way: Arc::new(AtomicUsize::new(0)),
             pool: pool.clone(),
             timeout,
             background: background.clone(),
         }
     }
 
-    /// A place for a call to write alone, on its own task: a connection the pool has idle and no other
-    /// lone call counts on (a batch would only add the hop to the batch task and back, about a
-    /// millisecond, and hold the call to two statements at a time where Postgres runs as many as the
-    /// pool has, their commits flushed together), or else a batch slot, when fewer than
-    /// [`BATCHES_UNDER_WAY`] writes are under way (nothing would join its batch). A slot is held while the
-    /// call writes and counts as a batch: calls that come meanwhile queue and go together. (Measured in
-    /// the compare bench at 16 calls in flight on a pool of 16: with slots alone, new keys ran at
-    /// 0.7-0.9x of writing alone.)
+    /// A place for a call to write alone, on its own task: a connection the pool has spare (idle, or
+    /// not opened yet) that no other lone call is on its way to take, or else a batch slot, when fewer
+    /// than [`BATCHES_UNDER_WAY`] writes are under way (nothing would join its batch). Batching a call
+    /// that has a spare connection would only add the hop to the batch task and back (about a
+    /// millisecond) and hold it to two statements at a time, where Postgres runs as many as the pool
+    /// has and flushes their commits together: with slots alone, new keys at 16 in flight on a pool of
+    /// 16 ran at 0.7-0.9x of writing alone (the compare bench). A slot is held while the call writes and
+    /// counts as a batch: calls that come meanwhile queue and go together.
     pub(crate) fn alone(&self) -> Option<Alone> {
-        let counted = self.on_idle_connections.fetch_add(1, Ordering::AcqRel);
-        let on_idle_connection = OnIdleConnection(Arc::clone(&self.on_idle_connections));
-        if counted < self.pool.num_idle() {
-            return Some(Alone::OnIdleConnection { _counted: on_idle_connection });
+        let on_the_way = self.on_the_way.fetch_add(1, Ordering::AcqRel);
+        let counted = ToSpareConnection(Some(Arc::clone(&self.on_the_way)));
+        let options = self.pool.options();
+        let unopened = (options.get_max_connections() as usize).saturating_sub(self.pool.size() as usize);
+        if on_the_way < self.pool.num_idle() + unopened {
+            return Some(Alone::ToSpareConnection(counted));
         }
-        drop(on_idle_connection);
+        drop(counted);
         let slot = Arc::clone(&self.under_way).try_acquire_owned().ok()?;
         Some(Alone::InSlot { _slot: slot })
     }

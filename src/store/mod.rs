@@ -353,8 +353,10 @@ impl StoreBuilder {
     /// Whether concurrent calls share their Postgres writes (default `true`): the claims of keys that are
     /// most likely new, and the completions, of calls under way at the same time go to Postgres as one
     /// statement each, which commits before any of them is answered. Under load this is several times
-    /// fewer statements for the server; while the pool has a connection to spare, or fewer than two
-    /// shared statements are under way, a call writes at once, alone, on its own task. Claims and
+    /// fewer statements for the server; while the pool has a connection to spare (idle, or not opened
+    /// yet), or fewer than two shared statements are under way, a call writes at once, alone, on its own
+    /// task, as without group commit (on a pool shared with the application, those writes take its
+    /// connections as the application's own queries do). Claims and
     /// completions inside the caller's transaction never share. A key whose row another transaction
     /// holds holds up a shared claim for at most 50 ms; then each of its calls claims alone. The store
     /// has a task for the shared statements, on the runtime of its first call (and of the next one if

@@ -586,7 +586,7 @@ impl PostgresTier {
         let mut new_key_first = likely_new && lease.policy.quota.is_off();
         let group = self.group.as_ref().filter(|_| new_key_first && conn.is_none());
         // Held until this call's own statement is done.
-        let alone = group.and_then(|group| group.claims.alone());
+        let mut alone = group.and_then(|group| group.claims.alone());
         if alone.is_none()
             && let Some(group) = group
         {
@@ -605,6 +605,9 @@ impl PostgresTier {
             Some(conn) => conn,
             None => {
                 pooled = self.bounded(&ACQUIRE, self.pool.acquire()).await?;
+                if let Some(alone) = alone.as_mut() {
+                    alone.took_connection();
+                }
                 &mut *pooled
             }
         };
@@ -691,7 +694,7 @@ impl PostgresTier {
         conn: Option<&mut PgConnection>,
     ) -> Result<Option<Retained>, StoreError> {
         let group = self.group.as_ref().filter(|_| conn.is_none() && Completion::fits(response));
-        let alone = group.and_then(|group| group.completions.alone());
+        let mut alone = group.and_then(|group| group.completions.alone());
         if alone.is_none()
             && let Some(group) = group
         {
@@ -703,7 +706,13 @@ impl PostgresTier {
         let query = fenced(&COMPLETE, lease).bind(response);
         let row = match conn {
             Some(conn) => self.bounded(&COMPLETE, query.fetch_optional(conn)).await?,
-            None => self.bounded(&COMPLETE, query.fetch_optional(&self.pool)).await?,
+            None => {
+                let mut pooled = self.bounded(&ACQUIRE, self.pool.acquire()).await?;
+                if let Some(alone) = alone.as_mut() {
+                    alone.took_connection();
+                }
+                self.bounded(&COMPLETE, query.fetch_optional(&mut *pooled)).await?
+            }
         };
         row.as_ref().map(retained).transpose().map_err(|e| COMPLETE.failed(e))
     }
