@@ -8,12 +8,15 @@
 //! Starts throwaway servers with durable settings (fsync and synchronous commit on; Redis without
 //! persistence, `noeviction`) and a six-node Redis Cluster, or uses `IDEMSTORE_BENCH_REDIS_URL` /
 //! `IDEMSTORE_BENCH_DATABASE_URL` / `IDEMSTORE_BENCH_REDIS_CLUSTER` (comma-separated seeds).
-//! The two modes alternate within each round (A B, then B A) so that machine drift hits both. Results go
+//! The subjects change places between rounds (each round starts further along the list) so that
+//! machine drift hits all of them. Results go
 //! to `target/bench/compare.{json,md,svg}`; the table is printed too.
 
 #[path = "../common/cost.rs"]
 mod cost;
 mod report;
+#[path = "../common/rounds.rs"]
+mod rounds;
 #[path = "../common/spread.rs"]
 mod spread;
 mod workload;
@@ -147,7 +150,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let run_id = std::process::id();
     // Warm-up, not recorded: open every pooled connection and prepare every statement in both modes, so
     // that whichever mode runs first does not pay for it.
-    let warm_up = Plan { seconds: 0.5, ..plan.clone() };
+    let warm_up = Plan { seconds: plan.seconds.min(0.5), ..plan.clone() };
     let widest = plan.concurrency.iter().copied().max().unwrap_or(1);
     for subject in [
         Subject::TwoTier,
@@ -170,10 +173,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                let mut order = subjects_of(workload);
-                if round % 2 == 1 {
-                    order.reverse();
-                }
+                let order = rounds::round_order(subjects_of(workload), round, plan.rounds);
                 for subject in order {
                     let store = stores.of(subject);
                     let cell_id = format!("r{run_id}-{round}-{concurrency}-{}", subject.name().replace(' ', "_"));
@@ -257,7 +257,7 @@ impl Stores {
     }
 }
 
-/// The library subjects a workload runs, in a round's order: A (Q K S) B (C D E F G). Replays and new
+/// The library subjects a workload runs, in a first round's order: A (Q K S) B (C D E F G). Replays and new
 /// keys also run on the Redis Cluster (K) and with responses encrypted (S), new keys also under a quota
 /// (Q), transactionally in both modes (C, D), with an outbox row (E), and with group commit off in both
 /// modes (F, G).

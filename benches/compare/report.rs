@@ -121,7 +121,7 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "Rounds: {}, {} s per cell, modes alternating A B / B A. Medians over rounds (min–max). \
+        "Rounds: {}, {} s per cell, subjects changing places between rounds. Medians over rounds (min–max). \
          PG and Redis columns count the store's own statements and scripts per request (the work's insert \
          is one more statement in both modes).\n",
         plan.rounds, plan.seconds
@@ -176,6 +176,52 @@ minute, 10^5 live keys; new keys only), and each claim and completion sent alone
                 r.p99_ms
             );
         }
+    }
+    md
+}
+
+/// The speed targets this bench measures, each against this run: new keys two-tier ÷ Postgres-only
+/// (at least 0.95x at every concurrency) and the replay p99 ÷ the EVALSHA floor's (at most 2x, at the
+/// highest concurrency).
+fn targets_markdown(rows: &[Row]) -> String {
+    let find = |workload: Option<Workload>, subject: Subject, concurrency: usize| {
+        rows.iter().find(|r| r.workload == workload && r.subject == subject && r.concurrency == concurrency)
+    };
+    let verdict = |met: bool| if met { "met" } else { "**missed**" };
+    let mut md = String::from(
+        "\nSpeed targets, against this run (medians; a ratio's per-round range in brackets):\n\n\
+         | target | c | measured | verdict |\n|---|---:|---:|---|\n",
+    );
+    let mut concurrencies: Vec<usize> = rows.iter().map(|r| r.concurrency).collect();
+    concurrencies.sort_unstable();
+    concurrencies.dedup();
+    for &c in &concurrencies {
+        let Some(ratio) = find(Some(Workload::New), Subject::TwoTier, c).and_then(|r| r.vs_postgres_only) else {
+            continue;
+        };
+        let _ = writeln!(
+            md,
+            "| new keys, two-tier ÷ Postgres-only ≥ 0.95x | {c} | {:.2}x [{:.2}–{:.2}] | {} |",
+            ratio.median,
+            ratio.min,
+            ratio.max,
+            verdict((ratio.median * 100.0).round() >= 95.0)
+        );
+    }
+    if let Some(&c) = concurrencies.iter().max()
+        && let (Some(replay), Some(floor)) =
+            (find(Some(Workload::Replay), Subject::TwoTier, c), find(None, Subject::EvalshaFloor, c))
+    {
+        // Judged as printed, to two decimals.
+        let ratio = (replay.p99_ms / floor.p99_ms.max(f64::MIN_POSITIVE) * 100.0).round() / 100.0;
+        let _ = writeln!(
+            md,
+            "| replay p99 ÷ the EVALSHA floor's ≤ 2x | {c} | {:.2}x ({:.2} ms ÷ {:.2} ms) | {} |",
+            ratio,
+            replay.p99_ms,
+            floor.p99_ms,
+            verdict(ratio <= 2.0)
+        );
     }
     md
 }
@@ -300,7 +346,7 @@ pub fn write(
         "costs": costs,
     });
     std::fs::write(dir.join("compare.json"), serde_json::to_vec_pretty(&json)?)?;
-    let table = markdown(plan, &rows) + &cost_markdown(costs) + &relay_markdown(relay);
+    let table = markdown(plan, &rows) + &cost_markdown(costs) + &relay_markdown(relay) + &targets_markdown(&rows);
     std::fs::write(dir.join("compare.md"), &table)?;
     plot(&rows, &dir.join("compare.svg"))?;
     println!("{table}");

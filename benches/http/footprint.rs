@@ -3,7 +3,7 @@
 use redis::AsyncCommands;
 use sqlx::PgPool;
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Footprint {
     postgres_rows: i64,
     /// Heap, TOAST and indexes of `idempotency_records` over its rows, as the run left them.

@@ -5,19 +5,22 @@
 //! cargo bench --bench http                 # full run: 3 rounds x 5 s per cell, 16 and 64 connections
 //! cargo bench --bench http -- --quick      # a smoke run of a few seconds (CI)
 //! cargo bench --bench http -- --subjects two-tier --workloads replay --concurrency 64 --seconds 30
+//! cargo bench --bench http -- --replot docs/bench/http.json   # the tables again, from a saved run
 //! ```
 //! Subjects: the bare app (no layer), the layer over a two-tier store, the layer over a Postgres-only
 //! store, and the same two layers on the transactional path (`with_claim_transaction`: the handler's
 //! insert in the claim's transaction, one commit per new key; no in-flight cells, whose held requests
 //! would each hold a pooled connection). The handler inserts a charge and answers 201 with about 150 bytes of JSON; the bare app's
 //! replay row is a route answering the same bytes without the insert, which is what a replay should
-//! cost at best. Then the bytes per completed record in each tier (`footprint`). Durable servers (fsync and synchronous commit on), as in `compare`. Subjects alternate
-//! within each round (A B C, then C B A). Results: `target/bench/http.{json,md}`.
+//! cost at best. Then the bytes per completed record in each tier (`footprint`). Durable servers (fsync and synchronous commit on), as in `compare`. Subjects change
+//! places between rounds (each round starts further along the list). Results: `target/bench/http.{json,md}`.
 
 #[path = "../common/cost.rs"]
 mod cost;
 mod footprint;
 mod report;
+#[path = "../common/rounds.rs"]
+mod rounds;
 #[path = "../common/spread.rs"]
 mod spread;
 #[path = "../common/wrk.rs"]
@@ -60,6 +63,9 @@ struct Args {
     /// Subjects to run (default: all).
     #[arg(long, value_delimiter = ',', value_enum)]
     subjects: Option<Vec<Subject>>,
+    /// Rewrites the tables from a saved `http.json` instead of measuring.
+    #[arg(long)]
+    replot: Option<std::path::PathBuf>,
     /// Passed by `cargo bench`; without it the run is a quick one.
     #[arg(long, hide = true)]
     bench: bool,
@@ -357,7 +363,16 @@ fn wrk(plan: &Plan, address: SocketAddr, request: (&str, Keys, u16), concurrency
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let plan = Plan::from(Args::parse());
+    let args = Args::parse();
+    if let Some(saved) = &args.replot {
+        let saved: serde_json::Value = serde_json::from_slice(&std::fs::read(saved)?)?;
+        let plan: Plan = serde_json::from_value(saved["plan"].clone())?;
+        let cells: Vec<Cell> = serde_json::from_value(saved["cells"].clone())?;
+        let footprint: footprint::Footprint = serde_json::from_value(saved["footprint"].clone())?;
+        let costs: Vec<CostCell> = serde_json::from_value(saved["costs"].clone()).unwrap_or_default();
+        return report::write(&plan, &cells, &footprint, &costs);
+    }
+    let plan = Plan::from(args);
     let postgres = PostgresServer::start_durable()?;
     let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"])?;
     let pg = idemstore::pool_options().max_connections(16).connect(&postgres.url()).await?;
@@ -378,11 +393,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..plan.rounds {
         for &concurrency in &plan.concurrency {
             for &workload in &plan.workloads {
-                let mut order = subjects.clone();
-                if round % 2 == 1 {
-                    order.reverse();
-                }
-                for (subject, address) in order {
+                for (subject, address) in rounds::round_order(subjects.clone(), round, plan.rounds) {
                     let Some(request) = request_of(workload, subject) else { continue };
                     let prefix = format!("r{run_id}-{round}-{concurrency}-{workload:?}-{subject:?}");
                     let held = prepare(address, workload, &prefix).await?;

@@ -46,7 +46,7 @@ fn summarize(cells: &[Cell]) -> Vec<Row> {
 
 fn markdown(plan: &Plan, rows: &[Row]) -> String {
     let mut out = format!(
-        "HTTP through wrk (2 threads), {} round(s) x {} s per cell, subjects alternating; medians [min-max].\n\n\
+        "HTTP through wrk (2 threads), {} round(s) x {} s per cell, subjects changing places between rounds; medians [min-max].\n\n\
          | workload | conns | subject | req/s | p99 ms | ÷ bare | two-tier ÷ postgres-only | unexpected |\n\
          |---|---|---|---|---|---|---|---|\n",
         plan.rounds, plan.seconds
@@ -93,6 +93,46 @@ fn markdown(plan: &Plan, rows: &[Row]) -> String {
     out
 }
 
+/// The speed targets this bench measures, each against this run: new keys through the plain path at
+/// least 0.35x the bare handler, through the transactional path at least 0.6x, at each concurrency.
+fn targets_markdown(rows: &[Row]) -> String {
+    let median_of = |subject, concurrency| {
+        rows.iter()
+            .find(|r| r.workload == Workload::New && r.concurrency == concurrency && r.subject == subject)
+            .map(|r| r.throughput.median)
+    };
+    let mut md = String::from(
+        "\nSpeed targets, against this run (new keys, medians ÷ the bare handler's):\n\n\
+         | target | conns | subject | measured | verdict |\n|---|---|---|---|---|\n",
+    );
+    let mut concurrencies: Vec<usize> = rows.iter().map(|r| r.concurrency).collect();
+    concurrencies.sort_unstable();
+    concurrencies.dedup();
+    let targets = [
+        ("plain path ≥ 0.35x bare", 0.35, [Subject::TwoTier, Subject::PostgresOnly]),
+        ("transactional path ≥ 0.6x bare", 0.6, [Subject::TwoTierTx, Subject::PostgresOnlyTx]),
+    ];
+    for (target, at_least, subjects) in targets {
+        for &c in &concurrencies {
+            for subject in subjects {
+                let (Some(of), Some(bare)) = (median_of(subject, c), median_of(Subject::Bare, c)) else { continue };
+                if bare <= 0.0 {
+                    continue;
+                }
+                // Judged as printed, to two decimals.
+                let ratio = (of / bare * 100.0).round() / 100.0;
+                let verdict = if ratio >= at_least {
+                    "met".to_owned()
+                } else {
+                    format!("**missed** ({:.0}% of it)", 100.0 * ratio / at_least)
+                };
+                let _ = writeln!(md, "| {target} | {c} | {subject:?} | {ratio:.2}x | {verdict} |");
+            }
+        }
+    }
+    md
+}
+
 /// The counted pass's table.
 fn cost_markdown(costs: &[CostCell]) -> String {
     let intro = "What a request pays, counted in a pass of its own (wrk, one second per row at 16 connections \
@@ -117,7 +157,7 @@ pub fn write(
     let json =
         serde_json::json!({ "plan": plan, "cells": cells, "summary": rows, "footprint": footprint, "costs": costs });
     std::fs::write(dir.join("http.json"), serde_json::to_vec_pretty(&json)?)?;
-    let table = markdown(plan, &rows) + &cost_markdown(costs) + &footprint.markdown();
+    let table = markdown(plan, &rows) + &cost_markdown(costs) + &footprint.markdown() + &targets_markdown(&rows);
     std::fs::write(dir.join("http.md"), &table)?;
     println!("{table}");
     println!("written: target/bench/http.json, http.md");

@@ -21,6 +21,7 @@ scripts=(
     plain="claim bare complete"
     in_tx="BEGIN claim bare complete COMMIT"
     in_tx_claim_new="BEGIN claim_new bare complete COMMIT"
+    in_tx_floor="BEGIN bare records_insert_completed COMMIT"
 )
 composed="$(mktemp -d)"
 trap 'rm -rf "$composed"' EXIT
