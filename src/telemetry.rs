@@ -8,9 +8,9 @@
 //! sum(rate(idemstore_outcomes_total{outcome="mismatch"}[5m])) / sum(rate(idemstore_outcomes_total[5m]))
 //! ```
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::outcome::Outcome;
@@ -131,62 +131,103 @@ const FALLBACK_REASONS: [&str; 4] = ["error", "timeout", "circuit_open", "cluste
 /// their first increment): a bound on what a caller that names operations freely can cost.
 const MAX_REGISTERED_OPERATIONS: usize = 10_000;
 
-/// The operations whose series a store registered at 0.
+/// The operations whose series a store registered at 0, with the counters every claim of each touches.
 #[derive(Debug, Default)]
-pub(crate) struct Registered(RwLock<HashSet<String>>);
+pub(crate) struct Registered(RwLock<HashMap<String, Arc<OperationCounters>>>);
+
+/// The counters every claim of one operation touches (its answer, and Redis's lookup), taken from the
+/// recorder once, when the operation's series are registered at 0: a claim increments a handle instead
+/// of building the series' labels and looking it up in the recorder. Like the series registered at 0,
+/// they belong to the recorder installed before the operation's first claim (install it at start-up).
+pub(crate) struct OperationCounters {
+    /// By outcome label.
+    outcomes: Vec<(&'static str, metrics::Counter)>,
+    /// In the order of [`LOOKUP_RESULTS`]; none without Redis.
+    redis_lookups: Vec<metrics::Counter>,
+}
+
+impl fmt::Debug for OperationCounters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OperationCounters").finish_non_exhaustive()
+    }
+}
+
+impl OperationCounters {
+    /// The counters of `operation`, each registered at 0.
+    fn register(operation: &str, redis: bool) -> Self {
+        let outcomes = Outcome::ALL.iter().filter(|o| o.answers_a_claim()).map(|o| {
+            let counter = metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => o.label());
+            counter.increment(0);
+            (o.label(), counter)
+        });
+        let lookups = LOOKUP_RESULTS.iter().filter(|_| redis).map(|&result| {
+            let counter = metrics::counter!(REDIS_LOOKUPS, "operation" => operation.to_owned(), "result" => result);
+            counter.increment(0);
+            counter
+        });
+        Self { outcomes: outcomes.collect(), redis_lookups: lookups.collect() }
+    }
+}
 
 impl Registered {
     /// Registers every series of `operation` at 0 the first time it is seen (the Redis ones when
-    /// `redis`, the unreadable responses when `encrypted`); a read lock on every later call.
-    pub(crate) fn operation(&self, operation: &str, redis: bool, encrypted: bool) {
+    /// `redis`, the unreadable responses when `encrypted`), and its claims' counters; a read lock on
+    /// every later call. `None` past [`MAX_REGISTERED_OPERATIONS`].
+    pub(crate) fn operation(&self, operation: &str, redis: bool, encrypted: bool) -> Option<Arc<OperationCounters>> {
         // Past the cap, nothing is registered: a read lock, never the write lock, on every later call.
-        if self.0.read().map_or(true, |seen| seen.contains(operation) || seen.len() >= MAX_REGISTERED_OPERATIONS) {
-            return;
+        {
+            let seen = self.0.read().ok()?;
+            if let Some(counters) = seen.get(operation) {
+                return Some(Arc::clone(counters));
+            }
+            if seen.len() >= MAX_REGISTERED_OPERATIONS {
+                return None;
+            }
         }
-        let Ok(mut seen) = self.0.write() else { return };
+        let Ok(mut seen) = self.0.write() else { return None };
         if seen.is_empty() {
             register_jobs();
         }
-        if seen.len() < MAX_REGISTERED_OPERATIONS && seen.insert(operation.to_owned()) {
-            for outcome in Outcome::ALL.iter().filter(|o| o.answers_a_claim()).map(|o| o.label()) {
-                metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(0);
-            }
-            metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);
-            metrics::counter!(SETTLE_RETRIES, "operation" => operation.to_owned()).increment(0);
-            for limit in [QuotaLimit::NewKeys, QuotaLimit::LiveKeys] {
-                quota_refusal_counter(operation, limit).increment(0);
-            }
-            for by in ["notification", "timer"] {
-                metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(0);
-            }
-            for step in ["complete", "release", "extend"] {
-                for reason in ["lease_lost", "error"] {
-                    settle_failure_counter(operation, step, reason).increment(0);
-                }
-            }
-            let tiers: &[&str] = match (encrypted, redis) {
-                (false, _) => &[],
-                (true, false) => &["postgres"],
-                (true, true) => &["postgres", "redis"],
-            };
-            for tier in tiers {
-                for reason in UNREADABLE_REASONS {
-                    metrics::counter!(UNREADABLE_RESPONSES, "operation" => operation.to_owned(), "tier" => *tier, "reason" => reason)
-                        .increment(0);
-                }
-            }
-            if redis {
-                for result in LOOKUP_RESULTS {
-                    metrics::counter!(REDIS_LOOKUPS, "operation" => operation.to_owned(), "result" => result)
-                        .increment(0);
-                }
-                for reason in FALLBACK_REASONS {
-                    metrics::counter!(REDIS_FALLBACKS, "operation" => operation.to_owned(), "reason" => reason)
-                        .increment(0);
-                }
-                metrics::counter!(RECONCILIATIONS, "operation" => operation.to_owned()).increment(0);
+        if let Some(counters) = seen.get(operation) {
+            return Some(Arc::clone(counters));
+        }
+        if seen.len() >= MAX_REGISTERED_OPERATIONS {
+            return None;
+        }
+        let counters = Arc::new(OperationCounters::register(operation, redis));
+        seen.insert(operation.to_owned(), Arc::clone(&counters));
+        metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(0);
+        metrics::counter!(SETTLE_RETRIES, "operation" => operation.to_owned()).increment(0);
+        for limit in [QuotaLimit::NewKeys, QuotaLimit::LiveKeys] {
+            quota_refusal_counter(operation, limit).increment(0);
+        }
+        for by in ["notification", "timer"] {
+            metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(0);
+        }
+        for step in ["complete", "release", "extend"] {
+            for reason in ["lease_lost", "error"] {
+                settle_failure_counter(operation, step, reason).increment(0);
             }
         }
+        let tiers: &[&str] = match (encrypted, redis) {
+            (false, _) => &[],
+            (true, false) => &["postgres"],
+            (true, true) => &["postgres", "redis"],
+        };
+        for tier in tiers {
+            for reason in UNREADABLE_REASONS {
+                metrics::counter!(UNREADABLE_RESPONSES, "operation" => operation.to_owned(), "tier" => *tier, "reason" => reason)
+                    .increment(0);
+            }
+        }
+        if redis {
+            for reason in FALLBACK_REASONS {
+                metrics::counter!(REDIS_FALLBACKS, "operation" => operation.to_owned(), "reason" => reason)
+                    .increment(0);
+            }
+            metrics::counter!(RECONCILIATIONS, "operation" => operation.to_owned()).increment(0);
+        }
+        Some(counters)
     }
 }
 
@@ -229,8 +270,12 @@ pub(crate) fn write_span(step: &'static str, operation: &str, key: &str, fence: 
     }
 }
 
-pub(crate) fn outcome(operation: &str, outcome: &'static str) {
-    metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(1);
+/// A claim's answer, on the operation's registered counter when there is one.
+pub(crate) fn outcome(counters: Option<&OperationCounters>, operation: &str, outcome: &'static str) {
+    match counters.and_then(|counters| counters.outcomes.iter().find(|(label, _)| *label == outcome)) {
+        Some((_, counter)) => counter.increment(1),
+        None => metrics::counter!(OUTCOMES, "operation" => operation.to_owned(), "outcome" => outcome).increment(1),
+    }
 }
 
 pub(crate) fn settle_failure(operation: &str, step: &'static str, reason: &'static str) {
@@ -247,8 +292,16 @@ pub(crate) fn wait_wakeup(operation: &str, notified: bool) {
     metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(1);
 }
 
-pub(crate) fn redis_lookup(operation: &str, result: &'static str) {
-    metrics::counter!(REDIS_LOOKUPS, "operation" => operation.to_owned(), "result" => result).increment(1);
+/// Redis's answer to a claim, on the operation's registered counter when there is one.
+pub(crate) fn redis_lookup(counters: Option<&OperationCounters>, operation: &str, result: &'static str) {
+    let registered = counters.and_then(|counters| {
+        let at = LOOKUP_RESULTS.iter().position(|known| *known == result)?;
+        counters.redis_lookups.get(at)
+    });
+    match registered {
+        Some(counter) => counter.increment(1),
+        None => metrics::counter!(REDIS_LOOKUPS, "operation" => operation.to_owned(), "result" => result).increment(1),
+    }
 }
 
 pub(crate) fn redis_fallback(operation: &str, reason: &'static str) {

@@ -26,7 +26,7 @@ use crate::policy::{LeaseExpiry, Policy, millis};
 use crate::record::{Lease, Record, State, StoredResponse};
 use crate::store::Begin;
 use crate::store::Owner;
-use crate::telemetry;
+use crate::telemetry::{self, OperationCounters};
 use tracing::Instrument;
 
 impl Store {
@@ -58,18 +58,21 @@ impl Store {
         fingerprint: &Fingerprint,
         options: &RunOptions,
     ) -> Result<Begin, StoreError> {
-        self.register(scope.operation());
+        let counters = self.register(scope.operation());
+        let counters = counters.as_deref();
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let answer = async {
             let candidate = || self.candidate(scope, key, fingerprint, Arc::clone(&policy));
-            let Some(wait) = options.wait else { return self.claim(candidate(), options.heartbeat, None, None).await };
+            let Some(wait) = options.wait else {
+                return self.claim(candidate(), options.heartbeat, None, None, counters).await;
+            };
             let deadline = tokio::time::Instant::now() + wait;
             // Registered at the first "in flight" only: a claim that finds no owner pays nothing for waiting.
             let mut waiting: Option<Waiting> = None;
             let mut backoff = Duration::from_millis(5);
             loop {
-                let answer = self.claim(candidate(), options.heartbeat, None, waiting.as_ref()).await;
+                let answer = self.claim(candidate(), options.heartbeat, None, waiting.as_ref(), counters).await;
                 let Ok(Begin::InFlight { retry_after }) = answer else { break answer };
                 let now = tokio::time::Instant::now();
                 if now >= deadline {
@@ -93,7 +96,7 @@ impl Store {
         }
         .instrument(span.clone())
         .await;
-        record_outcome(scope.operation(), &answer, &span);
+        record_outcome(counters, scope.operation(), &answer, &span);
         answer
     }
 
@@ -109,12 +112,13 @@ impl Store {
         options: &RunOptions,
         tx: &mut LazyTx,
     ) -> Result<Begin, StoreError> {
-        self.register(scope.operation());
+        let counters = self.register(scope.operation());
+        let counters = counters.as_deref();
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let candidate = self.candidate(scope, key, fingerprint, policy);
-        let answer = self.claim(candidate, Heartbeat::Off, Some(tx), None).instrument(span.clone()).await;
-        record_outcome(scope.operation(), &answer, &span);
+        let answer = self.claim(candidate, Heartbeat::Off, Some(tx), None, counters).instrument(span.clone()).await;
+        record_outcome(counters, scope.operation(), &answer, &span);
         answer
     }
 
@@ -272,9 +276,10 @@ impl Store {
         heartbeat: Heartbeat,
         tx: Option<&'a mut LazyTx>,
         waiting: Option<&'a Waiting>,
+        counters: Option<&'a OperationCounters>,
     ) -> Boxed<'a, Result<Begin, StoreError>> {
         Box::pin(async move {
-            let marked = match self.claim_in_redis(&candidate, waiting).await {
+            let marked = match self.claim_in_redis(&candidate, waiting, counters).await {
                 Ok(answer) => return answer,
                 Err(marked) => marked,
             };
@@ -289,6 +294,7 @@ impl Store {
         &'a self,
         candidate: &Lease,
         waiting: Option<&Waiting>,
+        counters: Option<&OperationCounters>,
     ) -> Result<Result<Begin, StoreError>, Marked<'a>> {
         let operation = candidate.scope.operation();
         let Some(redis) = &self.inner.redis else { return Err(None) };
@@ -309,7 +315,7 @@ impl Store {
                             // A copy that does not open is not trusted: it is dropped and Postgres, which
                             // holds the record, answers (the next request's miss repairs the copy).
                             Err(error) => {
-                                telemetry::redis_lookup(operation, "miss");
+                                telemetry::redis_lookup(counters, operation, "miss");
                                 telemetry::unreadable_response(operation, "redis", error.reason());
                                 self.evict_redis(scope, key).await;
                                 return Err(None);
@@ -321,7 +327,7 @@ impl Store {
                     RedisBegin::Indeterminate => Some(Begin::Indeterminate),
                 };
                 if let Some(answer) = answered {
-                    telemetry::redis_lookup(operation, "hit");
+                    telemetry::redis_lookup(counters, operation, "hit");
                     return Ok(Ok(match answer {
                         // The marker could not carry the digest: the waiter asks Postgres instead.
                         Begin::InFlight { retry_after } if let Some(waiting) = waiting.filter(|_| waiter.is_none()) => {
@@ -332,11 +338,11 @@ impl Store {
                         answer => answer,
                     }));
                 }
-                telemetry::redis_lookup(operation, "miss");
+                telemetry::redis_lookup(counters, operation, "miss");
                 Err(answer_is_claimed.then_some((redis, record_key)))
             }
             Err(unavailable) => {
-                telemetry::redis_lookup(operation, "error");
+                telemetry::redis_lookup(counters, operation, "error");
                 telemetry::redis_fallback(operation, unavailable.reason());
                 Err(None)
             }
@@ -543,8 +549,8 @@ impl Store {
     }
 
     /// Registers the operation's metric series at 0 the first time it is seen.
-    fn register(&self, operation: &str) {
-        self.inner.registered.operation(operation, self.inner.redis.is_some(), self.inner.encryption.is_some());
+    fn register(&self, operation: &str) -> Option<Arc<OperationCounters>> {
+        self.inner.registered.operation(operation, self.inner.redis.is_some(), self.inner.encryption.is_some())
     }
 
     fn record_key(&self, redis: &RedisTier, lease: &Lease) -> String {
@@ -579,13 +585,18 @@ fn redis_ttl(ttl: Duration, expires_in: Option<Duration>) -> Duration {
 }
 
 /// Counts the answer of a claim by operation, and records it in the claim's span.
-fn record_outcome(operation: &str, answer: &Result<Begin, StoreError>, span: &tracing::Span) {
+fn record_outcome(
+    counters: Option<&OperationCounters>,
+    operation: &str,
+    answer: &Result<Begin, StoreError>,
+    span: &tracing::Span,
+) {
     let outcome = answer.as_ref().map_or(crate::Outcome::Error, Begin::outcome).label();
     span.record("outcome", outcome);
     if let Ok(Begin::Acquired(owner)) = answer {
         span.record("fence", owner.fence());
     }
-    telemetry::outcome(operation, outcome);
+    telemetry::outcome(counters, operation, outcome);
 }
 
 /// A completed record past its retention, as it is answered: expired, its response no longer shown.
