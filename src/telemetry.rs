@@ -137,8 +137,9 @@ pub(crate) struct Registered(RwLock<HashMap<String, Arc<OperationCounters>>>);
 
 /// The counters every claim of one operation touches (its answer, and Redis's lookup), taken from the
 /// recorder once, when the operation's series are registered at 0: a claim increments a handle instead
-/// of building the series' labels and looking it up in the recorder. Like the series registered at 0,
-/// they belong to the recorder installed before the operation's first claim (install it at start-up).
+/// of building the series' labels and looking it up in the recorder. They belong to the recorder
+/// installed before the operation's first claim: with none installed then, they count nowhere, for the
+/// life of the store (install it at start-up; docs/metrics.md).
 pub(crate) struct OperationCounters {
     /// By outcome label.
     outcomes: Vec<(&'static str, metrics::Counter)>,
