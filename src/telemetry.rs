@@ -340,12 +340,29 @@ pub(crate) fn lease_takeover(operation: &str) {
     metrics::counter!(LEASE_TAKEOVERS, "operation" => operation.to_owned()).increment(1);
 }
 
+/// The metric `$macro!($name, $label => value)`, for a label value known when it is one of `$known`
+/// (literals): then its key is a static, and the call builds no label vector (the request path counts
+/// a few series on every request). Any other value builds its labels per call.
+macro_rules! with_static_label {
+    ($macro:ident!($name:expr, $label:literal => $value:expr), [$($known:literal),* $(,)?]) => {
+        match $value {
+            $($known => metrics::$macro!($name, $label => $known),)*
+            other => metrics::$macro!($name, $label => other),
+        }
+    };
+}
+
 pub(crate) fn postgres_statement(statement: &'static str) {
-    metrics::counter!(POSTGRES_STATEMENTS, "statement" => statement).increment(1);
+    let counter = with_static_label!(
+        counter!(POSTGRES_STATEMENTS, "statement" => statement),
+        ["claim", "complete", "lookup", "release", "extend", "wait", "notify", "mark_indeterminate", "live_slot"]
+    );
+    counter.increment(1);
 }
 
 pub(crate) fn redis_call(script: &'static str) {
-    metrics::counter!(REDIS_CALLS, "script" => script).increment(1);
+    let counter = with_static_label!(counter!(REDIS_CALLS, "script" => script), ["begin", "put", "release", "extend"]);
+    counter.increment(1);
 }
 
 pub(crate) fn purged(records: u64) {
@@ -393,5 +410,6 @@ pub(crate) fn outbox_backlog(pending: u64, oldest: Duration) {
 }
 
 pub(crate) fn claim_duration(tier: &'static str, elapsed: Duration) {
-    metrics::histogram!(CLAIM_DURATION, "tier" => tier).record(elapsed.as_secs_f64());
+    let histogram = with_static_label!(histogram!(CLAIM_DURATION, "tier" => tier), ["redis", "postgres"]);
+    histogram.record(elapsed.as_secs_f64());
 }

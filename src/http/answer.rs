@@ -8,7 +8,7 @@ use http::request::Parts;
 use http::{Response, StatusCode};
 
 use super::boxed::Boxed;
-use super::capture::{Principal, Stored};
+use super::capture::{Principal, Stored, StoredForm};
 use super::config::{Config, MismatchStatus};
 use super::problem::{Problem, problem_types as types};
 use crate::error::{EncryptionError, StoreError};
@@ -38,7 +38,7 @@ pub(crate) async fn refusal<T>(
         return replay_refused();
     }
     match answer {
-        Begin::Replayed(stored) => replay(&stored, scope, principal),
+        Begin::Replayed(stored) => replay(stored, scope, principal),
         Begin::InFlight { retry_after } => {
             let detail = "a request with this Idempotency-Key is being processed; retry later";
             Problem::new(status(Outcome::InFlight), types::IN_FLIGHT, "Request in flight", detail)
@@ -69,8 +69,9 @@ pub(crate) async fn refusal<T>(
     }
 }
 
-fn replay(stored: &StoredResponse, scope: &Scope, principal: Principal) -> Response<Boxed> {
-    match Stored::decode(stored.as_bytes()) {
+fn replay(stored: StoredResponse, scope: &Scope, principal: Principal) -> Response<Boxed> {
+    let stored = StoredForm::new(stored.into_bytes());
+    match stored.read() {
         Some(stored) if !stored.answers(principal) => {
             crate::telemetry::replay_refused(scope.operation());
             replay_refused()
@@ -100,7 +101,8 @@ async fn mismatch<T>(config: &Config<T>, scope: &Scope, key: &IdempotencyKey, pr
     let status = config.mismatch.status();
     if config.mismatch == MismatchStatus::ConflictWithOriginal
         && let Ok(Some(record)) = config.store.lookup(scope, key).await
-        && let Some(stored) = record.response.and_then(|r| Stored::decode(r.as_bytes()))
+        && let Some(stored) = record.response.map(|r| StoredForm::new(r.into_bytes()))
+        && let Some(stored) = stored.read()
         && stored.answers(principal)
         && let Stored::Response(original) = stored
     {

@@ -20,7 +20,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tower::BoxError;
 
 use super::boxed::Boxed;
-use super::capture::{self, Captured, Principal, Stored, Withheld};
+use super::capture::{self, Captured, Principal, Withheld};
 use super::config::StoredStatuses;
 use crate::store::Background;
 use crate::store::{KeepAlive, Owner};
@@ -159,12 +159,12 @@ impl Settlement {
         let stored = if !stored {
             None
         } else if self.over_limit() || self.broken {
-            Some(Stored::Withheld(Withheld::new(self.status, self.sent(), self.principal)).encode())
+            Some(Withheld::new(self.status, self.sent(), self.principal).encode())
         } else {
             let body = std::mem::take(&mut self.body);
             let trailers = self.trailers.as_ref().map(|trailers| capture::replayed(trailers, &self.replayed));
             let captured = Captured::new(self.status, &self.headers, body, trailers.as_ref(), self.principal);
-            Some(Stored::Response(captured).encode())
+            Some(captured.encode())
         };
         Some(settle_owner(owner, stored))
     }
@@ -202,7 +202,7 @@ async fn bound(
         return owner.abandon();
     };
     tracing::warn!(?streaming, "the response streamed past the layer's bound; its record is settled as not replayable");
-    let stored = Stored::Withheld(Withheld::new(status, sent.load(Ordering::Relaxed), principal)).encode();
+    let stored = Withheld::new(status, sent.load(Ordering::Relaxed), principal).encode();
     owner.background().settle(settle_owner(owner, Some(stored)));
 }
 

@@ -1,6 +1,7 @@
 //! Captured responses: what is stored after the handler ran, and how a replay is rebuilt from it.
 
 use super::boxed::{Boxed, with_trailers};
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 
@@ -27,45 +28,52 @@ pub(crate) const DEFAULT_REPLAYED_HEADERS: [&str; 14] = [
     "grpc-encoding",
 ];
 
-/// What the layer stores for a request whose handler ran. The first byte of the stored form names its
-/// layout (5 withheld, 4 a response; 2 and 3 are those without the principal, still read), so that
-/// another layout can be added and these stay readable.
-#[derive(Debug, PartialEq)]
-pub(crate) enum Stored {
+/// A stored form as the layer reads it back: the first byte names its layout (5 withheld, 4 a
+/// response; 2 and 3 are those without the principal, still read), so that another layout can be added
+/// and these stay readable. Read in place: a replay's body and header values are slices of this one
+/// buffer, not copies.
+pub(crate) struct StoredForm(Bytes);
+
+impl StoredForm {
+    pub(crate) fn new(stored: Vec<u8>) -> Self {
+        let stored = match stored.first() {
+            // Layouts 2 and 3 are 5 and 4 without their last field, the principal: stored unbound.
+            Some(&old @ (2 | 3)) => {
+                let layout = if old == 2 { 5 } else { 4 };
+                [&[layout], &stored[1..], UNBOUND].concat()
+            }
+            _ => stored,
+        };
+        Self(Bytes::from(stored))
+    }
+
+    /// `None` for bytes that are not the layer's (stored by another writer of the same key).
+    pub(crate) fn read(&self) -> Option<Stored<'_>> {
+        match self.0.first()? {
+            5 => postcard::from_bytes::<Withheld>(&self.0).ok().map(Stored::Withheld),
+            4 => postcard::from_bytes::<CapturedIn<'_>>(&self.0)
+                .ok()
+                .map(|response| Stored::Response(Replayable { buffer: &self.0, response })),
+            _ => None,
+        }
+    }
+}
+
+/// What the layer stored for a request whose handler ran.
+#[derive(Debug)]
+pub(crate) enum Stored<'a> {
     /// The response, replayed to every retry.
-    Response(Captured),
+    Response(Replayable<'a>),
     /// The handler ran, but its response was not kept (larger than the capture limit): retries are told
     /// so, and never run it again.
     Withheld(Withheld),
 }
 
-impl Stored {
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        match self {
-            Stored::Response(captured) => postcard::to_stdvec(captured),
-            Stored::Withheld(withheld) => postcard::to_stdvec(withheld),
-        }
-        .unwrap_or_default()
-    }
-
-    /// `None` for bytes that are not the layer's (stored by another writer of the same key).
-    pub(crate) fn decode(stored: &[u8]) -> Option<Self> {
-        match stored.first()? {
-            5 => postcard::from_bytes::<Withheld>(stored).ok().map(Stored::Withheld),
-            4 => postcard::from_bytes::<Captured>(stored).ok().map(Stored::Response),
-            // Layouts 2 and 3 are 5 and 4 without their last field, the principal: stored unbound.
-            2 | 3 => {
-                let layout = if stored[0] == 2 { 5 } else { 4 };
-                Self::decode(&[&[layout], &stored[1..], UNBOUND].concat())
-            }
-            _ => None,
-        }
-    }
-
+impl Stored<'_> {
     /// Whether the stored response (or that there was one) may be shown to `asking`.
     pub(crate) fn answers(&self, asking: Principal) -> bool {
         match self {
-            Stored::Response(captured) => captured.principal.answers(asking),
+            Stored::Response(replayable) => replayable.response.principal.answers(asking),
             Stored::Withheld(withheld) => withheld.principal.answers(asking),
         }
     }
@@ -88,13 +96,18 @@ impl Withheld {
     pub(crate) fn new(status: StatusCode, bytes: u64, principal: Principal) -> Self {
         Self { version: 5, status: status.as_u16(), bytes, principal }
     }
+
+    /// The stored form (layout 5).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        postcard::to_stdvec(self).unwrap_or_default()
+    }
 }
 
 /// Header or trailer fields, as stored.
 type Fields = Vec<(String, Vec<u8>)>;
 
-/// The stored form of a response (layout 4).
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
+/// The stored form of a response (layout 4), as written.
+#[derive(Debug, PartialEq, Serialize)]
 pub(crate) struct Captured {
     version: u8,
     status: u16,
@@ -160,24 +173,56 @@ impl Captured {
         Self { version: 4, status: status.as_u16(), headers: fields(headers), body, trailers, principal }
     }
 
+    /// The stored form (layout 4).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        postcard::to_stdvec(self).unwrap_or_default()
+    }
+}
+
+/// [`Captured`] as read back, its fields borrowed from the stored bytes (postcard lays out a byte
+/// vector and a byte slice alike).
+#[derive(Debug, Deserialize)]
+struct CapturedIn<'a> {
+    _layout: u8,
+    status: u16,
+    #[serde(borrow)]
+    headers: Vec<(&'a str, &'a [u8])>,
+    body: &'a [u8],
+    #[serde(borrow)]
+    trailers: Vec<(&'a str, &'a [u8])>,
+    principal: Principal,
+}
+
+/// A stored response, ready to replay from the buffer it was read from.
+#[derive(Debug)]
+pub(crate) struct Replayable<'a> {
+    buffer: &'a Bytes,
+    response: CapturedIn<'a>,
+}
+
+impl Replayable<'_> {
     /// The replay: the stored status, headers, body and trailers, marked `Idempotent-Replayed: true`;
-    /// `status` overrides the stored one (for the 409-with-original mismatch answer).
+    /// `status` overrides the stored one (for the 409-with-original mismatch answer). The body and the
+    /// header values share the stored buffer.
     pub(crate) fn replay(self, status: Option<StatusCode>) -> Response<Boxed> {
-        let trailers = Some(header_map(self.trailers)).filter(|trailers| !trailers.is_empty());
-        let mut response = Response::new(with_trailers(self.body.into(), trailers));
-        *response.status_mut() = status.or_else(|| StatusCode::from_u16(self.status).ok()).unwrap_or(StatusCode::OK);
-        let headers = response.headers_mut();
-        headers.extend(header_map(self.headers));
-        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        let Replayable { buffer, response: CapturedIn { status: stored, headers, body, trailers, .. } } = self;
+        let trailers = Some(header_map(buffer, &trailers, 0)).filter(|trailers| !trailers.is_empty());
+        let mut response = Response::new(with_trailers(buffer.slice_ref(body), trailers));
+        *response.status_mut() = status.or_else(|| StatusCode::from_u16(stored).ok()).unwrap_or(StatusCode::OK);
+        let mut map = header_map(buffer, &headers, 1);
+        map.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        *response.headers_mut() = map;
         response
     }
 }
 
-/// Stored fields as a header map; a field that is no longer valid is skipped.
-fn header_map(fields: Fields) -> HeaderMap {
-    let mut map = HeaderMap::new();
-    for (name, value) in fields {
-        if let (Ok(name), Ok(value)) = (HeaderName::try_from(name), HeaderValue::from_bytes(&value)) {
+/// Stored fields (read from `buffer`) as a header map with room for `more`; a field that is no longer
+/// valid is skipped.
+fn header_map(buffer: &Bytes, fields: &[(&str, &[u8])], more: usize) -> HeaderMap {
+    let mut map = HeaderMap::with_capacity(fields.len() + more);
+    for &(name, value) in fields {
+        let value = HeaderValue::from_maybe_shared(buffer.slice_ref(value));
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), value) {
             map.append(name, value);
         }
     }
@@ -204,7 +249,7 @@ pub fn stored_response(status: StatusCode, headers: &HeaderMap, body: Vec<u8>) -
     for name in FRAMING {
         headers.remove(name);
     }
-    Stored::Response(Captured::new(status, &headers, body, None, Principal::default())).encode()
+    Captured::new(status, &headers, body, None, Principal::default()).encode()
 }
 
 /// The replayed headers of a response.
@@ -216,54 +261,76 @@ pub(crate) fn replayed(headers: &HeaderMap, names: &[HeaderName]) -> HeaderMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt;
 
-    #[test]
-    fn keeps_allowed_headers_and_round_trips() {
+    fn read(stored: Vec<u8>) -> StoredForm {
+        StoredForm::new(stored)
+    }
+
+    #[tokio::test]
+    async fn keeps_allowed_headers_and_round_trips() {
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.insert("location", HeaderValue::from_static("/payments/7"));
+        headers.insert("x-request-cost", HeaderValue::from_static("3"));
         headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
         headers.insert("date", HeaderValue::from_static("Mon, 30 Nov 2026 03:00:00 GMT"));
         headers.insert("connection", HeaderValue::from_static("keep-alive"));
-        let allowed: Vec<HeaderName> = DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect();
+        let mut allowed: Vec<HeaderName> =
+            DEFAULT_REPLAYED_HEADERS.iter().map(|h| HeaderName::from_static(h)).collect();
+        allowed.push(HeaderName::from_static("x-request-cost"));
         let headers = replayed(&headers, &allowed);
-        let captured = Stored::Response(Captured::new(
-            StatusCode::CREATED,
-            &headers,
-            b"{\"id\":7}".to_vec(),
-            None,
-            Principal::of(Some("user-1")),
-        ));
+        let captured =
+            Captured::new(StatusCode::CREATED, &headers, b"{\"id\":7}".to_vec(), None, Principal::of(Some("user-1")));
         assert_eq!(captured.encode()[0], 4);
-        let decoded = Stored::decode(&captured.encode()).expect("round trip");
-        assert_eq!(decoded, captured);
-        let Stored::Response(decoded) = decoded else { panic!("a response") };
+        let stored = read(captured.encode());
+        let Some(Stored::Response(decoded)) = stored.read() else { panic!("a response") };
 
         let replay = decoded.replay(None);
         assert_eq!(replay.status(), StatusCode::CREATED);
+        assert_eq!(replay.headers()["content-type"], "application/json");
         assert_eq!(replay.headers()["location"], "/payments/7");
+        assert_eq!(replay.headers()["x-request-cost"], "3");
         assert_eq!(replay.headers()[IDEMPOTENT_REPLAYED], "true");
+        assert_eq!(replay.headers().len(), 4, "{:?}", replay.headers());
         assert!(replay.headers().get("set-cookie").is_none());
         assert!(replay.headers().get("date").is_none());
         assert!(replay.headers().get("connection").is_none());
-        assert!(Stored::decode(b"\"not a capture\"").is_none());
+        let body = replay.into_body().collect().await.expect("replayed body");
+        assert_eq!(body.to_bytes().as_ref(), b"{\"id\":7}");
+        assert!(read(b"\"not a capture\"".to_vec()).read().is_none());
+    }
+
+    /// The layout as stored since version 4 was written: a response stored before the decoder read it
+    /// in place still replays byte for byte.
+    #[tokio::test]
+    async fn reads_the_stored_layout() {
+        // Layout 4, status 201, one header (content-type: a/b), body "ok", no trailers, unbound.
+        let stored = [4, 0xc9, 0x01, 1, 12, b'c', b'o', b'n', b't', b'e', b'n', b't', b'-', b't', b'y', b'p', b'e', 3];
+        let stored = [&stored[..], b"a/b", &[2], b"ok", &[0, 0]].concat();
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("a/b"));
+        assert_eq!(
+            Captured::new(StatusCode::CREATED, &headers, b"ok".to_vec(), None, Principal::Unbound).encode(),
+            stored
+        );
+        let stored = read(stored);
+        let Some(Stored::Response(decoded)) = stored.read() else { panic!("a response") };
+        let replay = decoded.replay(Some(StatusCode::CONFLICT));
+        assert_eq!(replay.status(), StatusCode::CONFLICT);
+        assert_eq!(replay.headers()["content-type"], "a/b");
+        assert_eq!(replay.into_body().collect().await.expect("body").to_bytes().as_ref(), b"ok");
     }
 
     /// Trailers (a gRPC call's `grpc-status`) are stored and replayed after the body.
     #[tokio::test]
     async fn trailers_round_trip() {
-        use http_body_util::BodyExt;
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", HeaderValue::from_static("0"));
-        let captured = Stored::Response(Captured::new(
-            StatusCode::OK,
-            &HeaderMap::new(),
-            b"msg".to_vec(),
-            Some(&trailers),
-            Principal::default(),
-        ));
-        assert_eq!(captured.encode()[0], 4);
-        let Some(Stored::Response(decoded)) = Stored::decode(&captured.encode()) else { panic!("a response") };
+        let captured =
+            Captured::new(StatusCode::OK, &HeaderMap::new(), b"msg".to_vec(), Some(&trailers), Principal::default());
+        let stored = read(captured.encode());
+        let Some(Stored::Response(decoded)) = stored.read() else { panic!("a response") };
         let collected = decoded.replay(None).into_body().collect().await.expect("replayed body");
         assert_eq!(collected.trailers(), Some(&trailers));
         assert_eq!(collected.to_bytes().as_ref(), b"msg");
@@ -274,21 +341,23 @@ mod tests {
     #[test]
     fn responses_answer_their_principal() {
         let (alice, bob, anonymous) = (Principal::of(Some("alice")), Principal::of(Some("bob")), Principal::of(None));
-        let bound = Stored::Response(Captured::new(StatusCode::OK, &HeaderMap::new(), b"a".to_vec(), None, alice));
-        assert!(bound.answers(alice) && bound.answers(Principal::Unbound));
-        assert!(!bound.answers(bob) && !bound.answers(anonymous));
-        let withheld = Stored::Withheld(Withheld::new(StatusCode::OK, 9, alice));
-        assert!(withheld.answers(alice) && !withheld.answers(bob));
+        let bound = Captured::new(StatusCode::OK, &HeaderMap::new(), b"a".to_vec(), None, alice).encode();
+        let answers = |stored: &[u8], asking: Principal| read(stored.to_vec()).read().expect("read").answers(asking);
+        assert!(answers(&bound, alice) && answers(&bound, Principal::Unbound));
+        assert!(!answers(&bound, bob) && !answers(&bound, anonymous));
+        let withheld = Withheld::new(StatusCode::OK, 9, alice).encode();
+        assert!(answers(&withheld, alice) && !answers(&withheld, bob));
         let unbound =
-            Stored::Response(Captured::new(StatusCode::OK, &HeaderMap::new(), b"a".to_vec(), None, Principal::Unbound));
-        assert!(unbound.answers(alice) && unbound.answers(anonymous));
+            Captured::new(StatusCode::OK, &HeaderMap::new(), b"a".to_vec(), None, Principal::Unbound).encode();
+        assert!(answers(&unbound, alice) && answers(&unbound, anonymous));
         // The layouts before the principal: the same fields, no principal.
-        let layout3 = [&[3u8][..], &bound.encode()[1..bound.encode().len() - 17]].concat();
-        let Some(Stored::Response(read)) = Stored::decode(&layout3) else { panic!("layout 3 is read") };
-        assert_eq!(read.replay(None).status(), StatusCode::OK);
-        assert!(Stored::decode(&layout3).expect("read").answers(bob));
-        let layout2 = [&[2u8][..], &withheld.encode()[1..withheld.encode().len() - 17]].concat();
-        assert!(matches!(Stored::decode(&layout2), Some(Stored::Withheld(w)) if w.status == 200 && w.bytes == 9));
+        let layout3 = [&[3u8][..], &bound[1..bound.len() - 17]].concat();
+        let stored = read(layout3.clone());
+        let Some(Stored::Response(replayable)) = stored.read() else { panic!("layout 3 is read") };
+        assert_eq!(replayable.replay(None).status(), StatusCode::OK);
+        assert!(answers(&layout3, bob));
+        let layout2 = [&[2u8][..], &withheld[1..withheld.len() - 17]].concat();
+        assert!(matches!(read(layout2).read(), Some(Stored::Withheld(w)) if w.status == 200 && w.bytes == 9));
     }
 
     /// An operator's response keeps its headers but not those that frame a message: a replay with a
@@ -299,8 +368,8 @@ mod tests {
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.insert("content-length", HeaderValue::from_static("999"));
         headers.insert("transfer-encoding", HeaderValue::from_static("chunked"));
-        let stored = stored_response(StatusCode::CREATED, &headers, b"{}".to_vec());
-        let Some(Stored::Response(captured)) = Stored::decode(&stored) else { panic!("a response") };
+        let stored = read(stored_response(StatusCode::CREATED, &headers, b"{}".to_vec()));
+        let Some(Stored::Response(captured)) = stored.read() else { panic!("a response") };
         let replay = captured.replay(None);
         assert_eq!(replay.headers()["content-type"], "application/json");
         assert!(
@@ -310,7 +379,7 @@ mod tests {
 
     #[test]
     fn withheld_responses_round_trip() {
-        let withheld = Stored::Withheld(Withheld::new(StatusCode::CREATED, 5 << 20, Principal::of(Some("alice"))));
-        assert_eq!(Stored::decode(&withheld.encode()), Some(withheld));
+        let withheld = Withheld::new(StatusCode::CREATED, 5 << 20, Principal::of(Some("alice")));
+        assert!(matches!(read(withheld.encode()).read(), Some(Stored::Withheld(read)) if read == withheld));
     }
 }

@@ -38,7 +38,7 @@ use super::RequestBody;
 use super::admission::Admitted;
 use super::answer;
 use super::boxed::{Boxed, with_trailers};
-use super::capture::{self, Captured, Stored, Withheld};
+use super::capture::{self, Captured, Withheld};
 use super::config::Config;
 use crate::store::Begin;
 use crate::store::COMMIT;
@@ -210,7 +210,7 @@ where
         BodyRead::Whole(bytes, trailers) if trailers.as_ref().is_none_or(|t| config.stored.stores_grpc(t)) => {
             let kept = trailers.as_ref().map(|trailers| capture::replayed(trailers, &config.replayed_headers));
             let captured = Captured::new(head.status, &headers, bytes.to_vec(), kept.as_ref(), principal);
-            (Stored::Response(captured).encode(), with_trailers(bytes, trailers))
+            (captured.encode(), with_trailers(bytes, trailers))
         }
         // A gRPC status in the trailers that is not stored: as a released status.
         BodyRead::Whole(bytes, trailers) => {
@@ -218,9 +218,7 @@ where
             let _ = owner.release().await;
             return Ok(Response::from_parts(head, with_trailers(bytes, trailers)));
         }
-        BodyRead::Larger { seen, body } => {
-            (Stored::Withheld(Withheld::new(head.status, seen, principal)).encode(), body)
-        }
+        BodyRead::Larger { seen, body } => (Withheld::new(head.status, seen, principal).encode(), body),
         BodyRead::Failed => {
             drop(tx);
             let _ = owner.release().await;

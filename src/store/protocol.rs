@@ -63,16 +63,16 @@ impl Store {
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
         let answer = async {
-            let candidate = || self.candidate(scope, key, fingerprint, Arc::clone(&policy));
+            let claimant = || Claimant::new(scope, key, fingerprint, &policy);
             let Some(wait) = options.wait else {
-                return self.claim(candidate(), options.heartbeat, None, None, counters).await;
+                return self.claim(claimant(), options.heartbeat, None, None, counters).await;
             };
             let deadline = tokio::time::Instant::now() + wait;
             // Registered at the first "in flight" only: a claim that finds no owner pays nothing for waiting.
             let mut waiting: Option<Waiting> = None;
             let mut backoff = Duration::from_millis(5);
             loop {
-                let answer = self.claim(candidate(), options.heartbeat, None, waiting.as_ref(), counters).await;
+                let answer = self.claim(claimant(), options.heartbeat, None, waiting.as_ref(), counters).await;
                 let Ok(Begin::InFlight { retry_after }) = answer else { break answer };
                 let now = tokio::time::Instant::now();
                 if now >= deadline {
@@ -116,8 +116,8 @@ impl Store {
         let counters = counters.as_deref();
         let span = telemetry::claim_span(scope.operation(), key.as_str());
         let policy = options.policy.clone().unwrap_or_else(|| self.shared_policy(scope.operation()));
-        let candidate = self.candidate(scope, key, fingerprint, policy);
-        let answer = self.claim(candidate, Heartbeat::Off, Some(tx), None, counters).instrument(span.clone()).await;
+        let claimant = Claimant::new(scope, key, fingerprint, &policy);
+        let answer = self.claim(claimant, Heartbeat::Off, Some(tx), None, counters).instrument(span.clone()).await;
         record_outcome(counters, scope.operation(), &answer, &span);
         answer
     }
@@ -166,13 +166,18 @@ impl Store {
 
     /// Flags the key's record in Postgres for a waiting claim; the pause before asking again:
     /// `retry_after`, or zero when the record is no longer in progress.
-    async fn wait_in_postgres(&self, candidate: &Lease, waiting: &Waiting, retry_after: Duration) -> Duration {
+    async fn wait_in_postgres(
+        &self,
+        (scope, key): (&Scope, &IdempotencyKey),
+        waiting: &Waiting,
+        retry_after: Duration,
+    ) -> Duration {
         let within =
             self.inner.postgres.timeout().min(waiting.deadline.saturating_duration_since(tokio::time::Instant::now()));
         if !self.inner.wakeups.follows_postgres(within).await {
             return retry_after;
         }
-        match self.inner.postgres.wait(&candidate.scope, &candidate.key).await {
+        match self.inner.postgres.wait(scope, key).await {
             Ok(false) => Duration::ZERO,
             Ok(true) | Err(_) => retry_after,
         }
@@ -187,17 +192,6 @@ impl Store {
     ) -> Result<Retained, StoreError> {
         let stored = self.inner.postgres.complete(lease, response, Some(tx)).await;
         self.fenced_step(lease, "complete", stored)
-    }
-
-    fn candidate(&self, scope: &Scope, key: &IdempotencyKey, fingerprint: &Fingerprint, policy: Arc<Policy>) -> Lease {
-        Lease {
-            scope: scope.clone(),
-            key: key.clone(),
-            fingerprint: fingerprint.clone(),
-            fence: 0,
-            owner: format!("{:032x}", rand::random::<u128>()),
-            policy,
-        }
     }
 
     /// Stores `response` as the result of the leased key ([`Owner::complete`]).
@@ -272,18 +266,18 @@ impl Store {
     /// answers (a replay, a duplicate) builds and moves only the small Redis half.
     fn claim<'a>(
         &'a self,
-        candidate: Lease,
+        claimant: Claimant<'a>,
         heartbeat: Heartbeat,
         tx: Option<&'a mut LazyTx>,
         waiting: Option<&'a Waiting>,
         counters: Option<&'a OperationCounters>,
     ) -> Boxed<'a, Result<Begin, StoreError>> {
         Box::pin(async move {
-            let marked = match self.claim_in_redis(&candidate, waiting, counters).await {
+            let marked = match self.claim_in_redis(&claimant, waiting, counters).await {
                 Ok(answer) => return answer,
                 Err(marked) => marked,
             };
-            self.claim_in_postgres(candidate, heartbeat, tx, waiting, marked).await
+            self.claim_in_postgres(claimant.lease(), heartbeat, tx, waiting, marked).await
         })
     }
 
@@ -292,25 +286,25 @@ impl Store {
     /// holds.
     async fn claim_in_redis<'a>(
         &'a self,
-        candidate: &Lease,
+        claimant: &Claimant<'_>,
         waiting: Option<&Waiting>,
         counters: Option<&OperationCounters>,
     ) -> Result<Result<Begin, StoreError>, Marked<'a>> {
-        let operation = candidate.scope.operation();
+        let Claimant { scope, key, fingerprint, policy, owner } = claimant;
+        let operation = scope.operation();
         let Some(redis) = &self.inner.redis else { return Err(None) };
-        let record_key = self.record_key(redis, candidate);
+        let record_key = redis.record_key(scope, key);
         let started = Instant::now();
-        let lease_ms = millis(candidate.policy.lease);
+        let lease_ms = millis(policy.lease);
         let waiter = waiting.filter(|waiting| waiting.via_redis).map(|waiting| waiting.watch.digest());
-        match redis.begin(&record_key, &candidate.fingerprint, &candidate.owner, lease_ms, waiter).await {
+        match redis.begin(&record_key, fingerprint, owner.as_str(), lease_ms, waiter).await {
             Ok(answer) => {
                 telemetry::claim_duration("redis", started.elapsed());
                 let answer_is_claimed = answer == RedisBegin::Claimed;
                 let answered = match answer {
                     RedisBegin::Claimed | RedisBegin::Unconfirmed => None,
                     RedisBegin::Completed(response) => {
-                        let (scope, key) = (&candidate.scope, &candidate.key);
-                        match self.opened_for(&candidate.fingerprint, scope, key, StoredResponse::new(response)) {
+                        match self.opened_for(fingerprint, scope, key, StoredResponse::new(response)) {
                             Ok(opened) => Some(Begin::Replayed(opened)),
                             // A copy that does not open is not trusted: it is dropped and Postgres, which
                             // holds the record, answers (the next request's miss repairs the copy).
@@ -332,7 +326,7 @@ impl Store {
                         // The marker could not carry the digest: the waiter asks Postgres instead.
                         Begin::InFlight { retry_after } if let Some(waiting) = waiting.filter(|_| waiter.is_none()) => {
                             Begin::InFlight {
-                                retry_after: self.wait_in_postgres(candidate, waiting, retry_after).await,
+                                retry_after: self.wait_in_postgres((scope, key), waiting, retry_after).await,
                             }
                         }
                         answer => answer,
@@ -433,7 +427,7 @@ impl Store {
                 && claim.record.state == State::InProgress
                 && !retry_after.is_zero()
             {
-                *retry_after = self.wait_in_postgres(&candidate, waiting, *retry_after).await;
+                *retry_after = self.wait_in_postgres((&candidate.scope, &candidate.key), waiting, *retry_after).await;
             }
             if let Some((redis, record_key)) = &marked {
                 telemetry::reconciliation(operation);
@@ -560,6 +554,53 @@ impl Store {
 
 /// A protocol step's future behind a box, so that callers' futures do not nest its state machine.
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A claim before Postgres is asked: borrowed from the caller, with its owner token on the stack, so that
+/// a request Redis answers (a replay, a duplicate) builds nothing owned. Postgres's half makes the
+/// [`Lease`] from it.
+#[derive(Clone, Copy)]
+struct Claimant<'a> {
+    scope: &'a Scope,
+    key: &'a IdempotencyKey,
+    fingerprint: &'a Fingerprint,
+    policy: &'a Arc<Policy>,
+    owner: OwnerToken,
+}
+
+impl<'a> Claimant<'a> {
+    fn new(scope: &'a Scope, key: &'a IdempotencyKey, fingerprint: &'a Fingerprint, policy: &'a Arc<Policy>) -> Self {
+        Self { scope, key, fingerprint, policy, owner: OwnerToken::new() }
+    }
+
+    /// The lease this claim would hold, before Postgres gave it a fence.
+    fn lease(&self) -> Lease {
+        Lease {
+            scope: self.scope.clone(),
+            key: self.key.clone(),
+            fingerprint: self.fingerprint.clone(),
+            fence: 0,
+            owner: self.owner.as_str().to_owned(),
+            policy: Arc::clone(self.policy),
+        }
+    }
+}
+
+/// A claim's owner token: 128 random bits as 32 hex digits, which no other claim has. A record and its
+/// Redis marker name their owner by it.
+#[derive(Clone, Copy)]
+struct OwnerToken([u8; 32]);
+
+impl OwnerToken {
+    fn new() -> Self {
+        let mut digits = [0; 32];
+        crate::fingerprint::write_hex(&rand::random::<u128>().to_be_bytes(), &mut digits);
+        Self(digits)
+    }
+
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).expect("hex digits are ASCII")
+    }
+}
 
 /// The Redis tier and record key when the caller's marker is in Redis.
 type Marked<'a> = Option<(&'a RedisTier, String)>;

@@ -28,8 +28,10 @@ impl LuaScript {
 
     pub(crate) async fn invoke(&self, conn: &mut impl ConnectionLike, key: &str, args: &[&[u8]]) -> RedisResult<Value> {
         let call = |command: &str, script: &str| {
-            let mut cmd = redis::cmd(command);
-            cmd.arg(script).arg(1).arg(key);
+            // Sized up front: one allocation each for the arguments and their bytes, none on the way.
+            let bytes = command.len() + script.len() + 1 + key.len() + args.iter().map(|arg| arg.len()).sum::<usize>();
+            let mut cmd = redis::Cmd::with_capacity(4 + args.len(), bytes);
+            cmd.arg(command).arg(script).arg(1).arg(key);
             for arg in args {
                 cmd.arg(*arg);
             }
