@@ -210,7 +210,7 @@ impl Replayable<'_> {
         let mut response = Response::new(with_trailers(buffer.slice_ref(body), trailers));
         *response.status_mut() = status.or_else(|| StatusCode::from_u16(stored).ok()).unwrap_or(StatusCode::OK);
         let mut map = header_map(buffer, &headers, 1);
-        map.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        map.insert(HeaderName::from_static(IDEMPOTENT_REPLAYED), HeaderValue::from_static("true"));
         *response.headers_mut() = map;
         response
     }

@@ -3,6 +3,7 @@
 //! order, a multipart body rebuilt with another boundary, and a body sent compressed are the same
 //! request; a retry from a client that does any of these is not refused as a different payload.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::io::Read;
 
@@ -68,20 +69,21 @@ pub(crate) async fn fingerprint(
     query: QueryComparison,
     max_body: usize,
 ) -> Result<Fingerprint, Unreadable> {
-    let request = Target { method: parts.method.clone(), uri: parts.uri.clone(), headers: parts.headers.clone() };
     if body.len() < BLOCKING_FROM && !parts.headers.contains_key(header::CONTENT_ENCODING) {
-        return of_request(&request, body, options, query, max_body).await;
+        return of_request((&parts.method, &parts.uri, &parts.headers), body, options, query, max_body).await;
     }
     // As many at once as there are cores: more would only queue on the blocking pool (which other work,
     // such as a reconnect's DNS lookup, needs too) while each holds its decoded bytes.
     let Ok(_permit) = blocking_decodes().acquire().await else {
         return Err(Unreadable::Encoding("the body could not be decoded".into()));
     };
+    // What of the request's head the fingerprint reads, owned to move to the blocking thread.
+    let (method, uri, headers) = (parts.method.clone(), parts.uri.clone(), parts.headers.clone());
     let (body, options) = (body.clone(), options.clone());
     let blocking = tokio::task::spawn_blocking(move || {
         // Nothing in it waits for I/O (multer reads a body already in memory): it runs to its end here.
         let runtime = tokio::runtime::Handle::current();
-        runtime.block_on(of_request(&request, &body, &options, query, max_body))
+        runtime.block_on(of_request((&method, &uri, &headers), &body, &options, query, max_body))
     });
     blocking.await.unwrap_or_else(|_| Err(Unreadable::Encoding("the body could not be decoded".into())))
 }
@@ -93,25 +95,20 @@ fn blocking_decodes() -> &'static tokio::sync::Semaphore {
     })
 }
 
-/// What of a request's head its fingerprint reads, owned so that it can move to a blocking thread.
-struct Target {
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-}
+/// What of a request's head its fingerprint reads.
+type Head<'a> = (&'a Method, &'a Uri, &'a HeaderMap);
 
 async fn of_request(
-    request: &Target,
+    (method, uri, headers): Head<'_>,
     body: &[u8],
     options: &FingerprintOptions,
     query: QueryComparison,
     max_body: usize,
 ) -> Result<Fingerprint, Unreadable> {
-    let decoded = decode(&request.headers, body, max_body)?;
-    let media = media_type(&request.headers);
-    let payload = if media.as_deref().is_some_and(is_json) && !decoded.is_empty() {
+    let decoded = decode(headers, body, max_body)?;
+    let payload = if media_type(headers).is_some_and(is_json) && !decoded.is_empty() {
         Fingerprint::of_json(&decoded, options)?
-    } else if let Some(parts_of) = multipart_boundary(&request.headers) {
+    } else if let Some(parts_of) = multipart_boundary(headers) {
         // Boxed as a trait object: multer's future types would otherwise nest into every layer's future,
         // past the compiler's default query depth in the crates that use the layer.
         let parsed: std::pin::Pin<Box<dyn Future<Output = _> + Send + '_>> =
@@ -124,22 +121,23 @@ async fn of_request(
     } else {
         Fingerprint::of_bytes(&decoded, options)?
     };
-    let method = request.method.as_str();
-    let sent = request.uri.path_and_query().map_or("/", |p| p.as_str());
     let target = match query {
-        QueryComparison::Exact => sent.to_owned(),
-        QueryComparison::Unordered => unordered(request.uri.path(), request.uri.query()),
+        QueryComparison::Exact => Cow::Borrowed(uri.path_and_query().map_or("/", |p| p.as_str())),
+        QueryComparison::Unordered => unordered(uri.path(), uri.query()),
     };
-    Ok(payload.within(&[method, &target]))
+    Ok(payload.within(&[method.as_str(), &target]))
 }
 
-fn media_type(headers: &HeaderMap) -> Option<String> {
+/// The media type, as sent (media types compare without regard to case).
+fn media_type(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
-    Some(value.split(';').next()?.trim().to_ascii_lowercase())
+    Some(value.split(';').next()?.trim())
 }
 
 fn is_json(media: &str) -> bool {
-    media == "application/json" || media.ends_with("+json")
+    const SUFFIX: &str = "+json";
+    let suffix = media.len().checked_sub(SUFFIX.len()).and_then(|at| media.get(at..));
+    media.eq_ignore_ascii_case("application/json") || suffix.is_some_and(|suffix| suffix.eq_ignore_ascii_case(SUFFIX))
 }
 
 fn multipart_boundary(headers: &HeaderMap) -> Option<String> {
@@ -148,11 +146,11 @@ fn multipart_boundary(headers: &HeaderMap) -> Option<String> {
 }
 
 /// The path with its query parameters sorted by name (stable: one name's values keep their order).
-fn unordered(path: &str, query: Option<&str>) -> String {
-    let Some(query) = query else { return path.to_owned() };
+fn unordered<'a>(path: &'a str, query: Option<&str>) -> Cow<'a, str> {
+    let Some(query) = query else { return Cow::Borrowed(path) };
     let mut pairs: Vec<&str> = query.split('&').collect();
     pairs.sort_by_key(|pair| pair.split('=').next().unwrap_or(""));
-    format!("{path}?{}", pairs.join("&"))
+    Cow::Owned(format!("{path}?{}", pairs.join("&")))
 }
 
 /// The body with its `Content-Encoding`s undone (`gzip`, `x-gzip`, `deflate`, `br`; `identity`), at
@@ -265,5 +263,15 @@ mod tests {
         assert_ne!(unordered("/p", Some("a=2&a=1")), unordered("/p", Some("a=1&a=2")));
         assert_eq!(unordered("/p", Some("a=1&b=2")), "/p?a=1&b=2", "a sorted query is as sent");
         assert_eq!(unordered("/p", None), "/p");
+    }
+
+    #[test]
+    fn json_media_types_compare_without_case() {
+        for json in ["application/json", "Application/JSON", "application/problem+json", "application/vnd.x+JSON"] {
+            assert!(is_json(json), "{json}");
+        }
+        for other in ["text/plain", "json", "+jso", "application/jsonp", ""] {
+            assert!(!is_json(other), "{other}");
+        }
     }
 }
