@@ -171,7 +171,8 @@ impl RedisTier {
         lease_ms: i64,
         waiter: Option<&str>,
     ) -> Result<RedisBegin, RedisUnavailable> {
-        let lease = lease_ms.to_string();
+        let mut lease = itoa::Buffer::new();
+        let lease = lease.format(lease_ms);
         let args = [&fingerprint.as_bytes()[..], owner.as_bytes(), lease.as_bytes(), waiter.unwrap_or("").as_bytes()];
         let reply =
             self.invoke("begin", &scripts::BEGIN, record_key, &args, Call::Answer).await.inspect_err(|error| {
@@ -203,7 +204,8 @@ impl RedisTier {
         // A released record needs no marker: the next request claims it in Postgres; an expired one is
         // answered by Postgres's tombstone.
         let Some(tag) = tag_of(state) else { return Ok(()) };
-        let ttl = ttl_ms.max(1).to_string();
+        let mut ttl = itoa::Buffer::new();
+        let ttl = ttl.format(ttl_ms.max(1));
         let args = [&[tag][..], fingerprint, owner.as_bytes(), response, ttl.as_bytes(), self.channel.as_bytes()];
         let put = self.invoke("put", &scripts::PUT, record_key, &args, Call::Settle).await;
         put.map(drop).inspect_err(|_| self.left_behind(record_key))
@@ -227,7 +229,8 @@ impl RedisTier {
     }
 
     pub(crate) async fn extend(&self, record_key: &str, owner: &str, lease_ms: i64) -> Result<(), RedisUnavailable> {
-        let lease = lease_ms.to_string();
+        let mut lease = itoa::Buffer::new();
+        let lease = lease.format(lease_ms);
         let args = [owner.as_bytes(), lease.as_bytes()];
         self.invoke("extend", &scripts::EXTEND, record_key, &args, Call::Answer).await.map(drop)
     }
