@@ -107,7 +107,7 @@ impl Withheld {
 type Fields = Vec<(String, Vec<u8>)>;
 
 /// The stored form of a response (layout 4), as written.
-#[derive(Debug, PartialEq, Serialize)]
+#[derive(Debug, Serialize)]
 pub(crate) struct Captured {
     version: u8,
     status: u16,
@@ -203,23 +203,29 @@ pub(crate) struct Replayable<'a> {
 impl Replayable<'_> {
     /// The replay: the stored status, headers, body and trailers, marked `Idempotent-Replayed: true`;
     /// `status` overrides the stored one (for the 409-with-original mismatch answer). The body and the
-    /// header values share the stored buffer.
+    /// header values share the stored buffer (at most the capture limit and its headers): a layer
+    /// outside that keeps one of them keeps it all.
     pub(crate) fn replay(self, status: Option<StatusCode>) -> Response<Boxed> {
         let Replayable { buffer, response: CapturedIn { status: stored, headers, body, trailers, .. } } = self;
         let trailers = Some(header_map(buffer, &trailers, 0)).filter(|trailers| !trailers.is_empty());
         let mut response = Response::new(with_trailers(buffer.slice_ref(body), trailers));
         *response.status_mut() = status.or_else(|| StatusCode::from_u16(stored).ok()).unwrap_or(StatusCode::OK);
         let mut map = header_map(buffer, &headers, 1);
-        map.insert(HeaderName::from_static(IDEMPOTENT_REPLAYED), HeaderValue::from_static("true"));
+        map.insert(REPLAYED, HeaderValue::from_static("true"));
         *response.headers_mut() = map;
         response
     }
 }
 
+/// [`IDEMPOTENT_REPLAYED`] as a header name, made once (from a `&str`, a custom name is copied into the
+/// map on every insert).
+const REPLAYED: HeaderName = HeaderName::from_static(IDEMPOTENT_REPLAYED);
+
 /// Stored fields (read from `buffer`) as a header map with room for `more`; a field that is no longer
-/// valid is skipped.
+/// valid is skipped. Room is made up front only for as many fields as a map can index: many values of
+/// one name (thousands of `Link`s) need no more, and the map grows as they are added.
 fn header_map(buffer: &Bytes, fields: &[(&str, &[u8])], more: usize) -> HeaderMap {
-    let mut map = HeaderMap::with_capacity(fields.len() + more);
+    let mut map = HeaderMap::try_with_capacity(fields.len() + more).unwrap_or_default();
     for &(name, value) in fields {
         let value = HeaderValue::from_maybe_shared(buffer.slice_ref(value));
         if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), value) {
@@ -375,6 +381,21 @@ mod tests {
         assert!(
             replay.headers().get("content-length").is_none() && replay.headers().get("transfer-encoding").is_none()
         );
+    }
+
+    /// A response with more values of one header than a header map can index up front (as many `Link`s
+    /// as a handler may send) replays all of them: the map grows as they come.
+    #[test]
+    fn many_values_of_one_header_replay() {
+        let mut headers = HeaderMap::new();
+        for n in 0..30_000 {
+            headers.append("link", HeaderValue::from_str(&format!("</p/{n}>; rel=item")).expect("valid"));
+        }
+        let stored = read(Captured::new(StatusCode::OK, &headers, Vec::new(), None, Principal::Unbound).encode());
+        let Some(Stored::Response(replayable)) = stored.read() else { panic!("a response") };
+        let replay = replayable.replay(None);
+        assert_eq!(replay.headers().get_all("link").iter().count(), 30_000);
+        assert_eq!(replay.headers().get_all("link").iter().last().expect("the last"), "</p/29999>; rel=item");
     }
 
     #[test]

@@ -156,7 +156,7 @@ fn unordered<'a>(path: &'a str, query: Option<&str>) -> Cow<'a, str> {
 /// The body with its `Content-Encoding`s undone (`gzip`, `x-gzip`, `deflate`, `br`; `identity`), at
 /// most `max_body` bytes once decoded. More than [`MAX_ENCODINGS`] of them are refused before any is
 /// decoded.
-fn decode<'b>(headers: &HeaderMap, body: &'b [u8], max_body: usize) -> Result<std::borrow::Cow<'b, [u8]>, Unreadable> {
+fn decode<'b>(headers: &HeaderMap, body: &'b [u8], max_body: usize) -> Result<Cow<'b, [u8]>, Unreadable> {
     let mut encodings: Vec<String> = Vec::new();
     for value in headers.get_all(header::CONTENT_ENCODING) {
         let value = value.to_str().map_err(|_| Unreadable::Encoding("a Content-Encoding that is not text".into()))?;
@@ -170,7 +170,7 @@ fn decode<'b>(headers: &HeaderMap, body: &'b [u8], max_body: usize) -> Result<st
             encodings.push(encoding.to_ascii_lowercase());
         }
     }
-    let mut decoded = std::borrow::Cow::Borrowed(body);
+    let mut decoded = Cow::Borrowed(body);
     // Applied in the order listed: undone last first.
     for encoding in encodings.iter().rev() {
         let reader: Box<dyn Read + '_> = match encoding.as_str() {
@@ -188,7 +188,7 @@ fn decode<'b>(headers: &HeaderMap, body: &'b [u8], max_body: usize) -> Result<st
         if out.len() > max_body {
             return Err(InputError::PayloadTooLarge { len: out.len(), limit: max_body }.into());
         }
-        decoded = std::borrow::Cow::Owned(out);
+        decoded = Cow::Owned(out);
     }
     Ok(decoded)
 }
