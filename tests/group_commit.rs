@@ -20,6 +20,11 @@ async fn a_key_held_in_a_transaction_holds_up_no_shared_claim() {
     a_key_held_in_a_transaction_holds_up_no_shared_claim_in(Mode::PostgresOnly).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lone_claim_whose_caller_left_is_given_back() {
+    a_lone_claim_whose_caller_left_is_given_back_in(Mode::PostgresOnly).await;
+}
+
 type Outcome = Result<RunOutcome<serde_json::Value>, idemstore::RunError<sqlx::Error>>;
 
 async fn store_run(store: &Store, h: &Harness, scope: &idemstore::Scope, k: &idemstore::IdempotencyKey) -> Outcome {
@@ -143,6 +148,72 @@ async fn a_claim_whose_caller_left_is_given_back(mode: Mode) {
         let begun = h.store.begin(&scope, &keys[31], &fingerprint).await.expect("begin");
         assert!(matches!(begun, Begin::Acquired(_)), "{begun:?}");
     }
+}
+
+/// A claim sent alone (the pool had connections to spare) whose caller was cancelled while its statement
+/// waited, and which then committed, is given back: no record is left in progress, and the key runs at
+/// the next call. Before the fix the statement ran in the caller's future, and its record stayed in
+/// progress until its lease ran out (30 s; the test allows 10). The statement waits for a claim of the
+/// same key open in another transaction, which rolls back once the caller is gone. Postgres-only: in
+/// two-tier mode the holder's Redis marker would answer the call before Postgres is asked.
+async fn a_lone_claim_whose_caller_left_is_given_back_in(mode: Mode) {
+    let h = Arc::new(Harness::start(mode).await);
+    let (scope, k) = (h.scope("acme"), key("lone-cancelled"));
+    let fingerprint = Fingerprint::of_json(br#"{"amount":5}"#, &FingerprintOptions::default()).expect("fingerprint");
+    let (holding, held) = tokio::sync::oneshot::channel::<i32>();
+    let let_go = Arc::new(Notify::new());
+    let holder = {
+        let (h, scope, k, let_go) = (h.clone(), scope.clone(), k.clone(), let_go.clone());
+        tokio::spawn(async move {
+            h.store
+                .run_once_in_tx(&scope, &k, &json!({"amount": 6}), |tx| {
+                    Box::pin(async move {
+                        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await?;
+                        let _ = holding.send(pid);
+                        let_go.notified().await;
+                        // The holder's claim rolls back with its work.
+                        Err::<i64, _>(sqlx::Error::Protocol("let go".into()))
+                    })
+                })
+                .await
+                .map(drop)
+        })
+    };
+    let holder_pid = held.await.expect("the holder claimed");
+    let call = {
+        let (h, scope, k, fingerprint) = (h.clone(), scope.clone(), k.clone(), fingerprint.clone());
+        tokio::spawn(async move { h.store.begin(&scope, &k, &fingerprint).await.map(drop) })
+    };
+    let started = std::time::Instant::now();
+    let blocked = "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))";
+    let waiting = loop {
+        let waiting: Option<i32> =
+            sqlx::query_scalar(blocked).bind(holder_pid).fetch_optional(&h.pool).await.expect("pids");
+        if let Some(pid) = waiting {
+            break pid;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "the call's claim never waited for the holder");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    call.abort();
+    assert!(call.await.is_err_and(|e| e.is_cancelled()), "the call was answered while its claim waited");
+    let_go.notify_one();
+    assert!(holder.await.expect("holder").is_err(), "the holder rolled back");
+    // The waiting statement goes on, and commits a claim its caller never hears of.
+    let active = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'";
+    while sqlx::query_scalar::<_, i64>(active).bind(waiting).fetch_one(&h.pool).await.expect("activity") > 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "the call's claim never finished");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let in_progress =
+        "SELECT count(*) FROM idempotency_records WHERE operation = $1 AND idempotency_key = $2 AND state = 'p'";
+    let claimed = || sqlx::query_scalar::<_, i64>(in_progress).bind(&h.operation).bind(k.as_str()).fetch_one(&h.pool);
+    while claimed().await.expect("records") > 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "a claim nobody heard of stayed in progress");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let begun = h.store.begin(&scope, &k, &fingerprint).await.expect("begin");
+    assert!(matches!(begun, Begin::Acquired(_)), "{begun:?}");
 }
 
 /// The work of the transaction that holds a key: its effect, then it waits for `released` (at most 20 s).

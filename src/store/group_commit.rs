@@ -27,7 +27,7 @@ use sqlx::postgres::{PgPool, PgRow};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use super::Background;
-use super::postgres_tier::{CLAIM_NEW_BATCH, COMPLETE_BATCH, Retained, decode_record, forget, notify, retained};
+use super::postgres_tier::{CLAIM_NEW_BATCH, COMPLETE_BATCH, Retained, decode_record, give_back, retained};
 use super::statement::{self, Statement};
 use crate::error::StoreError;
 use crate::key::KeyDigest;
@@ -256,12 +256,7 @@ async fn flush<J: Job>(mut batch: Vec<Queued<J>>, pool: &PgPool, timeout: Durati
     };
     // Fault tests: the statement committed, and its callers hear of it only after `return(ms)`.
     #[cfg(feature = "failpoints")]
-    if let Some(ms) = (|| {
-        fail::fail_point!("group-commit-before-answers", |ms: Option<String>| ms.and_then(|ms| ms.parse().ok()));
-        None
-    })() {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
+    statement::pause_at("group-commit-before-answers").await;
     // Everyone is answered first; then what nobody heard is undone.
     let mut unheard = Vec::new();
     for (queued, answer) in batch.into_iter().zip(answers) {
@@ -348,14 +343,7 @@ impl Job for NewClaim {
     async fn unheard(self, answer: Option<Record>, pool: &PgPool, timeout: Duration) {
         let Some(record) = answer else { return };
         let lease = Lease { fence: record.fence, ..self.lease };
-        let announced = match forget(pool, timeout, &lease).await {
-            Ok(Some(true)) => notify(pool, timeout, self.digest.as_str()).await,
-            Ok(_) => Ok(()),
-            Err(error) => Err(error),
-        };
-        if let Err(error) = announced {
-            tracing::warn!(%error, fence = lease.fence, "could not give back a claim nobody waited for; its lease runs out instead");
-        }
+        give_back(pool, timeout, &lease, false, self.digest.as_str()).await;
     }
 }
 

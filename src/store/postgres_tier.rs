@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use sqlx::Row as _;
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
+use tokio::sync::oneshot;
 
-use super::group_commit::{Batched, Completion, GroupCommit, NewClaim};
+use super::group_commit::{Alone, Batched, Completion, GroupCommit, NewClaim};
 use super::statement::{self, ACQUIRE, Statement};
 use crate::error::StoreError;
-use crate::key::{IdempotencyKey, Scope, key_digest};
+use crate::key::{IdempotencyKey, KeyDigest, Scope, key_digest};
 use crate::policy::{LeaseExpiry, millis};
 use crate::quota::QuotaLimit;
 use crate::record::{Lease, Record, State, StoredResponse};
@@ -586,7 +587,7 @@ impl PostgresTier {
         let mut new_key_first = likely_new && lease.policy.quota.is_off();
         let group = self.group.as_ref().filter(|_| new_key_first && conn.is_none());
         // Held until this call's own statement is done.
-        let mut alone = group.and_then(|group| group.claims.alone());
+        let alone = group.and_then(|group| group.claims.alone());
         if alone.is_none()
             && let Some(group) = group
         {
@@ -599,25 +600,12 @@ impl PostgresTier {
                 Batched::AskAlone => {}
             }
         }
-        let mut pooled;
-        let in_tx = conn.is_some();
-        let conn = match conn {
-            Some(conn) => conn,
-            None => {
-                pooled = self.bounded(&ACQUIRE, self.pool.acquire()).await?;
-                if let Some(alone) = alone.as_mut() {
-                    alone.took_connection();
-                }
-                &mut *pooled
-            }
+        let live_keys = lease.policy.quota.live_key_limit().map(as_int4);
+        let Some(conn) = conn else {
+            return self.claim_alone(lease, digest, new_key_first, live_keys, alone).await;
         };
-        let policy = &lease.policy;
-        let quota = &policy.quota;
-        let full = if quota.is_off() { &CLAIM } else { &CLAIM_UNDER_QUOTA };
-        // Limits fit an int4: `Quota::check` refused larger ones.
-        let limit = |limit: u32| i32::try_from(limit).unwrap_or(i32::MAX);
-        let mut live_keys = quota.live_key_limit().map(limit);
-        if let Some(live) = live_keys.filter(|_| in_tx) {
+        let mut live_keys = live_keys;
+        if let Some(live) = live_keys {
             let take = sqlx::query(TAKE_LIVE_SLOT.sql).bind(live_slots(&lease.scope)).bind(live);
             if self.bounded(&TAKE_LIVE_SLOT, take.fetch_optional(&mut *conn)).await?.is_none() {
                 // Every slot is another open transaction's claim: nothing may start, and a key with a
@@ -625,52 +613,44 @@ impl PostgresTier {
                 live_keys = Some(0);
             }
         }
-        // A concurrent claim that committed after this statement's snapshot conflicts with the insert
-        // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
-        // record this claim would have re-acquired). The next attempt sees the winner.
-        let mut attempt = 0;
-        loop {
-            let statement = if new_key_first { &CLAIM_NEW } else { full };
-            let mut claim = sqlx::query(statement.sql)
-                .bind(lease.scope.tenant())
-                .bind(lease.scope.operation())
-                .bind(lease.key.as_str())
-                .bind(&lease.fingerprint.as_bytes()[..])
-                .bind(&lease.owner)
-                .bind(millis(policy.lease) as f64)
-                .bind(policy.retention.map(|r| millis(r) as f64))
-                .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
-                .bind(policy.name())
-                .bind(policy.tombstone.map(|t| millis(t) as f64))
-                .bind(digest.as_str());
-            if !quota.is_off() {
-                let new_keys = quota.new_key_limit();
-                claim = claim
-                    .bind(new_keys.map(|(n, _)| limit(n)))
-                    .bind(new_keys.map(|(_, window)| millis(window) as f64))
-                    .bind(live_keys);
-            }
-            let row = self.bounded(statement, claim.fetch_optional(&mut *conn)).await?;
-            if std::mem::take(&mut new_key_first) {
-                if row.is_none() {
-                    // Not new after all (a record, a live tombstone): the full claim answers.
-                    continue;
+        claim_on(conn, self.timeout, lease, digest, new_key_first, live_keys).await
+    }
+
+    /// The claim on a pooled connection, in a task of its own that finishes whatever becomes of its
+    /// caller. A caller cancelled while its statement ran (a client gone) would otherwise leave a claim
+    /// nobody heard of, in progress until its lease ran out (and then indeterminate, under
+    /// [`LeaseExpiry::MarkIndeterminate`]); the task gives back a claim it acquired for nobody, as a
+    /// batch does ([`group_commit`](super::group_commit)).
+    async fn claim_alone(
+        &self,
+        lease: &Lease,
+        digest: KeyDigest,
+        new_key_first: bool,
+        live_keys: Option<i32>,
+        mut alone: Option<Alone>,
+    ) -> Result<ClaimAnswer, StoreError> {
+        let (pool, timeout, owned) = (self.pool.clone(), self.timeout, lease.clone());
+        let (reply, answer) = oneshot::channel();
+        tokio::spawn(async move {
+            let claimed = async {
+                let mut pooled = statement::bounded(timeout, &ACQUIRE, pool.acquire()).await?;
+                if let Some(alone) = alone.as_mut() {
+                    alone.took_connection();
                 }
-            } else {
-                attempt += 1;
+                claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys).await
             }
-            if let Some(row) = row {
-                let claimed = decode_claim(&row, lease).map_err(|e| statement.failed(e))?;
-                if let ClaimAnswer::Claim(claim) = &claimed
-                    && !claim.acquired
-                    && attempt < MAX_CLAIM_ATTEMPTS
-                    && would_reacquire(&claim.record, lease)
-                {
-                    continue;
-                }
-                return Ok(claimed);
+            .await;
+            drop(alone);
+            if let Err(Ok(ClaimAnswer::Claim(claim))) = reply.send(claimed)
+                && claim.acquired
+            {
+                let lease = Lease { fence: claim.record.fence, ..owned };
+                give_back(&pool, timeout, &lease, claim.took_over, digest.as_str()).await;
             }
-        }
+        });
+        let mut answer = LoneAnswer { answer, tier: self, lease, digest };
+        // The task ended without an answer only if it panicked or its runtime is going away.
+        (&mut answer.answer).await.unwrap_or_else(|_| Err(ACQUIRE.failed(sqlx::Error::WorkerCrashed)))
     }
 
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
@@ -757,18 +737,117 @@ impl PostgresTier {
     }
 }
 
-/// [`PostgresTier::notify`], for a batch whose claim went back.
+/// The caller's end of a lone claim ([`PostgresTier::claim_alone`]). Dropped before it took its answer
+/// (the caller was cancelled), it closes the channel, so that the task gives back what it acquires from
+/// then on, and gives back itself a claim whose answer had already been sent: either way, once.
+struct LoneAnswer<'a> {
+    answer: oneshot::Receiver<Result<ClaimAnswer, StoreError>>,
+    tier: &'a PostgresTier,
+    lease: &'a Lease,
+    digest: KeyDigest,
+}
+
+impl Drop for LoneAnswer<'_> {
+    fn drop(&mut self) {
+        self.answer.close();
+        let Ok(Ok(ClaimAnswer::Claim(claim))) = self.answer.try_recv() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        if claim.acquired {
+            let (pool, timeout, digest) = (self.tier.pool.clone(), self.tier.timeout, self.digest);
+            let lease = Lease { fence: claim.record.fence, ..self.lease.clone() };
+            runtime.spawn(async move { give_back(&pool, timeout, &lease, claim.took_over, digest.as_str()).await });
+        }
+    }
+}
+
+/// The claim's statements on `conn`: [`CLAIM_NEW`] first when `new_key_first`, then the full claim
+/// (under the quota when the policy has one; `live_keys` is the live-key limit this claim may use).
+async fn claim_on(
+    conn: &mut PgConnection,
+    timeout: Duration,
+    lease: &Lease,
+    digest: KeyDigest,
+    mut new_key_first: bool,
+    live_keys: Option<i32>,
+) -> Result<ClaimAnswer, StoreError> {
+    let policy = &lease.policy;
+    let quota = &policy.quota;
+    let full = if quota.is_off() { &CLAIM } else { &CLAIM_UNDER_QUOTA };
+    // A concurrent claim that committed after this statement's snapshot conflicts with the insert
+    // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
+    // record this claim would have re-acquired). The next attempt sees the winner.
+    let mut attempt = 0;
+    loop {
+        let statement = if new_key_first { &CLAIM_NEW } else { full };
+        let mut claim = sqlx::query(statement.sql)
+            .bind(lease.scope.tenant())
+            .bind(lease.scope.operation())
+            .bind(lease.key.as_str())
+            .bind(&lease.fingerprint.as_bytes()[..])
+            .bind(&lease.owner)
+            .bind(millis(policy.lease) as f64)
+            .bind(policy.retention.map(|r| millis(r) as f64))
+            .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
+            .bind(policy.name())
+            .bind(policy.tombstone.map(|t| millis(t) as f64))
+            .bind(digest.as_str());
+        if !quota.is_off() {
+            let new_keys = quota.new_key_limit();
+            claim = claim
+                .bind(new_keys.map(|(n, _)| as_int4(n)))
+                .bind(new_keys.map(|(_, window)| millis(window) as f64))
+                .bind(live_keys);
+        }
+        let row = statement::bounded(timeout, statement, claim.fetch_optional(&mut *conn)).await?;
+        if std::mem::take(&mut new_key_first) {
+            if row.is_none() {
+                // Not new after all (a record, a live tombstone): the full claim answers.
+                continue;
+            }
+        } else {
+            attempt += 1;
+        }
+        if let Some(row) = row {
+            let claimed = decode_claim(&row, lease).map_err(|e| statement.failed(e))?;
+            if let ClaimAnswer::Claim(claim) = &claimed
+                && !claim.acquired
+                && attempt < MAX_CLAIM_ATTEMPTS
+                && would_reacquire(&claim.record, lease)
+            {
+                continue;
+            }
+            return Ok(claimed);
+        }
+    }
+}
+
+/// A quota's limit as the statements take it: limits fit an int4 (`Quota::check` refused larger ones).
+fn as_int4(limit: u32) -> i32 {
+    i32::try_from(limit).unwrap_or(i32::MAX)
+}
+
+/// [`PostgresTier::notify`], for a claim given back ([`give_back`]).
 pub(crate) async fn notify(pool: &PgPool, timeout: Duration, digest: &str) -> Result<(), StoreError> {
     let notify = sqlx::query(NOTIFY.sql).bind(super::wakeup::POSTGRES_CHANNEL).bind(digest);
     statement::bounded(timeout, &NOTIFY, notify.execute(pool)).await.map(drop)
 }
 
-/// Takes back the claim a batch wrote for a caller who stopped waiting ([`FORGET`]): `None` when it
-/// matched no record, else whether a claim waits for it.
-pub(crate) async fn forget(pool: &PgPool, timeout: Duration, lease: &Lease) -> Result<Option<bool>, StoreError> {
-    let waited = fenced(&FORGET, lease).fetch_optional(pool);
-    let row = statement::bounded(timeout, &FORGET, waited).await?;
-    row.map(|row| row.try_get("waited")).transpose().map_err(|e| FORGET.failed(e))
+/// Takes back a claim written for a caller who stopped waiting before it heard of it (a batch's, or a
+/// lone claim's): a new record goes whole ([`FORGET`]), as if its statement had been cancelled, which is
+/// what the caller was told; a record it re-acquired (`reacquired`) is released, as its owner's drop
+/// would have. Claims that wait for the key (named `digest`) hear of it. Best effort: a claim that
+/// cannot be given back (Postgres out of reach) stays until its lease runs out.
+pub(crate) async fn give_back(pool: &PgPool, timeout: Duration, lease: &Lease, reacquired: bool, digest: &str) {
+    let statement = if reacquired { &RELEASE } else { &FORGET };
+    let given_back = statement::bounded(timeout, statement, fenced(statement, lease).fetch_optional(pool)).await;
+    let announced = match given_back {
+        Ok(Some(row)) if row.try_get::<bool, _>("waited").unwrap_or(true) => notify(pool, timeout, digest).await,
+        Ok(_) => Ok(()),
+        Err(error) => Err(error),
+    };
+    if let Err(error) = announced {
+        tracing::warn!(%error, fence = lease.fence, "could not give back a claim nobody waited for; its lease runs out instead");
+    }
 }
 
 /// How long a completed record is kept, from [`retained_columns`].

@@ -98,3 +98,16 @@ pub(crate) async fn bounded<T>(
 pub(crate) fn timed_out() -> sqlx::Error {
     sqlx::Error::Io(io::Error::new(io::ErrorKind::TimedOut, "Postgres did not answer in time"))
 }
+
+/// Fault tests: holds the caller for as many milliseconds as the failpoint `name` returns (`return(ms)`),
+/// while it is configured; at once otherwise.
+#[cfg(feature = "failpoints")]
+pub(crate) async fn pause_at(name: &str) {
+    let pause = || -> Option<u64> {
+        fail::fail_point!(name, |ms: Option<String>| ms.and_then(|ms| ms.parse().ok()));
+        None
+    };
+    if let Some(ms) = pause() {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+}
