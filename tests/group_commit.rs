@@ -151,38 +151,78 @@ async fn a_claim_whose_caller_left_is_given_back(mode: Mode) {
 }
 
 /// A claim sent alone (the pool had connections to spare) whose caller was cancelled while its statement
-/// waited, and which then committed, is given back: no record is left in progress, and the key runs at
-/// the next call. Before the fix the statement ran in the caller's future, and its record stayed in
-/// progress until its lease ran out (30 s; the test allows 10). The statement waits for a claim of the
-/// same key open in another transaction, which rolls back once the caller is gone. Postgres-only: in
-/// two-tier mode the holder's Redis marker would answer the call before Postgres is asked.
+/// waited, and which then committed, is given back. The statement waits for another transaction that
+/// writes the same key's record, and that transaction ends once the caller is gone:
+/// - it rolls back (the key was new): the claim's new record goes whole, and the key runs at the next
+///   call. Before the fix the statement ran in the caller's future, and its record stayed in progress
+///   until its lease ran out (30 s; the test allows 10);
+/// - it commits a released record of the same payload: the claim re-acquires it (a new fence) and is
+///   released again, keeping the record (a first version of the fix deleted it).
+///
+/// Postgres-only: in two-tier mode the call would meet the Redis marker of its first claim.
 async fn a_lone_claim_whose_caller_left_is_given_back_in(mode: Mode) {
-    let h = Arc::new(Harness::start(mode).await);
-    let (scope, k) = (h.scope("acme"), key("lone-cancelled"));
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
     let fingerprint = Fingerprint::of_json(br#"{"amount":5}"#, &FingerprintOptions::default()).expect("fingerprint");
-    let (holding, held) = tokio::sync::oneshot::channel::<i32>();
-    let let_go = Arc::new(Notify::new());
-    let holder = {
-        let (h, scope, k, let_go) = (h.clone(), scope.clone(), k.clone(), let_go.clone());
-        tokio::spawn(async move {
-            h.store
-                .run_once_in_tx(&scope, &k, &json!({"amount": 6}), |tx| {
-                    Box::pin(async move {
-                        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await?;
-                        let _ = holding.send(pid);
-                        let_go.notified().await;
-                        // The holder's claim rolls back with its work.
-                        Err::<i64, _>(sqlx::Error::Protocol("let go".into()))
-                    })
-                })
-                .await
-                .map(drop)
-        })
+    let record = "SELECT state::text, fence FROM idempotency_records WHERE operation = $1 AND idempotency_key = $2";
+    let read = |k: &idemstore::IdempotencyKey| {
+        let query = sqlx::query_as::<_, (String, i64)>(record).bind(h.operation.clone()).bind(k.as_str().to_owned());
+        async { query.fetch_optional(&h.pool).await.expect("record") }
     };
-    let holder_pid = held.await.expect("the holder claimed");
+
+    let new = key("lone-new");
+    cancel_while_held(&h, &scope, &new, &fingerprint, None).await;
+    let started = std::time::Instant::now();
+    while read(&new).await.is_some() {
+        assert!(started.elapsed() < Duration::from_secs(10), "a claim nobody heard of stayed: {:?}", read(&new).await);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let begun = h.store.begin(&scope, &new, &fingerprint).await.expect("begin");
+    assert!(matches!(begun, Begin::Acquired(_)), "{begun:?}");
+
+    let released = key("lone-released");
+    let fence = cancel_while_held(&h, &scope, &released, &fingerprint, Some(fingerprint.as_bytes())).await;
+    let started = std::time::Instant::now();
+    loop {
+        match read(&released).await {
+            Some((state, now)) if state == "r" && now > fence.expect("committed") => break,
+            seen => {
+                let waited = started.elapsed();
+                assert!(waited < Duration::from_secs(10), "the re-acquired record was not released: {seen:?}");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Writes `k`'s record in a transaction of its own (released with `fingerprint` when given, else in
+/// progress), starts a lone claim of `k` that waits for it, cancels that claim's caller, then ends the
+/// transaction (commits a released record, rolls back the other) and waits for the claim's statement to
+/// finish. The released record's fence, when committed.
+async fn cancel_while_held(
+    h: &Harness,
+    scope: &idemstore::Scope,
+    k: &idemstore::IdempotencyKey,
+    fingerprint: &Fingerprint,
+    released_with: Option<&[u8; 32]>,
+) -> Option<i64> {
+    let mut holder = h.pool.begin().await.expect("begin");
+    let insert = "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence, tier, on_lease_expiry)
+                  VALUES ($1, $2, $3, $4, $5::\"char\", nextval('idempotency_fences'), 'standard', 't') RETURNING fence";
+    let (state, bytes) = released_with.map_or(("p", &[0u8; 32][..]), |f| ("r", &f[..]));
+    let fence: i64 = sqlx::query_scalar(insert)
+        .bind(scope.tenant())
+        .bind(scope.operation())
+        .bind(k.as_str())
+        .bind(bytes)
+        .bind(state)
+        .fetch_one(&mut *holder)
+        .await
+        .expect("the holder's record");
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.expect("pid");
     let call = {
-        let (h, scope, k, fingerprint) = (h.clone(), scope.clone(), k.clone(), fingerprint.clone());
-        tokio::spawn(async move { h.store.begin(&scope, &k, &fingerprint).await.map(drop) })
+        let (store, scope, k, fingerprint) = (h.store.clone(), scope.clone(), k.clone(), fingerprint.clone());
+        tokio::spawn(async move { store.begin(&scope, &k, &fingerprint).await.map(drop) })
     };
     let started = std::time::Instant::now();
     let blocked = "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))";
@@ -197,23 +237,15 @@ async fn a_lone_claim_whose_caller_left_is_given_back_in(mode: Mode) {
     };
     call.abort();
     assert!(call.await.is_err_and(|e| e.is_cancelled()), "the call was answered while its claim waited");
-    let_go.notify_one();
-    assert!(holder.await.expect("holder").is_err(), "the holder rolled back");
+    let committed = released_with.is_some();
+    if committed { holder.commit().await } else { holder.rollback().await }.expect("the holder ends");
     // The waiting statement goes on, and commits a claim its caller never hears of.
     let active = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'";
     while sqlx::query_scalar::<_, i64>(active).bind(waiting).fetch_one(&h.pool).await.expect("activity") > 0 {
         assert!(started.elapsed() < Duration::from_secs(10), "the call's claim never finished");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let in_progress =
-        "SELECT count(*) FROM idempotency_records WHERE operation = $1 AND idempotency_key = $2 AND state = 'p'";
-    let claimed = || sqlx::query_scalar::<_, i64>(in_progress).bind(&h.operation).bind(k.as_str()).fetch_one(&h.pool);
-    while claimed().await.expect("records") > 0 {
-        assert!(started.elapsed() < Duration::from_secs(10), "a claim nobody heard of stayed in progress");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let begun = h.store.begin(&scope, &k, &fingerprint).await.expect("begin");
-    assert!(matches!(begun, Begin::Acquired(_)), "{begun:?}");
+    committed.then_some(fence)
 }
 
 /// The work of the transaction that holds a key: its effect, then it waits for `released` (at most 20 s).

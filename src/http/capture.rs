@@ -395,7 +395,7 @@ mod tests {
         let Some(Stored::Response(replayable)) = stored.read() else { panic!("a response") };
         let replay = replayable.replay(None);
         assert_eq!(replay.headers().get_all("link").iter().count(), 30_000);
-        assert_eq!(replay.headers().get_all("link").iter().last().expect("the last"), "</p/29999>; rel=item");
+        assert_eq!(replay.headers().get_all("link").iter().next_back().expect("the last"), "</p/29999>; rel=item");
     }
 
     #[test]

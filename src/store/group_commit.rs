@@ -105,11 +105,11 @@ pub(crate) trait Job: Send + Sync + Sized + 'static {
     ) -> impl Future<Output = Result<Vec<Option<Self::Answer>>, sqlx::Error>> + Send;
 
     /// The caller stopped waiting before `answer` reached it.
-    fn unheard(self, answer: Self::Answer, pool: &PgPool, timeout: Duration) -> impl Future<Output = ()> + Send;
+    fn unheard(&self, answer: Self::Answer, pool: &PgPool, timeout: Duration) -> impl Future<Output = ()> + Send;
 }
 
 struct Queued<J: Job> {
-    job: J,
+    job: Arc<J>,
     reply: oneshot::Sender<Result<Batched<J::Answer>, StoreError>>,
 }
 
@@ -161,11 +161,14 @@ impl<J: Job> Batcher<J> {
 
     /// Sends `job` in the next batch and waits, at most the store's Postgres timeout, for its answer.
     pub(crate) async fn submit(&self, job: J) -> Result<Batched<J::Answer>, StoreError> {
-        let (reply, mut answer) = oneshot::channel();
-        if !self.enqueue(Queued { job, reply }) {
+        let (reply, answer) = oneshot::channel();
+        let job = Arc::new(job);
+        if !self.enqueue(Queued { job: Arc::clone(&job), reply }) {
             return Ok(Batched::AskAlone);
         }
-        match tokio::time::timeout(self.timeout, &mut answer).await {
+        let mut awaiting = Awaiting { answer, job, batcher: self };
+        let answer = &mut awaiting.answer;
+        match tokio::time::timeout(self.timeout, &mut *answer).await {
             Ok(Ok(answered)) => answered,
             // The batch was dropped (its runtime ended), perhaps after it was sent: a claim it wrote is
             // this call's own, which the full claim recognises by its owner.
@@ -202,6 +205,25 @@ impl<J: Job> Batcher<J> {
     }
 }
 
+/// A caller's wait for its answer ([`Batcher::submit`]). Dropped before it took the answer (the caller
+/// was cancelled), it closes the channel, so that the batch hears that nobody waits from then on, and
+/// undoes itself an answer sent just before ([`Job::unheard`]): either way, once.
+struct Awaiting<'a, J: Job> {
+    answer: oneshot::Receiver<Result<Batched<J::Answer>, StoreError>>,
+    job: Arc<J>,
+    batcher: &'a Batcher<J>,
+}
+
+impl<J: Job> Drop for Awaiting<'_, J> {
+    fn drop(&mut self) {
+        self.answer.close();
+        let Ok(Ok(Batched::Answered(answer))) = self.answer.try_recv() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let (job, pool, timeout) = (Arc::clone(&self.job), self.batcher.pool.clone(), self.batcher.timeout);
+        runtime.spawn(async move { job.unheard(answer, &pool, timeout).await });
+    }
+}
+
 /// Takes what queued into batches, with at most [`BATCHES_UNDER_WAY`] of them (or lone writes) under way.
 async fn drive<J: Job>(
     mut queue: mpsc::UnboundedReceiver<Queued<J>>,
@@ -235,7 +257,7 @@ async fn flush<J: Job>(mut batch: Vec<Queued<J>>, pool: &PgPool, timeout: Durati
         return;
     }
     batch.sort_by(|a, b| order(a.job.lease()).cmp(&order(b.job.lease())));
-    let jobs: Vec<&J> = batch.iter().map(|queued| &queued.job).collect();
+    let jobs: Vec<&J> = batch.iter().map(|queued| &*queued.job).collect();
     let sent = statement::bounded(timeout, &J::STATEMENT, J::send(pool, &jobs)).await;
     let answers = match sent {
         Ok(answers) => answers,
@@ -340,9 +362,9 @@ impl Job for NewClaim {
     /// Nobody runs the work of a claim its caller never heard of: the claim is taken back at once, as
     /// if it had never been written (the caller was told so, or nothing), and claims that wait for it
     /// hear so.
-    async fn unheard(self, answer: Option<Record>, pool: &PgPool, timeout: Duration) {
+    async fn unheard(&self, answer: Option<Record>, pool: &PgPool, timeout: Duration) {
         let Some(record) = answer else { return };
-        let lease = Lease { fence: record.fence, ..self.lease };
+        let lease = Lease { fence: record.fence, ..self.lease.clone() };
         give_back(pool, timeout, &lease, false, self.digest.as_str()).await;
     }
 }
@@ -391,5 +413,5 @@ impl Job for Completion {
     }
 
     /// A completion stands whether or not its caller heard of it: the work ran.
-    async fn unheard(self, _: Retained, _: &PgPool, _: Duration) {}
+    async fn unheard(&self, _: Retained, _: &PgPool, _: Duration) {}
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use sqlx::Row as _;
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use tokio::sync::oneshot;
+use tracing::Instrument as _;
 
 use super::group_commit::{Alone, Batched, Completion, GroupCommit, NewClaim};
 use super::statement::{self, ACQUIRE, Statement};
@@ -453,9 +454,10 @@ const RELEASE: Statement = Statement::new(
     RETURNING waited",
 );
 
-/// A claim a batch wrote for a caller who never heard of it, taken back whole ([`group_commit`](
-/// super::group_commit)): as if its statement had been cancelled, which is what the caller was told
-/// (a release would leave a record that refuses another payload). Counted as a release.
+/// A new record claimed for a caller who never heard of it (in a batch, see [`group_commit`](
+/// super::group_commit), or alone, see [`give_back`]), taken back whole: as if its statement had been
+/// cancelled, which is what the caller was told (a release would leave a record that refuses another
+/// payload). Counted as a release.
 const FORGET: Statement = Statement::new(
     "release",
     "
@@ -534,6 +536,8 @@ pub(crate) struct Claim {
     pub(crate) acquired: bool,
     /// The record was re-acquired from an owner whose lease ran out.
     pub(crate) took_over: bool,
+    /// The acquired record was there before this claim (released, or its owner's lease ran out).
+    pub(crate) reacquired: bool,
     pub(crate) record: Record,
 }
 
@@ -593,7 +597,12 @@ impl PostgresTier {
         {
             match group.claims.submit(NewClaim { lease: lease.clone(), digest }).await? {
                 Batched::Answered(Some(record)) => {
-                    return Ok(ClaimAnswer::Claim(Claim { acquired: true, took_over: false, record }));
+                    return Ok(ClaimAnswer::Claim(Claim {
+                        acquired: true,
+                        took_over: false,
+                        reacquired: false,
+                        record,
+                    }));
                 }
                 // Not new after all: the full claim answers.
                 Batched::Answered(None) => new_key_first = false,
@@ -631,23 +640,26 @@ impl PostgresTier {
     ) -> Result<ClaimAnswer, StoreError> {
         let (pool, timeout, owned) = (self.pool.clone(), self.timeout, lease.clone());
         let (reply, answer) = oneshot::channel();
-        tokio::spawn(async move {
-            let claimed = async {
-                let mut pooled = statement::bounded(timeout, &ACQUIRE, pool.acquire()).await?;
-                if let Some(alone) = alone.as_mut() {
-                    alone.took_connection();
+        tokio::spawn(
+            async move {
+                let claimed = async {
+                    let mut pooled = statement::bounded(timeout, &ACQUIRE, pool.acquire()).await?;
+                    if let Some(alone) = alone.as_mut() {
+                        alone.took_connection();
+                    }
+                    claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys).await
                 }
-                claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys).await
+                .await;
+                drop(alone);
+                if let Err(Ok(ClaimAnswer::Claim(claim))) = reply.send(claimed)
+                    && claim.acquired
+                {
+                    let lease = Lease { fence: claim.record.fence, ..owned };
+                    give_back(&pool, timeout, &lease, claim.reacquired, digest.as_str()).await;
+                }
             }
-            .await;
-            drop(alone);
-            if let Err(Ok(ClaimAnswer::Claim(claim))) = reply.send(claimed)
-                && claim.acquired
-            {
-                let lease = Lease { fence: claim.record.fence, ..owned };
-                give_back(&pool, timeout, &lease, claim.took_over, digest.as_str()).await;
-            }
-        });
+            .in_current_span(),
+        );
         let mut answer = LoneAnswer { answer, tier: self, lease, digest };
         // The task ended without an answer only if it panicked or its runtime is going away.
         (&mut answer.answer).await.unwrap_or_else(|_| Err(ACQUIRE.failed(sqlx::Error::WorkerCrashed)))
@@ -751,12 +763,19 @@ impl Drop for LoneAnswer<'_> {
     fn drop(&mut self) {
         self.answer.close();
         let Ok(Ok(ClaimAnswer::Claim(claim))) = self.answer.try_recv() else { return };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        if claim.acquired {
-            let (pool, timeout, digest) = (self.tier.pool.clone(), self.tier.timeout, self.digest);
-            let lease = Lease { fence: claim.record.fence, ..self.lease.clone() };
-            runtime.spawn(async move { give_back(&pool, timeout, &lease, claim.took_over, digest.as_str()).await });
+        if !claim.acquired {
+            return;
         }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                fence = claim.record.fence,
+                "a claim nobody heard of, without a runtime to give it back; its lease runs out instead"
+            );
+            return;
+        };
+        let (pool, timeout, digest) = (self.tier.pool.clone(), self.tier.timeout, self.digest);
+        let lease = Lease { fence: claim.record.fence, ..self.lease.clone() };
+        runtime.spawn(async move { give_back(&pool, timeout, &lease, claim.reacquired, digest.as_str()).await });
     }
 }
 
@@ -907,7 +926,7 @@ fn decode_claim(row: &PgRow, lease: &Lease) -> Result<ClaimAnswer, sqlx::Error> 
     }
     let prior: Option<i8> = row.try_get("prior_state")?;
     let took_over = acquired && prior == Some(State::InProgress.code() as i8);
-    Ok(ClaimAnswer::Claim(Claim { acquired, took_over, record }))
+    Ok(ClaimAnswer::Claim(Claim { acquired, took_over, reacquired: acquired && prior.is_some(), record }))
 }
 
 /// How often a claim is retried after losing a race, before the last answer stands ("in flight").
