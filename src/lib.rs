@@ -104,6 +104,7 @@ mod quota;
 mod record;
 mod run_once;
 mod store;
+mod target;
 
 /// The operator's and the scheduler's side of a store ([`Store::admin`]): what its jobs and tools
 /// take and return.

@@ -355,7 +355,7 @@ macro_rules! with_static_label {
 pub(crate) fn postgres_statement(statement: &'static str) {
     let counter = with_static_label!(
         counter!(POSTGRES_STATEMENTS, "statement" => statement),
-        ["claim", "complete", "lookup", "release", "extend", "wait", "notify", "mark_indeterminate", "live_slot"]
+        ["claim", "complete", "lookup", "release", "extend", "wait", "notify", "mark_indeterminate", "hold_key"]
     );
     counter.increment(1);
 }

@@ -26,7 +26,8 @@ suite!(
     redis_never_answers_in_flight_after_postgres_settled,
     a_claim_that_lost_a_race_asks_again,
     releasing_an_indeterminate_record_clears_its_redis_copy,
-    a_superseded_owners_release_through_a_blip_is_refused;
+    a_superseded_owners_release_through_a_blip_is_refused,
+    retention_counts_from_a_completion_in_the_claims_transaction;
     two_tier only:
     a_dropped_store_stops_repairing_redis,
     a_malformed_redis_record_is_a_miss,
@@ -640,4 +641,39 @@ async fn a_resolution_clears_the_redis_copy_after_a_redis_restart() {
     assert!(operator.admin().resolve(&scope, &k, idemstore::admin::Resolution::Released).await.expect("resolve"));
     let next = app.begin(&scope, &k, &fingerprint(payload)).await.expect("begin");
     assert!(matches!(next, Begin::Acquired(_)), "the released key executes: {next:?}");
+}
+
+/// Retention counts from the completion, also one that commits in the claim's transaction after work
+/// that took a while (1.2 s here), and Redis's copy ends no later than the record (within the moment
+/// between the completion and the copy's write). Before the fix the expiry was counted from the
+/// transaction's start (`now()`): the record kept 58.8 s of its 60, and Redis's copy, whose TTL the
+/// completion returned counted the same way, outlived it by the 1.2 s the work took.
+async fn retention_counts_from_a_completion_in_the_claims_transaction(mode: Mode) {
+    let retention = Duration::from_secs(60);
+    let policy = Policy::builder().retention(Some(retention)).redis_ttl(retention);
+    let h = Harness::with(mode, policy.build().expect("policy"), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("late-completion"));
+    let payload = json!({});
+    let outcome = h.store.run_once_in_tx(&scope, &k, &payload, |tx| {
+        Box::pin(async move {
+            // The work: a call elsewhere that takes a while, then its write.
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+            sqlx::query("SELECT 1").execute(&mut *tx).await?;
+            Ok::<_, sqlx::Error>(json!("done"))
+        })
+    });
+    assert_eq!(outcome.await.expect("answer"), RunOutcome::Executed(json!("done")));
+    let record = h.store.admin().lookup(&scope, &k).await.expect("lookup").expect("the record");
+    let kept = record.expires_in.expect("kept for its retention");
+    let from_completion = retention - Duration::from_millis(500);
+    assert!(kept > from_completion, "retention counted from the completion: {kept:?} left");
+    if mode == Mode::TwoTier {
+        let mut conn = h.redis_connection().await;
+        let copy: i64 = redis::cmd("PTTL").arg(h.redis_key(&scope, &k)).query_async(&mut conn).await.expect("PTTL");
+        let copy = Duration::from_millis(u64::try_from(copy).expect("the copy has a TTL"));
+        assert!(
+            copy <= kept + Duration::from_millis(250),
+            "Redis keeps its copy {copy:?}, Postgres the record {kept:?}"
+        );
+    }
 }

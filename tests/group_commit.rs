@@ -25,6 +25,11 @@ async fn a_lone_claim_whose_caller_left_is_given_back() {
     a_lone_claim_whose_caller_left_is_given_back_in(Mode::PostgresOnly).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lone_claim_whose_caller_left_takes_its_marker_back() {
+    a_lone_claim_whose_caller_left_is_given_back_in(Mode::TwoTier).await;
+}
+
 type Outcome = Result<RunOutcome<serde_json::Value>, idemstore::RunError<sqlx::Error>>;
 
 async fn store_run(store: &Store, h: &Harness, scope: &idemstore::Scope, k: &idemstore::IdempotencyKey) -> Outcome {
@@ -143,10 +148,24 @@ async fn a_claim_whose_caller_left_is_given_back(mode: Mode) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert!(count("r").await < 32, "the held statement's claims are gone, not released");
-    if mode == Mode::PostgresOnly {
-        // (Two-tier: a cancelled call's Redis marker answers "in flight" until its lease ends.)
-        let begun = h.store.begin(&scope, &keys[31], &fingerprint).await.expect("begin");
-        assert!(matches!(begun, Begin::Acquired(_)), "{begun:?}");
+    // Two-tier: each cancelled call took its Redis marker back too (before: it answered "in flight" until
+    // its lease ended).
+    wait_until_no_marker(&h, &scope, &keys[31]).await;
+    let begun = h.store.begin(&scope, &keys[31], &fingerprint).await.expect("begin");
+    assert!(matches!(begun, Begin::Acquired(_)), "{begun:?}");
+}
+
+/// Two-tier: waits until `k` has no Redis marker, for at most 10 s (a marker left behind would stay for
+/// its lease, 30 s). Postgres-only: at once.
+async fn wait_until_no_marker(h: &Harness, scope: &idemstore::Scope, k: &idemstore::IdempotencyKey) {
+    if h.mode != Mode::TwoTier {
+        return;
+    }
+    let (mut conn, name) = (h.redis_connection().await, h.redis_key(scope, k));
+    let started = std::time::Instant::now();
+    while redis::cmd("EXISTS").arg(&name).query_async::<i64>(&mut conn).await.expect("EXISTS") > 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "a cancelled claim's marker stayed in Redis");
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -159,7 +178,8 @@ async fn a_claim_whose_caller_left_is_given_back(mode: Mode) {
 /// - it commits a released record of the same payload: the claim re-acquires it (a new fence) and is
 ///   released again, keeping the record (a first version of the fix deleted it).
 ///
-/// Postgres-only: in two-tier mode the call would meet the Redis marker of its first claim.
+/// In two-tier mode the cancelled call's Redis marker is taken back at once, while its statement still
+/// waits (before: it answered "in flight" until its lease ran out, though nothing ran).
 async fn a_lone_claim_whose_caller_left_is_given_back_in(mode: Mode) {
     let h = Harness::start(mode).await;
     let scope = h.scope("acme");
@@ -237,6 +257,7 @@ async fn cancel_while_held(
     };
     call.abort();
     assert!(call.await.is_err_and(|e| e.is_cancelled()), "the call was answered while its claim waited");
+    wait_until_no_marker(h, scope, k).await;
     let committed = released_with.is_some();
     if committed { holder.commit().await } else { holder.rollback().await }.expect("the holder ends");
     // The waiting statement goes on, and commits a claim its caller never hears of.

@@ -35,6 +35,7 @@ suite!(
     client_gone_mid_body_still_settles_the_record,
     transient_and_permission_answers_are_not_stored,
     a_known_length_response_is_settled_before_the_client_has_it,
+    a_stalled_body_of_known_length_is_bounded_like_a_stream,
     the_last_byte_waits_for_the_stored_response,
     handler_panic_releases_the_key,
     dropped_request_releases_the_key,
@@ -42,6 +43,8 @@ suite!(
     missing_tenant_gets_401,
     unmatched_paths_add_no_metric_series,
     one_key_on_two_targets_names_two_records,
+    a_nested_router_compares_the_whole_target,
+    one_request_in_any_encoding_names_one_record,
     a_response_bound_to_its_principal_is_refused_to_another,
 );
 
@@ -679,4 +682,124 @@ async fn a_response_bound_to_its_principal_is_refused_to_another(mode: Mode) {
     let anonymous = payment(Some("p1"), "acme", &charge(1));
     assert_eq!(send(&router, anonymous).await.0, StatusCode::FORBIDDEN, "an anonymous request is another principal");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A body that says it has 10 bytes, sends 3, and never the rest: a handler passing on an upstream's
+/// `Content-Length` while the upstream stalls.
+struct Stalled {
+    sent: bool,
+}
+
+impl http_body::Body for Stalled {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if std::mem::replace(&mut self.sent, true) {
+            return std::task::Poll::Pending;
+        }
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(b"abc")))))
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(10)
+    }
+}
+
+/// A body of known length within the capture limit that stalls is bounded as a streamed body is: past
+/// the layer's streaming bound its response starts with what was read and the record is settled as not
+/// replayable, so a retry is told so and the handler never runs again. Before the fix the layer read it
+/// whole with the lease extended and no bound: no response ever started and the key stayed in flight.
+async fn a_stalled_body_of_known_length_is_bounded_like_a_stream(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let bounded = layer(&h).with_operation("stalled").with_max_streaming(Duration::from_millis(300));
+    let (router, runs) = counting(bounded, |_| axum::response::Response::new(Body::new(Stalled { sent: false })));
+    let request = || payment(Some("stalled-1"), "acme", &charge(1));
+    let started = router.clone().oneshot(request());
+    let response = tokio::time::timeout(Duration::from_secs(20), started)
+        .await
+        .expect("the response started")
+        .expect("infallible");
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = body.frame().await.expect("a frame").expect("data").into_data().expect("data");
+    assert_eq!(first, "abc", "what was read goes out first");
+    // The settlement runs beside the body: "in flight" until it has reached both tiers.
+    let started = std::time::Instant::now();
+    let (status, retry) = loop {
+        let (status, _, retry) = send(&router, request()).await;
+        if status != StatusCode::CONFLICT || problem_type(&retry) != problem_types::IN_FLIGHT {
+            break (status, retry);
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "the record was never settled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!((status, problem_type(&retry)), (StatusCode::CONFLICT, problem_types::NOT_REPLAYABLE.to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A request to `path` with `key` and `body`, by tenant `acme`.
+fn post_to(path: &str, key: &str, body: &Value) -> Request<Body> {
+    let request = Request::post(path)
+        .header("authorization", "Bearer acme")
+        .header("content-type", "application/json")
+        .header("idempotency-key", key);
+    request.body(Body::from(body.to_string())).expect("request")
+}
+
+/// A nested router's requests are compared by the whole target the client sent, the one the key space
+/// names: one router mounted under `/v1` and `/v2` with one operation name refuses a `/v2` request that
+/// reuses a `/v1` key, and under `KeySpace::Operation` a router nested under `/accounts/{id}` refuses
+/// account B's request that reuses account A's key. Before the fix the fingerprint read the nested part
+/// of the path (`/payments`, `/transfers`), the same for both: `/v2` was answered with `/v1`'s stored
+/// response, and B with A's, while B's transfer never ran.
+async fn a_nested_router_compares_the_whole_target(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (inner, runs) = counting(layer(&h).with_operation("nested-versions"), ok_body);
+    let versions = Router::new().nest("/v1", inner.clone()).nest("/v2", inner);
+    let (status, _, _) = send(&versions, post_to("/v1/payments", "n1", &charge(1))).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, headers, body) = send(&versions, post_to("/v2/payments", "n1", &charge(1))).await;
+    assert!(headers.get("idempotent-replayed").is_none(), "/v2 answered with /v1's response");
+    assert_eq!((status, problem_type(&body)), (StatusCode::UNPROCESSABLE_ENTITY, problem_types::KEY_REUSED.to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let shared = layer(&h).with_operation("nested-accounts").with_key_space(KeySpace::Operation);
+    let (transfers, runs) = counting_at("/transfers", shared, ok_body);
+    let accounts = Router::new().nest("/accounts/{id}", transfers);
+    send(&accounts, post_to("/accounts/A/transfers", "t1", &charge(1))).await;
+    let (status, headers, body) = send(&accounts, post_to("/accounts/B/transfers", "t1", &charge(1))).await;
+    assert!(headers.get("idempotent-replayed").is_none(), "B answered with A's response");
+    assert_eq!((status, problem_type(&body)), (StatusCode::UNPROCESSABLE_ENTITY, problem_types::KEY_REUSED.to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// One request's retries name one record and are its replays, however the client, a proxy or an SDK
+/// encodes the target: `%41` or `A` in the path or the query, `%2B` or `+` in a path (axum's `Path`
+/// decodes both to `+`). Before the fix the key space normalized `%41` but the fingerprint did not, so
+/// the retry was refused 422 `key-reused` by its own record; and `+` and `%2B` named two records, so the
+/// retry ran the work again.
+async fn one_request_in_any_encoding_names_one_record(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let (router, runs) = counting_at("/accounts/{id}/transfers", layer(&h), ok_body);
+    let spellings = [
+        ("/accounts/%41/transfers", "/accounts/A/transfers", "e1"),
+        ("/accounts/A/transfers?ref=%41", "/accounts/A/transfers?ref=A", "e2"),
+        ("/accounts/a+b/transfers", "/accounts/a%2Bb/transfers", "e3"),
+    ];
+    for (n, (first, retry, key)) in spellings.into_iter().enumerate() {
+        let (status, _, original) = send(&router, post_to(first, key, &charge(1))).await;
+        assert_eq!(status, StatusCode::OK, "{first}");
+        let (status, headers, replay) = send(&router, post_to(retry, key, &charge(1))).await;
+        assert_eq!(
+            (status, headers.get("idempotent-replayed").is_some()),
+            (StatusCode::OK, true),
+            "{retry}: {replay:?}"
+        );
+        assert_eq!(replay, original);
+        assert_eq!(runs.load(Ordering::SeqCst), n + 1, "{retry} ran the work again");
+    }
 }

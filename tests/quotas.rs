@@ -18,6 +18,7 @@ suite!(
     a_burst_past_the_limit_leaves_no_trace_of_refused_keys,
     keys_started_again_are_not_new_and_transactional_claims_count_once_committed,
     open_transactional_claims_count_as_live_keys,
+    a_duplicate_of_an_open_transactional_claim_holds_no_slot,
     the_previous_window_weighs_as_much_as_the_sliding_window_still_covers,
 );
 
@@ -294,4 +295,64 @@ async fn the_previous_window_weighs_as_much_as_the_sliding_window_still_covers(m
         .await
         .expect("age");
     assert!(matches!(run(&h, "acme", None, "a", json!({})).await, RunOutcome::Executed(_)));
+}
+
+/// A duplicate of a key that another transaction claims now, with another payload (so that Redis's marker
+/// does not answer it: it asks Postgres), is told "in flight" at once and holds nothing: a new key within
+/// the tenant's live-key limit still starts while the owner works. Before the fix the duplicate took a
+/// live-key slot, then waited on the owner's row lock for the whole lock timeout (2.5 s by default) with
+/// a pool connection, and the new key was refused `QuotaExceeded` meanwhile.
+async fn a_duplicate_of_an_open_transactional_claim_holds_no_slot(mode: Mode) {
+    use std::sync::Arc;
+
+    let h = harness(mode, Quota::default().live_keys(2)).await;
+    let scope = h.scope("acme");
+    let (started, mut opened) = tokio::sync::mpsc::unbounded_channel();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let in_tx = |name: &'static str, payload: Value, wait: bool| {
+        let (scope, key, h) = (scope.clone(), key(name), &h);
+        let (started, gate) = (started.clone(), Arc::clone(&gate));
+        async move {
+            let outcome = h.store.run_once_in_tx(&scope, &key, &payload, move |tx| {
+                Box::pin(async move {
+                    if wait {
+                        started.send(()).expect("the test listens");
+                        gate.acquire().await.expect("open").forget();
+                    }
+                    sqlx::query_scalar::<_, i64>("SELECT 1::int8").fetch_one(tx).await
+                })
+            });
+            outcome.await.expect("answer")
+        }
+    };
+    let held = in_tx("held", json!({}), true);
+    let others = async {
+        opened.recv().await.expect("the owner works");
+        // The duplicate's answer, or the moment it waits on a lock (before the fix, for 2.5 s).
+        let waiting =
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        let mut duplicate = std::pin::pin!(in_tx("held", json!({"other": 1}), false));
+        let answered = loop {
+            tokio::select! {
+                answer = &mut duplicate => break Some(answer),
+                _ = tokio::time::sleep(Duration::from_millis(5)) => {
+                    let waiters: i64 = sqlx::query_scalar(waiting).fetch_one(&h.pool).await.expect("activity");
+                    if waiters > 0 {
+                        break None;
+                    }
+                }
+            }
+        };
+        let fresh = in_tx("fresh", json!({}), false).await;
+        let duplicate = match answered {
+            Some(answer) => answer,
+            None => duplicate.await,
+        };
+        gate.add_permits(1);
+        (fresh, duplicate)
+    };
+    let (held, (fresh, duplicate)) = tokio::join!(held, others);
+    assert_eq!(fresh, RunOutcome::Executed(1), "a new key within the limit starts while a duplicate is answered");
+    assert!(matches!(duplicate, RunOutcome::InFlight { .. }), "{duplicate:?}");
+    assert_eq!(held, RunOutcome::Executed(1));
 }

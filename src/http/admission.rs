@@ -3,7 +3,7 @@
 //! here.
 
 use bytes::Bytes;
-use http::{Request, Response, request::Parts};
+use http::{Request, Response, Uri, request::Parts};
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use tower::BoxError;
 
@@ -72,7 +72,8 @@ where
         Err(error) => return Admission::Refused(answer::invalid_body(format!("the body could not be read: {error}"))),
     };
     let policy = config.options.policy.as_deref().unwrap_or_else(|| config.store.policy(scope.operation()));
-    match fingerprint(&parts, &body, policy.fingerprint(), config.query, config.max_request_body).await {
+    let target = request_target(&parts);
+    match fingerprint(&parts, target, &body, policy.fingerprint(), config.query, config.max_request_body).await {
         Ok(fingerprint) => {
             let principal =
                 config.principal.as_ref().map_or_else(Principal::default, |of| Principal::of(of(&parts).as_deref()));
@@ -132,16 +133,18 @@ impl Admitted {
 fn key_in_space(space: KeySpace, key: IdempotencyKey, parts: &Parts) -> IdempotencyKey {
     let Some(template) = matched_route(parts).filter(|_| space == KeySpace::Target) else { return key };
     let lookalike = key.as_str().starts_with('/') || key.as_str().starts_with(TARGET_DIGEST_PREFIX);
-    if template.contains('{') || lookalike { key.for_target(request_path(parts)) } else { key }
+    if template.contains('{') || lookalike { key.for_target(request_target(parts).path()) } else { key }
 }
 
-/// The path the client sent: a nested router sees its own part of it, and the template is whole.
-fn request_path(parts: &Parts) -> &str {
+/// The target the client sent: a nested router sees its own part of it, and the template is whole. The
+/// key space and the fingerprint both read this one (before, the fingerprint read the nested part, so
+/// one router mounted under `/v1` and `/v2` answered a `/v2` request with `/v1`'s response).
+fn request_target(parts: &Parts) -> &Uri {
     #[cfg(feature = "axum")]
     if let Some(original) = parts.extensions.get::<axum::extract::OriginalUri>() {
-        return original.path();
+        return &original.0;
     }
-    parts.uri.path()
+    &parts.uri
 }
 
 /// The configured operation name; else the method and axum's matched route template; else the method

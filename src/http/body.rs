@@ -19,7 +19,7 @@ use http_body_util::BodyExt;
 use tokio_util::task::AbortOnDropHandle;
 use tower::BoxError;
 
-use super::boxed::Boxed;
+use super::boxed::{Boxed, resumed};
 use super::capture::{self, Captured, Principal, Withheld};
 use super::config::StoredStatuses;
 use crate::store::Background;
@@ -219,16 +219,49 @@ impl Drop for Settlement {
     }
 }
 
+/// What became of a body known to fit the capture limit ([`settle_whole`]).
+pub(crate) enum Whole {
+    /// Read to its end and settled: the body and its trailers, or `None` if it failed (the record then
+    /// says the response cannot be replayed).
+    Settled(Option<(Bytes, Option<HeaderMap>)>),
+    /// Not ended within the layer's streaming bound (a handler that passed on an upstream's
+    /// `Content-Length` while the upstream stalls): settled as not replayable, as a streamed body is past
+    /// the bound; the body goes on to the client, what was read first.
+    Stalled(Boxed),
+}
+
 /// Settles with the whole of a body known to fit the capture limit (or empty), before the client gets
-/// anything: the record is stored by the time the client sees the status. Returns the body and its
-/// trailers, or `None` if it failed (the record then says the response cannot be replayed).
-pub(crate) async fn settle_whole<B: http_body::Body<Data = Bytes>>(
-    mut settlement: Settlement,
-    body: B,
-) -> Option<(Bytes, Option<HeaderMap>)> {
-    let collected = body.collect().await.ok().map(|collected| {
-        settlement.trailers = collected.trailers().cloned();
-        collected.to_bytes()
+/// anything: the record is stored by the time the client sees the status. Within `streaming`, as a body
+/// that streams is: before, a known length that never came held the key in flight for good, its lease
+/// extended.
+pub(crate) async fn settle_whole<B>(mut settlement: Settlement, body: B, streaming: Duration) -> Whole
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let mut body = body.map_err(Into::into).boxed_unsync();
+    let mut frames = Vec::new();
+    let reading = async {
+        while let Some(frame) = body.frame().await {
+            frames.push(frame?);
+        }
+        Ok::<_, BoxError>(())
+    };
+    let read = match tokio::time::timeout(streaming, reading).await {
+        Ok(read) => read,
+        Err(_) => {
+            return Whole::Stalled(SettlingBody::new(resumed(frames, body), settlement, Duration::ZERO).boxed_unsync());
+        }
+    };
+    let collected = read.ok().map(|()| {
+        let mut bytes = Vec::new();
+        for frame in frames {
+            match frame.into_data() {
+                Ok(data) => bytes.extend_from_slice(&data),
+                Err(frame) => settlement.trailers = frame.into_trailers().ok(),
+            }
+        }
+        Bytes::from(bytes)
     });
     match &collected {
         Some(bytes) => settlement.record(bytes),
@@ -236,7 +269,7 @@ pub(crate) async fn settle_whole<B: http_body::Body<Data = Bytes>>(
     }
     let trailers = settlement.trailers.clone();
     settlement.settle().await;
-    collected.map(|bytes| (bytes, trailers))
+    Whole::Settled(collected.map(|bytes| (bytes, trailers)))
 }
 
 /// Whether a body is small enough to be settled whole before the response starts: empty, or of a known

@@ -28,3 +28,10 @@ pub(crate) fn with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Boxed 
         Some(trailers) => full(bytes).with_trailers(std::future::ready(Some(Ok(trailers)))).boxed_unsync(),
     }
 }
+
+/// A body read in part: the frames already read, then the rest of it.
+pub(crate) fn resumed(read: Vec<http_body::Frame<Bytes>>, rest: Boxed) -> Boxed {
+    let read = futures_util::stream::iter(read.into_iter().map(Ok));
+    let rest = http_body_util::BodyStream::new(rest);
+    http_body_util::StreamBody::new(futures_util::StreamExt::chain(read, rest)).boxed_unsync()
+}

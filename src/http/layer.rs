@@ -169,8 +169,10 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// the handler again, and the body goes on to the client. A status that is not stored is left to its
     /// lease instead (no longer extended; the record's rule decides), never released while its body may
     /// still be producing. A gRPC stream's status comes in its trailers: one past the bound is settled as
-    /// not replayable whatever status it ends with. Bodies known to fit the capture limit are settled
-    /// before the response starts, so this bound only applies to the others.
+    /// not replayable whatever status it ends with. A body known to fit the capture limit is read whole
+    /// and settled before the response starts, within the same bound: one whose known length does not
+    /// come within it (a handler passing on a stalled upstream's `Content-Length`) is settled as not
+    /// replayable, and its response starts with what was read.
     pub fn with_max_streaming(mut self, bound: Duration) -> Self {
         self.config.max_streaming = bound;
         self

@@ -18,9 +18,9 @@ use crate::fingerprint::{Fingerprint, FingerprintOptions};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum QueryComparison {
-    /// Parameters compared by name in any order (`?a=1&b=2` is `?b=2&a=1`); the values of one name
-    /// keep their order (`?a=1&a=2` is not `?a=2&a=1`, which many servers read as another list). The
-    /// default.
+    /// Parameters compared by name in any order (`?a=1&b=2` is `?b=2&a=1`), each as a form decodes it
+    /// (`?ref=%41` is `?ref=A`, `+` is `%20`, `%2B` is not `+`); the values of one name keep their order
+    /// (`?a=1&a=2` is not `?a=2&a=1`, which many servers read as another list). The default.
     #[default]
     Unordered,
     /// The query string byte for byte.
@@ -59,18 +59,21 @@ impl From<InputError> for Unreadable {
     }
 }
 
-/// The request's fingerprint: the method, the target and the body, each by what it means.
+/// The request's fingerprint: the method, the target and the body, each by what it means. `target` is
+/// the request's whole target, as the client sent it (a nested router's request names only its part of
+/// the path), the one the key space reads too.
 ///
 /// A large or compressed body is fingerprinted on a blocking thread (see [`BLOCKING_FROM`]).
 pub(crate) async fn fingerprint(
     parts: &Parts,
+    target: &Uri,
     body: &Bytes,
     options: &FingerprintOptions,
     query: QueryComparison,
     max_body: usize,
 ) -> Result<Fingerprint, Unreadable> {
     if body.len() < BLOCKING_FROM && !parts.headers.contains_key(header::CONTENT_ENCODING) {
-        return of_request((&parts.method, &parts.uri, &parts.headers), body, options, query, max_body).await;
+        return of_request((&parts.method, target, &parts.headers), body, options, query, max_body).await;
     }
     // As many at once as there are cores: more would only queue on the blocking pool (which other work,
     // such as a reconnect's DNS lookup, needs too) while each holds its decoded bytes.
@@ -78,7 +81,7 @@ pub(crate) async fn fingerprint(
         return Err(Unreadable::Encoding("the body could not be decoded".into()));
     };
     // What of the request's head the fingerprint reads, owned to move to the blocking thread.
-    let (method, uri, headers) = (parts.method.clone(), parts.uri.clone(), parts.headers.clone());
+    let (method, uri, headers) = (parts.method.clone(), target.clone(), parts.headers.clone());
     let (body, options) = (body.clone(), options.clone());
     let blocking = tokio::task::spawn_blocking(move || {
         // Nothing in it waits for I/O (multer reads a body already in memory): it runs to its end here.
@@ -123,7 +126,7 @@ async fn of_request(
     };
     let target = match query {
         QueryComparison::Exact => Cow::Borrowed(uri.path_and_query().map_or("/", |p| p.as_str())),
-        QueryComparison::Unordered => unordered(uri.path(), uri.query()),
+        QueryComparison::Unordered => unordered(&crate::target::path(uri.path()), uri.query()),
     };
     Ok(payload.within(&[method.as_str(), &target]))
 }
@@ -145,11 +148,12 @@ fn multipart_boundary(headers: &HeaderMap) -> Option<String> {
     value.to_ascii_lowercase().starts_with("multipart/").then(|| multer::parse_boundary(value).ok()).flatten()
 }
 
-/// The path with its query parameters sorted by name (stable: one name's values keep their order).
-fn unordered<'a>(path: &'a str, query: Option<&str>) -> Cow<'a, str> {
-    let Some(query) = query else { return Cow::Borrowed(path) };
-    let mut pairs: Vec<&str> = query.split('&').collect();
-    pairs.sort_by_key(|pair| pair.split('=').next().unwrap_or(""));
+/// The path (in its one spelling) with its query parameters, in theirs, sorted by name (stable: one
+/// name's values keep their order).
+fn unordered<'a>(path: &Cow<'a, str>, query: Option<&str>) -> Cow<'a, str> {
+    let Some(query) = query else { return path.clone() };
+    let mut pairs = crate::target::query(query);
+    pairs.sort_by(|a, b| a.split('=').next().cmp(&b.split('=').next()));
     Cow::Owned(format!("{path}?{}", pairs.join("&")))
 }
 
@@ -249,7 +253,8 @@ mod tests {
         let request =
             http::Request::post("/charges").header(header::CONTENT_ENCODING, "gzip").body(()).expect("request");
         let (parts, ()) = request.into_parts();
-        let fingerprint = fingerprint(&parts, &body, &options, QueryComparison::Unordered, 1 << 20).await;
+        let target = parts.uri.clone();
+        let fingerprint = fingerprint(&parts, &target, &body, &options, QueryComparison::Unordered, 1 << 20).await;
         let fingerprint = fingerprint.expect("fingerprinted");
         let plain = Fingerprint::of_bytes(&body, &options).expect("raw").within(&["POST", "/charges"]);
         assert!(!fingerprint.is(plain.as_bytes()), "the raw bytes are another payload");
@@ -259,10 +264,12 @@ mod tests {
 
     #[test]
     fn query_parameters_compare_by_name_in_any_order() {
-        assert_eq!(unordered("/p", Some("b=2&a=1")), unordered("/p", Some("a=1&b=2")));
-        assert_ne!(unordered("/p", Some("a=2&a=1")), unordered("/p", Some("a=1&a=2")));
-        assert_eq!(unordered("/p", Some("a=1&b=2")), "/p?a=1&b=2", "a sorted query is as sent");
-        assert_eq!(unordered("/p", None), "/p");
+        let path = Cow::Borrowed("/p");
+        assert_eq!(unordered(&path, Some("b=2&a=1")), unordered(&path, Some("a=1&b=2")));
+        assert_ne!(unordered(&path, Some("a=2&a=1")), unordered(&path, Some("a=1&a=2")));
+        assert_eq!(unordered(&path, Some("a=1&b=2")), "/p?a=1&b=2", "a sorted query is as sent");
+        assert_eq!(unordered(&path, Some("b=%41&a=1")), unordered(&path, Some("a=1&b=A")), "in one spelling");
+        assert_eq!(unordered(&path, None), "/p");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use tracing::Instrument;
 use super::TenantResolver;
 use super::admission::{Admission, Admitted, admit};
 use super::answer;
-use super::body::{Settlement, SettlingBody, fits, settle_whole};
+use super::body::{Settlement, SettlingBody, Whole, fits, settle_whole};
 use super::boxed::{Boxed, own, with_trailers};
 use super::config::Config;
 use super::transaction;
@@ -149,8 +149,9 @@ where
             SettlingBody::new(body, settlement, config.max_streaming).boxed_unsync(),
         ));
     }
-    Ok(match settle_whole(settlement, body).await {
-        Some((bytes, trailers)) => Response::from_parts(head, with_trailers(bytes, trailers)),
-        None => answer::response_failed(),
+    Ok(match settle_whole(settlement, body, config.max_streaming).await {
+        Whole::Settled(Some((bytes, trailers))) => Response::from_parts(head, with_trailers(bytes, trailers)),
+        Whole::Settled(None) => answer::response_failed(),
+        Whole::Stalled(body) => Response::from_parts(head, body),
     })
 }

@@ -6,7 +6,7 @@
 //!
 //! | event | what happens |
 //! |---|---|
-//! | duplicate while the handler runs | answered from the Redis marker, or waits on the uncommitted claim's row lock, then 409 in flight |
+//! | duplicate while the handler runs | 409 in flight at once: from the Redis marker, or from the key's lock in Postgres, which the owner's transaction holds (the duplicate holds no connection, no quota slot and no row lock while the owner works) |
 //! | the handler answers a stored status | completion in the transaction, one commit, then the answer, then Redis |
 //! | a released status (5xx, 401, 429...), an error | rollback (the handler's writes too), its answer (or the error) goes out, a retry executes once |
 //! | a panic | rollback; the panic goes on to the server (add `CatchPanicLayer` inside this layer for a 500) |
@@ -29,7 +29,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Frame;
-use http_body_util::{BodyExt, StreamBody};
+use http_body_util::BodyExt;
 use sqlx::postgres::{PgConnection, Postgres};
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 use tower::{BoxError, Service, ServiceExt};
@@ -37,7 +37,7 @@ use tower::{BoxError, Service, ServiceExt};
 use super::RequestBody;
 use super::admission::Admitted;
 use super::answer;
-use super::boxed::{Boxed, with_trailers};
+use super::boxed::{Boxed, resumed, with_trailers};
 use super::capture::{self, Captured, Withheld};
 use super::config::Config;
 use crate::store::Begin;
@@ -279,10 +279,7 @@ where
         seen += frame.data_ref().map_or(0, |data| data.len() as u64);
         frames.push(frame);
         if seen > limit as u64 {
-            let read = futures_util::stream::iter(frames.into_iter().map(Ok));
-            let rest = http_body_util::BodyStream::new(body);
-            let body = StreamBody::new(futures_util::StreamExt::chain(read, rest)).boxed_unsync();
-            return BodyRead::Larger { seen, body };
+            return BodyRead::Larger { seen, body: resumed(frames, body) };
         }
     }
     let mut bytes = Vec::with_capacity(usize::try_from(seen).unwrap_or(0));

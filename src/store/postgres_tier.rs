@@ -16,10 +16,14 @@ use crate::policy::{LeaseExpiry, millis};
 use crate::quota::QuotaLimit;
 use crate::record::{Lease, Record, State, StoredResponse};
 
-/// Milliseconds from now until `$moment`, rounded up, never negative.
+/// Milliseconds from now until `$moment`, rounded up, never negative: from the transaction's start
+/// (`now()`), or from the moment given (`clock_timestamp()` for a completion, see [`completed`]).
 macro_rules! millis_until {
     ($moment:expr) => {
-        concat!("CEIL(GREATEST(0, EXTRACT(EPOCH FROM ", $moment, " - now()) * 1000))::bigint")
+        millis_until!($moment, from: "now()")
+    };
+    ($moment:expr, from: $now:expr) => {
+        concat!("CEIL(GREATEST(0, EXTRACT(EPOCH FROM ", $moment, " - ", $now, ") * 1000))::bigint")
     };
 }
 
@@ -86,7 +90,7 @@ macro_rules! in_progress_expiry {
 /// covers, plus the current one's. Reading it costs a row per connection that counted in those two
 /// windows, whatever the limit. Live keys are counted from the in-progress records (a partial index),
 /// at most `$14` entries. Claims open in other transactions are in no snapshot: they hold slots of their
-/// own ([`TAKE_LIVE_SLOT`]), and a claim made in a transaction that found no free slot binds `$14` = 0:
+/// own ([`HOLD_KEY`]), and a claim made in a transaction that found no free slot binds `$14` = 0:
 /// new keys and re-acquisitions are held back, and keys with a record are answered from it as ever.
 macro_rules! quota_ctes {
     () => {
@@ -272,22 +276,38 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
     ),
 );
 
-/// A place among a tenant's live keys for a claim made inside the caller's transaction (`$1`, the
-/// namespace of the tenant and operation; `$2`, the live-key limit, at most 65,536 slots): one
-/// transaction-level advisory lock (key: `$1` shifted left 16 bits, and the slot), held until that
-/// transaction ends, or no row when all are held. Such a claim is in no snapshot until it commits (and
-/// then it is completed, not live), so the locks are what the live-key quota counts of such claims:
-/// unlike rows, other backends see them at once. (Claims outside transactions do not read them: that is
-/// a scan of `pg_locks`, which takes every lock partition, on every claim under the limit.) The slots
-/// are a set-returning function
-/// in the select list, so they are tried one at a time and the first lock taken ends the statement.
-const TAKE_LIVE_SLOT: Statement = Statement::new(
-    "live_slot",
-    "SELECT slot FROM (SELECT generate_series(0, least($2::int4, 65536) - 1) AS slot) AS slots
-     WHERE pg_try_advisory_xact_lock(($1::int8 << 16) | slot) LIMIT 1",
+/// The key, and a place among its tenant's live keys, for a claim made inside the caller's transaction,
+/// before the claim is sent: `held`, the key's own transaction-level advisory lock (`$1`, see
+/// [`key_lock`]); then, only when it is held and the policy has a live-key quota (`$3`, the limit, at most
+/// 65,536 slots; NULL for none), `slot`, one advisory lock among the tenant's slots (key: `$2`, the
+/// namespace of the tenant and operation, shifted left 16 bits, and the slot), or NULL when all are held.
+/// Both are held until that transaction ends.
+///
+/// The key's lock is what a duplicate meets while the owner's transaction is open: its claim is in no
+/// snapshot, and the claim's insert would wait on its row for the whole lock timeout, holding a pool
+/// connection, a Postgres backend and (under a quota) a slot that the tenant's new keys need. Not held:
+/// another transaction claims this key now, which is what "in flight" means, answered at once.
+///
+/// The slots are what the live-key quota counts of such claims: unlike rows, other backends see them at
+/// once. (Claims outside transactions do not read them: that is a scan of `pg_locks`, which takes every
+/// lock partition, on every claim under the limit.) The slots are a set-returning function in the select
+/// list, so they are tried one at a time and the first lock taken ends the subquery.
+const HOLD_KEY: Statement = Statement::new(
+    "hold_key",
+    "SELECT held, CASE WHEN held AND $3::int4 IS NOT NULL THEN (
+         SELECT slot FROM (SELECT generate_series(0, least($3::int4, 65536) - 1) AS slot) AS slots
+         WHERE pg_try_advisory_xact_lock(($2::int8 << 16) | slot) LIMIT 1) END AS slot
+     FROM (SELECT pg_try_advisory_xact_lock($1::int8) AS held) AS key",
 );
 
-/// The advisory-lock namespace of a tenant's live-key slots under one operation ([`TAKE_LIVE_SLOT`]):
+/// The advisory lock of one key ([`HOLD_KEY`]): 63 bits of its digest, negative, so that no key's lock is
+/// ever a live-key slot (those are positive, see [`live_slots`]).
+fn key_lock(digest: &KeyDigest) -> i64 {
+    let high = u64::from_str_radix(&digest.as_str()[..16], 16).unwrap_or_default();
+    (high | 1 << 63) as i64
+}
+
+/// The advisory-lock namespace of a tenant's live-key slots under one operation ([`HOLD_KEY`]):
 /// 47 bits of a digest, so that no tenant can pick a name whose slots are another's (a second preimage
 /// of 47 bits) and every lock key is positive. An application's own single-key advisory locks that fall
 /// in the same range count towards the limit: they can only refuse early.
@@ -379,23 +399,31 @@ const LOOKUP: Statement = Statement::new(
 );
 
 /// The completion's writes, with the stored response `$response`: retention counts from completion,
-/// under the retention the record was claimed under.
+/// under the retention the record was claimed under. From the completion's own moment
+/// (`clock_timestamp()`), not its transaction's start (`now()`): a completion inside the claim's
+/// transaction (the transactional HTTP path, `run_once_in_tx`) comes as long after its start as the
+/// work took, and retention measured from the start would end that much early.
 macro_rules! completed {
     ($response:expr) => {
         concat!(
             "SET state = 'c', response = ",
             $response,
             ", owner = NULL, lease_expires_at = NULL,
-        expires_at = now() + retention_ms::float8 * interval '1 millisecond',
+        expires_at = clock_timestamp() + retention_ms::float8 * interval '1 millisecond',
         updated_at = now()"
         )
     };
 }
 
-/// How long a completed record is kept, and whether a claim waits for it.
+/// How long a completed record is kept, and whether a claim waits for it: from the completion's moment
+/// too, so that Redis's copy (whose TTL this bounds) ends no later than the record.
 macro_rules! retained_columns {
     () => {
-        concat!("waited, CASE WHEN expires_at IS NOT NULL THEN ", millis_until!("expires_at"), " END AS expires_ms")
+        concat!(
+            "waited, CASE WHEN expires_at IS NOT NULL THEN ",
+            millis_until!("expires_at", from: "clock_timestamp()"),
+            " END AS expires_ms"
+        )
     };
 }
 
@@ -526,7 +554,12 @@ pub(crate) struct Retained {
 #[derive(Debug)]
 pub(crate) enum ClaimAnswer {
     Claim(Claim),
-    OverQuota { limit: QuotaLimit, retry_after: Duration },
+    OverQuota {
+        limit: QuotaLimit,
+        retry_after: Duration,
+    },
+    /// Another transaction claims the key now ([`HOLD_KEY`]): nothing was sent for it.
+    Held,
 }
 
 /// What the claim statement found or wrote.
@@ -613,15 +646,17 @@ impl PostgresTier {
         let Some(conn) = conn else {
             return self.claim_alone(lease, digest, new_key_first, live_keys, alone).await;
         };
-        let mut live_keys = live_keys;
-        if let Some(live) = live_keys {
-            let take = sqlx::query(TAKE_LIVE_SLOT.sql).bind(live_slots(&lease.scope)).bind(live);
-            if self.bounded(&TAKE_LIVE_SLOT, take.fetch_optional(&mut *conn)).await?.is_none() {
-                // Every slot is another open transaction's claim: nothing may start, and a key with a
-                // record is still answered from it.
-                live_keys = Some(0);
-            }
+        let hold = sqlx::query_as::<_, (bool, Option<i32>)>(HOLD_KEY.sql)
+            .bind(key_lock(&digest))
+            .bind(live_slots(&lease.scope))
+            .bind(live_keys);
+        let (held, slot) = self.bounded(&HOLD_KEY, hold.fetch_one(&mut *conn)).await?;
+        if !held {
+            return Ok(ClaimAnswer::Held);
         }
+        // Every slot is another open transaction's claim: nothing may start, and a key with a record is
+        // still answered from it.
+        let live_keys = live_keys.map(|live| if slot.is_some() { live } else { 0 });
         claim_on(conn, self.timeout, lease, digest, new_key_first, live_keys).await
     }
 

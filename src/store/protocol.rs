@@ -101,9 +101,11 @@ impl Store {
     }
 
     /// [`Store::begin`] with the Postgres claim made inside a transaction that the caller commits (with
-    /// the completion) or rolls back; under the policy of `options` (a wait does not apply: a row lock
-    /// does). The transaction is begun only when Postgres is asked: a duplicate that Redis answers costs
-    /// no `BEGIN` and no connection. It is in `tx` afterwards (always, on [`Begin::Acquired`]).
+    /// the completion) or rolls back; under the policy of `options` (a wait does not apply). The
+    /// transaction is begun only when Postgres is asked: a duplicate that Redis answers costs no `BEGIN`
+    /// and no connection, and one that meets another transaction's claim of the key (its lock, taken
+    /// before the claim) is told "in flight" at once and its transaction rolled back by the caller. It is
+    /// in `tx` afterwards (always, on [`Begin::Acquired`]).
     pub(crate) async fn begin_in(
         &self,
         scope: &Scope,
@@ -297,7 +299,11 @@ impl Store {
         let started = Instant::now();
         let lease_ms = millis(policy.lease);
         let waiter = waiting.filter(|waiting| waiting.via_redis).map(|waiting| waiting.watch.digest());
-        match redis.begin(&record_key, fingerprint, owner.as_str(), lease_ms, waiter).await {
+        // A caller that goes away while the script runs may leave its marker (the script runs anyway).
+        let unanswered = Unanswered { store: self, marker: Some(&record_key), owner: owner.as_str(), operation };
+        let begun = redis.begin(&record_key, fingerprint, owner.as_str(), lease_ms, waiter).await;
+        unanswered.answered();
+        match begun {
             Ok(answer) => {
                 telemetry::claim_duration("redis", started.elapsed());
                 let answer_is_claimed = answer == RedisBegin::Claimed;
@@ -355,6 +361,15 @@ impl Store {
         Box::pin(async move {
             let operation = candidate.scope.operation();
             let started = Instant::now();
+            // Until Postgres answered and Redis holds what it said, a caller that goes away (a client
+            // gone, a timeout, a wait for a pool connection cut short) must not leave its marker answering
+            // "in flight" for work that never started, or whose claim is given back.
+            let unanswered = Unanswered {
+                store: self,
+                marker: marked.as_ref().map(|(_, key)| key.as_str()),
+                owner: &candidate.owner,
+                operation,
+            };
             let take_back_marker = async || {
                 if let Some((redis, record_key)) = &marked {
                     self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
@@ -363,6 +378,7 @@ impl Store {
             // Only a claim that may acquire the key asks: Redis's answers (a replay, "in flight") write nothing.
             if let Err(refused) = self.refuse_clear_writes().await {
                 take_back_marker().await;
+                unanswered.answered();
                 return Err(refused);
             }
             // The caller's transaction, begun now that Postgres is asked.
@@ -374,6 +390,7 @@ impl Store {
                             Ok(begun) => *lazy = Some(begun),
                             Err(error) => {
                                 take_back_marker().await;
+                                unanswered.answered();
                                 return Err(error);
                             }
                         }
@@ -389,8 +406,15 @@ impl Store {
                 Ok(ClaimAnswer::Claim(claim)) => claim,
                 // Nothing runs and nothing is recorded: the marker goes too, so that a retry is not told
                 // "in flight".
+                // Another transaction claims the key now: "in flight", at once, holding nothing.
+                Ok(ClaimAnswer::Held) => {
+                    take_back_marker().await;
+                    unanswered.answered();
+                    return Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() });
+                }
                 Ok(ClaimAnswer::OverQuota { limit, retry_after }) => {
                     take_back_marker().await;
+                    unanswered.answered();
                     telemetry::quota_refusal(operation, limit);
                     return Ok(Begin::QuotaExceeded { limit, retry_after });
                 }
@@ -398,6 +422,7 @@ impl Store {
                     // Fail closed, and take the marker back so retries are not told "in flight" for work
                     // that never started.
                     take_back_marker().await;
+                    unanswered.answered();
                     // The row is locked past the lock timeout: an owner is working on it inside its own
                     // transaction (`run_once_in_tx`), which is what "in flight" means.
                     if is_lock_timeout(&error) {
@@ -419,6 +444,7 @@ impl Store {
                     }
                     _ => Arc::clone(&candidate.policy),
                 };
+                unanswered.answered();
                 let lease = Lease { fence: claim.record.fence, policy, ..candidate };
                 return Ok(Begin::Acquired(Owner::new(self.clone(), lease, heartbeat, tx.is_some())));
             }
@@ -439,6 +465,7 @@ impl Store {
                 };
                 self.repair(redis, record_key, &candidate, &claim.record, state).await;
             }
+            unanswered.answered();
             answer
         })
     }
@@ -604,6 +631,42 @@ impl OwnerToken {
 
 /// The Redis tier and record key when the caller's marker is in Redis.
 type Marked<'a> = Option<(&'a RedisTier, String)>;
+
+/// A claim's marker in Redis while the caller has not heard its claim's answer: dropped before
+/// [`Unanswered::answered`] (the caller went away while Redis or Postgres was asked), it takes the marker
+/// back in a task of the store's, which a shutdown waits for. Whatever Postgres then does with the claim
+/// (it is given back if it was acquired for nobody), no retry is told "in flight" by this marker. Costs
+/// nothing unless dropped so: it only borrows.
+struct Unanswered<'a> {
+    store: &'a Store,
+    /// The record key, while the caller's marker may be in Redis.
+    marker: Option<&'a str>,
+    owner: &'a str,
+    operation: &'a str,
+}
+
+impl Unanswered<'_> {
+    /// The caller has its answer, and Redis what it says: nothing to take back.
+    fn answered(mut self) {
+        self.marker = None;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        let Some(record_key) = self.marker.take() else { return };
+        let (store, record_key) = (self.store.clone(), record_key.to_owned());
+        let (owner, operation) = (self.owner.to_owned(), self.operation.to_owned());
+        // Sent after the script (one connection, in order): a script that runs at all runs first, and the
+        // take-back deletes only a marker with this owner's token.
+        let taking_back = async move {
+            if let Some(redis) = &store.inner.redis {
+                store.degrade(&operation, redis.release(&record_key, &owner, Takeback::Unclaimed).await);
+            }
+        };
+        self.store.inner.background.settle(taking_back.in_current_span());
+    }
+}
 
 /// How a claim that waits for an in-flight duplicate asks to be woken.
 struct Waiting {
