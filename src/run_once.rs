@@ -352,9 +352,9 @@ impl Store {
                 Err(RunError::Encode(error))
             }
             Settled::Failed(error) => {
-                // Rolled back (the transaction is dropped): no claim was ever durable, so no retry may be
-                // told "in flight" for it.
-                drop(tx);
+                // Rolled back before the answer: no claim was ever durable, so no retry may be told "in
+                // flight" for it.
+                self.roll_back(tx).await;
                 let _ = owner.release().await;
                 Err(RunError::Work(error))
             }

@@ -5,8 +5,8 @@
 //! the HTTP layer's request fingerprint both read a target through this module, and nothing else does.
 //!
 //! Every escape that a router decodes to the same value as the character itself is decoded; what would
-//! change the target's structure if decoded (a `/` in a path segment, a `&` or `=` in a query parameter,
-//! `?`, `#`, `%`) stays an escape, its hex digits upper-cased; a byte that is not visible ASCII is
+//! change the target's structure if decoded (a `/` in a path segment, a `&` in a query parameter or an
+//! `=` in its name, `?`, `#`, `%`) stays an escape, its hex digits upper-cased; a byte that is not visible ASCII is
 //! encoded, whether it came raw or encoded. A `%` that starts no escape is the percent sign itself
 //! (routers decode it so), and is encoded.
 
@@ -19,8 +19,9 @@ pub(crate) fn path(path: &str) -> Cow<'_, str> {
 }
 
 /// The query in its one spelling, as HTML forms (and axum's `Query`) decode it: each parameter as
-/// `name=value`, `+` and `%20` both a space (written `+`), `%2B` a plus sign, and an `&` or `=` inside a
-/// name or value still encoded; an empty parameter (`a=1&&b=2`) is none.
+/// `name=value`, `+` and `%20` both a space (written `+`), `%2B` a plus sign, an `&` still encoded and an
+/// `=` too in a name (in a value, after the first `=`, it is the character, encoded or not); an empty
+/// parameter (`a=1&&b=2`) is none.
 pub(crate) fn query(query: &str) -> Vec<String> {
     let mut parameters = Vec::new();
     for parameter in query.split('&').filter(|p| !p.is_empty()) {

@@ -27,7 +27,8 @@ suite!(
     a_claim_that_lost_a_race_asks_again,
     releasing_an_indeterminate_record_clears_its_redis_copy,
     a_superseded_owners_release_through_a_blip_is_refused,
-    retention_counts_from_a_completion_in_the_claims_transaction;
+    retention_counts_from_a_completion_in_the_claims_transaction,
+    a_transactional_retry_that_meets_the_keys_lock_answers_from_the_record;
     two_tier only:
     a_dropped_store_stops_repairing_redis,
     a_malformed_redis_record_is_a_miss,
@@ -676,4 +677,53 @@ async fn retention_counts_from_a_completion_in_the_claims_transaction(mode: Mode
             "Redis keeps its copy {copy:?}, Postgres the record {kept:?}"
         );
     }
+}
+
+/// The advisory lock a claim inside a transaction takes on its key: 63 bits of the key's digest (the
+/// digest of `Harness::redis_key`), negative (written out here, so a change of form fails tests).
+fn key_lock(h: &Harness, scope: &Scope, k: &IdempotencyKey) -> i64 {
+    let name = h.redis_key(scope, k);
+    let digest = name.split('{').nth(1).expect("a digest in braces");
+    (u64::from_str_radix(&digest[..16], 16).expect("hex") | 1 << 63) as i64
+}
+
+/// A claim inside a transaction that meets its key's lock held by another transaction (a concurrent
+/// retry answering from the record holds it until it commits) answers from the record as committed: a
+/// completed key replays, another payload is refused, and a new key is "in flight" with nothing
+/// written. Found by review of the lock's first version, which answered "in flight" to every claim that
+/// met it, so a burst of transactional retries of a completed key got 409s instead of its replay.
+async fn a_transactional_retry_that_meets_the_keys_lock_answers_from_the_record(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let scope = h.scope("acme");
+    let run = |name: &'static str, payload: Value| {
+        let (h, scope, k) = (&h, scope.clone(), key(name));
+        async move {
+            let outcome = h.store.run_once_in_tx(&scope, &k, &payload, |tx| {
+                Box::pin(async move { sqlx::query_scalar::<_, i64>("SELECT 7::int8").fetch_one(tx).await })
+            });
+            outcome.await.expect("answer")
+        }
+    };
+    assert_eq!(run("locked-done", json!({})).await, RunOutcome::Executed(7));
+    if mode == Mode::TwoTier {
+        // Redis's copy would answer first: Postgres is asked on a miss.
+        let mut conn = h.redis_connection().await;
+        let _: i64 =
+            redis::cmd("DEL").arg(h.redis_key(&scope, &key("locked-done"))).query_async(&mut conn).await.expect("DEL");
+    }
+    let mut holder = h.pool.begin().await.expect("begin");
+    for name in ["locked-done", "locked-new"] {
+        let lock = sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_xact_lock($1)").bind(key_lock(
+            &h,
+            &scope,
+            &key(name),
+        ));
+        assert!(lock.fetch_one(&mut *holder).await.expect("lock"), "the test holds {name}'s lock");
+    }
+    assert_eq!(run("locked-done", json!({})).await, RunOutcome::Replayed(7));
+    assert_eq!(run("locked-done", json!({"other": 1})).await, RunOutcome::Mismatch);
+    assert!(matches!(run("locked-new", json!({})).await, RunOutcome::InFlight { .. }));
+    assert!(h.store.admin().lookup(&scope, &key("locked-new")).await.expect("lookup").is_none(), "nothing written");
+    holder.rollback().await.expect("rollback");
+    assert_eq!(run("locked-new", json!({})).await, RunOutcome::Executed(7));
 }

@@ -1,7 +1,12 @@
--- Mirrors src/store/postgres_tier.rs as of 2026-12-02 (see README.md in this directory).
+-- Mirrors src/store/postgres_tier.rs as of 2026-12-05 (see README.md in this directory).
 -- A part: run.sh adds the key variable and composes the transactions.
 -- The claim of a key Redis had nothing of (CLAIM_NEW), as sent, the parameters inlined; md5 stands in
--- for the key's digest.
+-- for the key's digest. In its transactional form: it takes the key's lock (hashtext stands in for the
+-- digest's 63 bits); outside a transaction the lock parameter is NULL and nothing is taken.
+WITH key_lock AS MATERIALIZED (
+SELECT CASE WHEN (hashtext('k-' || :k)::int8 | (1::int8 << 63)) IS NULL THEN true
+ELSE pg_try_advisory_xact_lock(hashtext('k-' || :k)::int8 | (1::int8 << 63)) END AS held
+)
 INSERT INTO idempotency_records AS r
 (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
 tier, on_lease_expiry, retention_ms, tombstone_ms)
@@ -11,7 +16,9 @@ CASE WHEN '86400000'::float8::float8 IS NOT NULL
 THEN now() + GREATEST('30000'::float8::float8, '86400000'::float8::float8) * interval '1 millisecond' END,
 'standard'::text, CASE WHEN true THEN 't' ELSE 'm' END::"char", '86400000'::float8::float8::bigint,
 '604800000'::float8::float8::bigint
-WHERE NOT EXISTS (SELECT 1 FROM idempotency_records
+FROM key_lock
+WHERE key_lock.held
+AND NOT EXISTS (SELECT 1 FROM idempotency_records
 WHERE tenant = 'bench'::text AND operation = 'New'::text AND idempotency_key = ('k-' || :k)::text)
 AND NOT EXISTS (SELECT 'e'::"char" AS state, int8send(fingerprint) AS fingerprint, fence,
 NULL::text AS owner, NULL::bytea AS response, NULL::text AS tier, NULL::"char" AS on_lease_expiry,

@@ -19,7 +19,7 @@ scripts=(
     claim=claim
     records_insert_complete="records_insert complete"
     plain="claim bare complete"
-    in_tx="BEGIN claim bare complete COMMIT"
+    in_tx="BEGIN hold_key claim bare complete COMMIT"
     in_tx_claim_new="BEGIN claim_new bare complete COMMIT"
     in_tx_floor="BEGIN bare records_insert_completed COMMIT"
 )
@@ -38,6 +38,12 @@ for entry in "${scripts[@]}"; do
     } > "$composed/$name.sql"
 done
 declare -A runs
+# SCRIPTS="a b" runs those only.
+selected=()
+for entry in "${scripts[@]}"; do
+    [[ -z "${SCRIPTS:-}" || " $SCRIPTS " == *" ${entry%%=*} "* ]] && selected+=("$entry")
+done
+scripts=("${selected[@]}")
 for round in 1 2 3; do
     for entry in "${scripts[@]}"; do
         script="${entry%%=*}"

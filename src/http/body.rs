@@ -97,9 +97,18 @@ impl Settlement {
 
     /// Arms the streaming bound: after `streaming`, a body that has not ended is settled as not replayable.
     fn bound_streaming(&mut self, streaming: Duration) {
+        self.bound = Some(AbortOnDropHandle::new(tokio::spawn(self.bounded(streaming))));
+    }
+
+    /// Settles now as the streaming bound does ([`bound`]): the body is past it.
+    async fn past_bound(self) {
+        self.bounded(Duration::ZERO).await;
+    }
+
+    /// [`bound`] for this settlement, after `streaming`.
+    fn bounded(&self, streaming: Duration) -> impl Future<Output = ()> + Send + 'static {
         let (owner, sent) = (Arc::clone(&self.owner), Arc::clone(&self.sent));
-        let withheld = self.stored.then_some((self.status, self.principal));
-        self.bound = Some(AbortOnDropHandle::new(tokio::spawn(bound(streaming, owner, sent, withheld))));
+        bound(streaming, owner, sent, self.stored.then_some((self.status, self.principal)))
     }
 
     fn sent(&self) -> u64 {
@@ -224,33 +233,40 @@ pub(crate) enum Whole {
     /// Read to its end and settled: the body and its trailers, or `None` if it failed (the record then
     /// says the response cannot be replayed).
     Settled(Option<(Bytes, Option<HeaderMap>)>),
-    /// Not ended within the layer's streaming bound (a handler that passed on an upstream's
-    /// `Content-Length` while the upstream stalls): settled as not replayable, as a streamed body is past
-    /// the bound; the body goes on to the client, what was read first.
+    /// Not whole within the layer's streaming bound (a handler that passed on an upstream's
+    /// `Content-Length` while the upstream stalls): settled as a streamed body is past the bound (as not
+    /// replayable, or left to its lease for a status that is not stored); the body goes on to the
+    /// client, what was read first.
     Stalled(Boxed),
 }
 
 /// Settles with the whole of a body known to fit the capture limit (or empty), before the client gets
 /// anything: the record is stored by the time the client sees the status. Within `streaming`, as a body
-/// that streams is: before, a known length that never came held the key in flight for good, its lease
-/// extended.
+/// that streams is:
+/// before, a known length that never came held the key in flight for good, its lease extended.
 pub(crate) async fn settle_whole<B>(mut settlement: Settlement, body: B, streaming: Duration) -> Whole
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
+    let length = http_body::Body::size_hint(&body).exact();
     let mut body = body.map_err(Into::into).boxed_unsync();
-    let mut frames = Vec::new();
+    let (mut frames, mut seen) = (Vec::new(), 0u64);
     let reading = async {
+        // To its end, not its declared length: trailers may follow the last byte.
         while let Some(frame) = body.frame().await {
-            frames.push(frame?);
+            let frame = frame?;
+            seen += frame.data_ref().map_or(0, |data| data.len() as u64);
+            frames.push(frame);
         }
         Ok::<_, BoxError>(())
     };
     let read = match tokio::time::timeout(streaming, reading).await {
         Ok(read) => read,
         Err(_) => {
-            return Whole::Stalled(SettlingBody::new(resumed(frames, body), settlement, Duration::ZERO).boxed_unsync());
+            settlement.sent.fetch_add(seen, Ordering::Relaxed);
+            settlement.past_bound().await;
+            return Whole::Stalled(resumed(frames, body, length.map(|length| length.saturating_sub(seen))));
         }
     };
     let collected = read.ok().map(|()| {

@@ -23,7 +23,7 @@ pub enum QueryComparison {
     /// (`?a=1&a=2` is not `?a=2&a=1`, which many servers read as another list). The default.
     #[default]
     Unordered,
-    /// The query string byte for byte.
+    /// The query string byte for byte (the path still in its one spelling, as the key space reads it).
     Exact,
 }
 
@@ -124,9 +124,12 @@ async fn of_request(
     } else {
         Fingerprint::of_bytes(&decoded, options)?
     };
-    let target = match query {
-        QueryComparison::Exact => Cow::Borrowed(uri.path_and_query().map_or("/", |p| p.as_str())),
-        QueryComparison::Unordered => unordered(&crate::target::path(uri.path()), uri.query()),
+    // The path in its one spelling whatever the comparison (the key space reads it so).
+    let path = crate::target::path(uri.path());
+    let target = match (query, uri.query()) {
+        (QueryComparison::Exact, Some(query)) => Cow::Owned(format!("{path}?{query}")),
+        (QueryComparison::Exact, None) => path,
+        (QueryComparison::Unordered, query) => unordered(&path, query),
     };
     Ok(payload.within(&[method.as_str(), &target]))
 }
@@ -151,8 +154,11 @@ fn multipart_boundary(headers: &HeaderMap) -> Option<String> {
 /// The path (in its one spelling) with its query parameters, in theirs, sorted by name (stable: one
 /// name's values keep their order).
 fn unordered<'a>(path: &Cow<'a, str>, query: Option<&str>) -> Cow<'a, str> {
-    let Some(query) = query else { return path.clone() };
-    let mut pairs = crate::target::query(query);
+    let mut pairs = query.map(crate::target::query).unwrap_or_default();
+    if pairs.is_empty() {
+        // `/p?` and `/p&&` name no parameter, as `/p` does.
+        return path.clone();
+    }
     pairs.sort_by(|a, b| a.split('=').next().cmp(&b.split('=').next()));
     Cow::Owned(format!("{path}?{}", pairs.join("&")))
 }
@@ -270,6 +276,7 @@ mod tests {
         assert_eq!(unordered(&path, Some("a=1&b=2")), "/p?a=1&b=2", "a sorted query is as sent");
         assert_eq!(unordered(&path, Some("b=%41&a=1")), unordered(&path, Some("a=1&b=A")), "in one spelling");
         assert_eq!(unordered(&path, None), "/p");
+        assert_eq!(unordered(&path, Some("")), "/p");
     }
 
     #[test]

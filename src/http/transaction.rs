@@ -6,7 +6,7 @@
 //!
 //! | event | what happens |
 //! |---|---|
-//! | duplicate while the handler runs | 409 in flight at once: from the Redis marker, or from the key's lock in Postgres, which the owner's transaction holds (the duplicate holds no connection, no quota slot and no row lock while the owner works) |
+//! | duplicate while the handler runs | 409 in flight at once: from the Redis marker, or from the key's lock in Postgres, which the owner's transaction holds (the duplicate writes nothing, answers from the record as committed, and holds no connection, no quota slot and no row lock while the owner works) |
 //! | the handler answers a stored status | completion in the transaction, one commit, then the answer, then Redis |
 //! | a released status (5xx, 401, 429...), an error | rollback (the handler's writes too), its answer (or the error) goes out, a retry executes once |
 //! | a panic | rollback; the panic goes on to the server (add `CatchPanicLayer` inside this layer for a 500) |
@@ -176,33 +176,36 @@ where
     request.extensions_mut().insert(transaction.clone());
     let handled = tokio::time::timeout_at(deadline, inner.oneshot(request)).await;
     let taken = transaction.take_back();
-    // Dropped (rolled back) below unless committed; the owner then takes back Redis's marker.
+    // Rolled back below unless committed (before the answer, so that a retry sent at once does not meet
+    // the key's lock); the owner then takes back Redis's marker.
     let (response, tx) = match (handled, taken) {
         (Ok(Ok(response)), Some(tx)) => (response, tx),
-        (Ok(Err(error)), _) => {
+        (handled, taken) => {
+            if let Some(tx) = taken {
+                store.roll_back(tx).await;
+            }
             let _ = owner.release().await;
-            return Err(error);
-        }
-        (Err(_), _) => {
-            let _ = owner.release().await;
-            return Ok(too_slow());
-        }
-        (Ok(Ok(_)), None) => {
-            let _ = owner.release().await;
-            let detail = "the handler kept the claim's transaction after it returned; its writes were rolled back";
-            tracing::error!("{detail}");
-            return Ok(answer::rolled_back(StatusCode::INTERNAL_SERVER_ERROR, detail, None));
+            return match handled {
+                Ok(Err(error)) => Err(error),
+                Err(_) => Ok(too_slow()),
+                Ok(Ok(_)) => {
+                    let detail =
+                        "the handler kept the claim's transaction after it returned; its writes were rolled back";
+                    tracing::error!("{detail}");
+                    Ok(answer::rolled_back(StatusCode::INTERNAL_SERVER_ERROR, detail, None))
+                }
+            };
         }
     };
     let (head, body) = response.into_parts();
     let headers = capture::replayed(&head.headers, &config.replayed_headers);
     if !(config.stored.stores(head.status) && config.stored.stores_grpc(&head.headers)) {
-        drop(tx);
+        store.roll_back(tx).await;
         let _ = owner.release().await;
         return Ok(Response::from_parts(head, body.map_err(Into::into).boxed_unsync()));
     }
     let Ok(read) = tokio::time::timeout_at(deadline, read(body, config.max_response_body)).await else {
-        drop(tx);
+        store.roll_back(tx).await;
         let _ = owner.release().await;
         return Ok(too_slow());
     };
@@ -214,13 +217,13 @@ where
         }
         // A gRPC status in the trailers that is not stored: as a released status.
         BodyRead::Whole(bytes, trailers) => {
-            drop(tx);
+            store.roll_back(tx).await;
             let _ = owner.release().await;
             return Ok(Response::from_parts(head, with_trailers(bytes, trailers)));
         }
         BodyRead::Larger { seen, body } => (Withheld::new(head.status, seen, principal).encode(), body),
         BodyRead::Failed => {
-            drop(tx);
+            store.roll_back(tx).await;
             let _ = owner.release().await;
             let detail = "the handler's response body failed; its writes were rolled back";
             return Ok(answer::rolled_back(StatusCode::INTERNAL_SERVER_ERROR, detail, None));
@@ -271,6 +274,7 @@ where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
+    let length = http_body::Body::size_hint(&body).exact();
     let mut body = body.map_err(Into::into).boxed_unsync();
     let mut frames: Vec<Frame<Bytes>> = Vec::new();
     let mut seen = 0u64;
@@ -279,7 +283,8 @@ where
         seen += frame.data_ref().map_or(0, |data| data.len() as u64);
         frames.push(frame);
         if seen > limit as u64 {
-            return BodyRead::Larger { seen, body: resumed(frames, body) };
+            let left = length.map(|length| length.saturating_sub(seen));
+            return BodyRead::Larger { seen, body: resumed(frames, body, left) };
         }
     }
     let mut bytes = Vec::with_capacity(usize::try_from(seen).unwrap_or(0));

@@ -286,7 +286,9 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
 /// The key's lock is what a duplicate meets while the owner's transaction is open: its claim is in no
 /// snapshot, and the claim's insert would wait on its row for the whole lock timeout, holding a pool
 /// connection, a Postgres backend and (under a quota) a slot that the tenant's new keys need. Not held:
-/// another transaction claims this key now, which is what "in flight" means, answered at once.
+/// another transaction claims the key now, or answers from its record; the caller writes nothing and
+/// answers from the record as committed ([`ClaimAnswer::Held`]). [`CLAIM_NEW`] takes the same lock
+/// itself: this statement is sent for a key that is not new, or under a quota.
 ///
 /// The slots are what the live-key quota counts of such claims: unlike rows, other backends see them at
 /// once. (Claims outside transactions do not read them: that is a scan of `pg_locks`, which takes every
@@ -327,12 +329,22 @@ fn live_slots(scope: &Scope) -> i64 {
 /// statement's snapshot as well as by the insert's conflict check: a purge that commits in between (the
 /// record gone, its tombstone too new for the snapshot) leaves the record in the snapshot, so the key is
 /// not claimed again past its tombstone.
+///
+/// Inside the caller's transaction it takes the key's lock first (`$12`, see [`HOLD_KEY`]; NULL outside
+/// one, where nothing is taken) and writes only if it holds it: a new key there costs no round trip
+/// more for the lock, and a key another transaction claims now is not waited for.
 const CLAIM_NEW: Statement = Statement::new(
     "claim",
     concat!(
+        "WITH key_lock AS MATERIALIZED (
+        SELECT CASE WHEN $12::int8 IS NULL THEN true ELSE pg_try_advisory_xact_lock($12::int8) END AS held
+    )
+    ",
         insert_new_record!(),
         "
-    WHERE NOT EXISTS (SELECT 1 FROM idempotency_records
+    FROM key_lock
+    WHERE key_lock.held
+      AND NOT EXISTS (SELECT 1 FROM idempotency_records
                       WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3)
       AND NOT EXISTS (",
         tombstone!("$11"),
@@ -558,8 +570,9 @@ pub(crate) enum ClaimAnswer {
         limit: QuotaLimit,
         retry_after: Duration,
     },
-    /// Another transaction claims the key now ([`HOLD_KEY`]): nothing was sent for it.
-    Held,
+    /// Inside a transaction, another holds the key's lock ([`HOLD_KEY`]): it claims the key now, or
+    /// answers from its record. Nothing was written; the record as committed, if any.
+    Held(Option<Record>),
 }
 
 /// What the claim statement found or wrote.
@@ -646,18 +659,23 @@ impl PostgresTier {
         let Some(conn) = conn else {
             return self.claim_alone(lease, digest, new_key_first, live_keys, alone).await;
         };
+        let lock = key_lock(&digest);
+        if new_key_first && let Some(claimed) = claim_new_on(conn, self.timeout, lease, digest, Some(lock)).await? {
+            return Ok(claimed);
+        }
         let hold = sqlx::query_as::<_, (bool, Option<i32>)>(HOLD_KEY.sql)
-            .bind(key_lock(&digest))
+            .bind(lock)
             .bind(live_slots(&lease.scope))
             .bind(live_keys);
         let (held, slot) = self.bounded(&HOLD_KEY, hold.fetch_one(&mut *conn)).await?;
         if !held {
-            return Ok(ClaimAnswer::Held);
+            let record = lookup_on(&mut *conn, self.timeout, &lease.scope, &lease.key, digest).await?;
+            return Ok(ClaimAnswer::Held(record));
         }
         // Every slot is another open transaction's claim: nothing may start, and a key with a record is
         // still answered from it.
         let live_keys = live_keys.map(|live| if slot.is_some() { live } else { 0 });
-        claim_on(conn, self.timeout, lease, digest, new_key_first, live_keys).await
+        claim_on(conn, self.timeout, lease, digest, false, live_keys).await
     }
 
     /// The claim on a pooled connection, in a task of its own that finishes whatever becomes of its
@@ -701,15 +719,7 @@ impl PostgresTier {
     }
 
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        let digest = key_digest(scope, key);
-        let lookup = sqlx::query(LOOKUP.sql)
-            .bind(scope.tenant())
-            .bind(scope.operation())
-            .bind(key.as_str())
-            .bind(digest.as_str())
-            .fetch_optional(&self.pool);
-        let row = self.bounded(&LOOKUP, lookup).await?;
-        row.as_ref().map(decode_record).transpose().map_err(|e| LOOKUP.failed(e))
+        lookup_on(&self.pool, self.timeout, scope, key, key_digest(scope, key)).await
     }
 
     /// The fenced completion, on `conn` (inside the caller's transaction, the one that claimed) when
@@ -821,7 +831,7 @@ async fn claim_on(
     timeout: Duration,
     lease: &Lease,
     digest: KeyDigest,
-    mut new_key_first: bool,
+    new_key_first: bool,
     live_keys: Option<i32>,
 ) -> Result<ClaimAnswer, StoreError> {
     let policy = &lease.policy;
@@ -830,21 +840,12 @@ async fn claim_on(
     // A concurrent claim that committed after this statement's snapshot conflicts with the insert
     // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
     // record this claim would have re-acquired). The next attempt sees the winner.
+    if new_key_first && let Some(claimed) = claim_new_on(conn, timeout, lease, digest, None).await? {
+        return Ok(claimed);
+    }
     let mut attempt = 0;
     loop {
-        let statement = if new_key_first { &CLAIM_NEW } else { full };
-        let mut claim = sqlx::query(statement.sql)
-            .bind(lease.scope.tenant())
-            .bind(lease.scope.operation())
-            .bind(lease.key.as_str())
-            .bind(&lease.fingerprint.as_bytes()[..])
-            .bind(&lease.owner)
-            .bind(millis(policy.lease) as f64)
-            .bind(policy.retention.map(|r| millis(r) as f64))
-            .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
-            .bind(policy.name())
-            .bind(policy.tombstone.map(|t| millis(t) as f64))
-            .bind(digest.as_str());
+        let mut claim = claim_query(full, lease, &digest);
         if !quota.is_off() {
             let new_keys = quota.new_key_limit();
             claim = claim
@@ -852,17 +853,10 @@ async fn claim_on(
                 .bind(new_keys.map(|(_, window)| millis(window) as f64))
                 .bind(live_keys);
         }
-        let row = statement::bounded(timeout, statement, claim.fetch_optional(&mut *conn)).await?;
-        if std::mem::take(&mut new_key_first) {
-            if row.is_none() {
-                // Not new after all (a record, a live tombstone): the full claim answers.
-                continue;
-            }
-        } else {
-            attempt += 1;
-        }
+        let row = statement::bounded(timeout, full, claim.fetch_optional(&mut *conn)).await?;
+        attempt += 1;
         if let Some(row) = row {
-            let claimed = decode_claim(&row, lease).map_err(|e| statement.failed(e))?;
+            let claimed = decode_claim(&row, lease).map_err(|e| full.failed(e))?;
             if let ClaimAnswer::Claim(claim) = &claimed
                 && !claim.acquired
                 && attempt < MAX_CLAIM_ATTEMPTS
@@ -873,6 +867,59 @@ async fn claim_on(
             return Ok(claimed);
         }
     }
+}
+
+/// [`CLAIM_NEW`] on `conn`: the new record, or `None` when the key is not new (a record, a live tombstone)
+/// or, inside a transaction, its lock (`lock`) is another's.
+async fn claim_new_on(
+    conn: &mut PgConnection,
+    timeout: Duration,
+    lease: &Lease,
+    digest: KeyDigest,
+    lock: Option<i64>,
+) -> Result<Option<ClaimAnswer>, StoreError> {
+    let claim = claim_query(&CLAIM_NEW, lease, &digest).bind(lock);
+    let row = statement::bounded(timeout, &CLAIM_NEW, claim.fetch_optional(conn)).await?;
+    row.map(|row| decode_claim(&row, lease)).transpose().map_err(|e| CLAIM_NEW.failed(e))
+}
+
+/// A claim statement with the parameters every claim binds (`$1`..`$11`).
+fn claim_query<'q>(
+    statement: &Statement,
+    lease: &'q Lease,
+    digest: &'q KeyDigest,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let policy = &lease.policy;
+    sqlx::query(statement.sql)
+        .bind(lease.scope.tenant())
+        .bind(lease.scope.operation())
+        .bind(lease.key.as_str())
+        .bind(&lease.fingerprint.as_bytes()[..])
+        .bind(&lease.owner)
+        .bind(millis(policy.lease) as f64)
+        .bind(policy.retention.map(|r| millis(r) as f64))
+        .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
+        .bind(policy.name())
+        .bind(policy.tombstone.map(|t| millis(t) as f64))
+        .bind(digest.as_str())
+}
+
+/// A key's record as committed, or its live tombstone ([`LOOKUP`]), on `conn` (a pool, or a connection).
+async fn lookup_on<'c>(
+    conn: impl sqlx::PgExecutor<'c>,
+    timeout: Duration,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    digest: KeyDigest,
+) -> Result<Option<Record>, StoreError> {
+    let lookup = sqlx::query(LOOKUP.sql)
+        .bind(scope.tenant())
+        .bind(scope.operation())
+        .bind(key.as_str())
+        .bind(digest.as_str())
+        .fetch_optional(conn);
+    let row = statement::bounded(timeout, &LOOKUP, lookup).await?;
+    row.as_ref().map(decode_record).transpose().map_err(|e| LOOKUP.failed(e))
 }
 
 /// A quota's limit as the statements take it: limits fit an int4 (`Quota::check` refused larger ones).

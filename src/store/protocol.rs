@@ -406,11 +406,12 @@ impl Store {
                 Ok(ClaimAnswer::Claim(claim)) => claim,
                 // Nothing runs and nothing is recorded: the marker goes too, so that a retry is not told
                 // "in flight".
-                // Another transaction claims the key now: "in flight", at once, holding nothing.
-                Ok(ClaimAnswer::Held) => {
+                // Another transaction holds the key: nothing was written, and the answer is the record as
+                // committed, at once, holding nothing while that transaction works.
+                Ok(ClaimAnswer::Held(record)) => {
                     take_back_marker().await;
                     unanswered.answered();
-                    return Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() });
+                    return self.answer_held(&candidate, record.as_ref()).await;
                 }
                 Ok(ClaimAnswer::OverQuota { limit, retry_after }) => {
                     take_back_marker().await;
@@ -514,6 +515,25 @@ impl Store {
             // owner that is still working (or one that just finished) lands here.
             State::InProgress | State::Released => Begin::InFlight { retry_after: remaining },
         })
+    }
+
+    /// The answer for a key whose lock another transaction holds, from its record as committed: a settled
+    /// record (or one of another payload) answers as ever, which writes nothing; otherwise that
+    /// transaction is claiming the key now (its record in no snapshot yet, or about to be taken over or
+    /// marked), which is "in flight".
+    async fn answer_held(&self, candidate: &Lease, record: Option<&Record>) -> Result<Begin, StoreError> {
+        match record {
+            Some(record)
+                if !record.matches(&candidate.fingerprint)
+                    || matches!(record.state, State::Completed | State::Expired | State::Indeterminate) =>
+            {
+                self.answer_from(candidate, record, None).await
+            }
+            Some(Record { state: State::InProgress, lease_remaining: Some(remaining), .. }) if !remaining.is_zero() => {
+                Ok(Begin::InFlight { retry_after: *remaining })
+            }
+            _ => Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() }),
+        }
     }
 
     /// Writes into Redis what Postgres holds, replacing the caller's marker. `state` is the record's
@@ -657,8 +677,10 @@ impl Drop for Unanswered<'_> {
         let Some(record_key) = self.marker.take() else { return };
         let (store, record_key) = (self.store.clone(), record_key.to_owned());
         let (owner, operation) = (self.owner.to_owned(), self.operation.to_owned());
-        // Sent after the script (one connection, in order): a script that runs at all runs first, and the
-        // take-back deletes only a marker with this owner's token.
+        // Sent after the script, most often on its connection, where a script that runs at all runs first;
+        // the take-back deletes only a marker with this owner's token. (On a connection replaced in between,
+        // or a script a cluster client sends again, the take-back may come first: the marker then stays for
+        // its lease, as a marker of a process that died there does.)
         let taking_back = async move {
             if let Some(redis) = &store.inner.redis {
                 store.degrade(&operation, redis.release(&record_key, &owner, Takeback::Unclaimed).await);

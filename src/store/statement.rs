@@ -40,6 +40,8 @@ pub(crate) const ACQUIRE: Statement = Statement::step("acquire");
 pub(crate) const BEGIN: Statement = Statement::step("begin_transaction");
 /// A transaction committed.
 pub(crate) const COMMIT: Statement = Statement::step("commit");
+/// A transaction rolled back.
+pub(crate) const ROLLBACK: Statement = Statement::step("rollback");
 
 impl Store {
     /// Sends `statement` (`call` runs it) under the store's Postgres timeout, counted and named.
@@ -74,6 +76,16 @@ impl Store {
         let begun = tokio::spawn(async move { pool.begin().await });
         let joined = async { begun.await.unwrap_or_else(|join| Err(sqlx::Error::Io(std::io::Error::other(join)))) };
         self.bounded(&BEGIN, joined).await
+    }
+
+    /// Rolls back a claim's transaction before its caller answers: dropped, it would roll back only once
+    /// its connection is next used, and until then it holds the key's lock (and the claim's row), so a
+    /// retry sent at once would be told the key is in flight. A failure is the connection's: Postgres
+    /// rolls the transaction back when it ends.
+    pub(crate) async fn roll_back(&self, tx: sqlx::Transaction<'static, sqlx::Postgres>) {
+        if let Err(error) = self.bounded(&ROLLBACK, tx.rollback()).await {
+            tracing::debug!(%error, "could not roll back a claim's transaction; its connection ends it");
+        }
     }
 }
 
