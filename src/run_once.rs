@@ -327,10 +327,14 @@ impl Store {
         F: for<'c> FnOnce(&'c mut PgConnection) -> TxFuture<'c, T, E>,
     {
         let mut tx = None;
-        let answer = self.begin_in(scope, key, fingerprint, options, &mut tx).await?;
-        let owner = match claimed(answer, options, scope, key).await? {
-            Claimed::Owner(owner) => owner,
-            Claimed::Answered(outcome) => {
+        let answer = self.begin_in(scope, key, fingerprint, options, &mut tx).await;
+        let claimed = match answer {
+            Ok(answer) => claimed(answer, options, scope, key).await,
+            Err(error) => Err(error.into()),
+        };
+        let owner = match claimed {
+            Ok(Claimed::Owner(owner)) => owner,
+            Ok(Claimed::Answered(outcome)) => {
                 // The answer may have marked the record indeterminate, in this transaction: keep it.
                 if let Some(tx) = tx
                     && let Err(error) = self.bounded(&COMMIT, tx.commit()).await
@@ -338,6 +342,13 @@ impl Store {
                     tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
                 }
                 return Ok(outcome);
+            }
+            // Rolled back before the error goes out: the transaction may hold the key's lock.
+            Err(error) => {
+                if let Some(tx) = tx {
+                    self.roll_back(tx).await;
+                }
+                return Err(error);
             }
         };
         let Some(mut tx) = tx else { return Err(RunError::Store(Store::no_transaction())) };

@@ -18,6 +18,8 @@ pub(crate) fn path(path: &str) -> Cow<'_, str> {
     respell(path, b"/?#%", None)
 }
 
+// Only the HTTP layer's fingerprint reads a query.
+#[cfg(feature = "http")]
 /// The query in its one spelling, as HTML forms (and axum's `Query`) decode it: each parameter as
 /// `name=value`, `+` and `%20` both a space (written `+`), `%2B` a plus sign, an `&` still encoded and an
 /// `=` too in a name (in a value, after the first `=`, it is the character, encoded or not); an empty
@@ -104,6 +106,7 @@ mod tests {
 
     /// Query parameters as forms decode them: `+` is a space and `%2B` a plus sign; an `&` or `=` inside
     /// a value stays encoded; a parameter without `=` has an empty value.
+    #[cfg(feature = "http")]
     #[test]
     fn queries_compare_as_forms_decode_them() {
         assert_eq!(query("ref=%41&b=1"), query("ref=A&b=1"));

@@ -398,7 +398,7 @@ async fn a_claim_that_lost_a_race_asks_again(mode: Mode) {
         tokio::spawn(async move { store.begin(&scope, &k, &fingerprint(r#"{"b":2}"#)).await })
     };
     let waiting = "SELECT count(*) FROM pg_stat_activity
-                   WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'WITH prior AS%'";
+                   WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'WITH key_lock AS%prior AS%'";
     let mut blocked: i64 = 0;
     // Well within the loser's lock timeout (half the harness's 2 s Postgres timeout).
     for _ in 0..100 {
@@ -723,6 +723,18 @@ async fn a_transactional_retry_that_meets_the_keys_lock_answers_from_the_record(
     assert_eq!(run("locked-done", json!({})).await, RunOutcome::Replayed(7));
     assert_eq!(run("locked-done", json!({"other": 1})).await, RunOutcome::Mismatch);
     assert!(matches!(run("locked-new", json!({})).await, RunOutcome::InFlight { .. }));
+    // A released record past its expiry, which the lock's holder may be re-acquiring with any payload:
+    // "in flight", not refused.
+    let released = key("locked-released");
+    match h.store.begin(&scope, &released, &fingerprint("{}")).await.expect("begin") {
+        Begin::Acquired(owner) => owner.release().await.expect("release"),
+        other => panic!("{other:?}"),
+    }
+    h.pass_retention(&scope, &released).await;
+    let lock =
+        sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_xact_lock($1)").bind(key_lock(&h, &scope, &released));
+    assert!(lock.fetch_one(&mut *holder).await.expect("lock"));
+    assert!(matches!(run("locked-released", json!({"other": 1})).await, RunOutcome::InFlight { .. }));
     assert!(h.store.admin().lookup(&scope, &key("locked-new")).await.expect("lookup").is_none(), "nothing written");
     holder.rollback().await.expect("rollback");
     assert_eq!(run("locked-new", json!({})).await, RunOutcome::Executed(7));

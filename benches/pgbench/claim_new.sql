@@ -1,11 +1,10 @@
 -- Mirrors src/store/postgres_tier.rs as of 2026-12-05 (see README.md in this directory).
 -- A part: run.sh adds the key variable and composes the transactions.
 -- The claim of a key Redis had nothing of (CLAIM_NEW), as sent, the parameters inlined; md5 stands in
--- for the key's digest. In its transactional form: it takes the key's lock (hashtext stands in for the
--- digest's 63 bits); outside a transaction the lock parameter is NULL and nothing is taken.
+-- for the key's digest. run.sh writes :key_lock as NULL outside a transaction (nothing is taken), and
+-- as the key's lock inside one (hashtext stands in for the digest's 63 bits).
 WITH key_lock AS MATERIALIZED (
-SELECT CASE WHEN (hashtext('k-' || :k)::int8 | (1::int8 << 63)) IS NULL THEN true
-ELSE pg_try_advisory_xact_lock(hashtext('k-' || :k)::int8 | (1::int8 << 63)) END AS held
+SELECT CASE WHEN :key_lock IS NULL THEN true ELSE pg_try_advisory_xact_lock(:key_lock) END AS held
 )
 INSERT INTO idempotency_records AS r
 (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
@@ -27,6 +26,6 @@ FROM idempotency_tombstones
 WHERE digest = md5('k-' || :k)::uuid AND (expires_at IS NULL OR expires_at > now()))
 ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING
 RETURNING true AS acquired, NULL::"char" AS prior_state, NULL::"char" AS quota_limit,
-NULL::bigint AS quota_retry_ms, state, fingerprint, fence, response, tier, on_lease_expiry,
+NULL::bigint AS quota_retry_ms, true AS held, state, fingerprint, fence, response, tier, on_lease_expiry,
 CASE WHEN lease_expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM lease_expires_at - now()) * 1000))::bigint END AS lease_ms,
 CASE WHEN expires_at IS NOT NULL THEN CEIL(GREATEST(0, EXTRACT(EPOCH FROM expires_at - now()) * 1000))::bigint END AS expires_ms;

@@ -19,7 +19,7 @@ scripts=(
     claim=claim
     records_insert_complete="records_insert complete"
     plain="claim bare complete"
-    in_tx="BEGIN hold_key claim bare complete COMMIT"
+    in_tx="BEGIN claim bare complete COMMIT"
     in_tx_claim_new="BEGIN claim_new bare complete COMMIT"
     in_tx_floor="BEGIN bare records_insert_completed COMMIT"
 )
@@ -29,10 +29,13 @@ for entry in "${scripts[@]}"; do
     name="${entry%%=*}"
     {
         echo '\set k random(1, 2000000000)'
+        # The key's lock: taken inside a transaction only, as the store does.
+        key_lock='NULL::int8'
         for part in ${entry#*=}; do
             case "$part" in
-                BEGIN | COMMIT) echo "$part;" ;;
-                *) grep -v '^--' "$here/$part.sql" ;;
+                BEGIN) echo "$part;"; key_lock="(hashtext('k-' || :k)::int8 | (1::int8 << 63))" ;;
+                COMMIT) echo "$part;"; key_lock='NULL::int8' ;;
+                *) grep -v '^--' "$here/$part.sql" | sed "s/:key_lock/$key_lock/g" ;;
             esac
         done
     } > "$composed/$name.sql"

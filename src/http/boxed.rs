@@ -64,8 +64,9 @@ impl Body for Measured {
         Poll::Ready(frame)
     }
 
+    /// The inner body's word only: trailers may follow the last byte.
     fn is_end_stream(&self) -> bool {
-        self.left == 0 || self.inner.is_end_stream()
+        self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

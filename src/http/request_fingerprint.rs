@@ -127,8 +127,8 @@ async fn of_request(
     // The path in its one spelling whatever the comparison (the key space reads it so).
     let path = crate::target::path(uri.path());
     let target = match (query, uri.query()) {
-        (QueryComparison::Exact, Some(query)) => Cow::Owned(format!("{path}?{query}")),
-        (QueryComparison::Exact, None) => path,
+        (QueryComparison::Exact, Some(query)) if !query.is_empty() => Cow::Owned(format!("{path}?{query}")),
+        (QueryComparison::Exact, _) => path,
         (QueryComparison::Unordered, query) => unordered(&path, query),
     };
     Ok(payload.within(&[method.as_str(), &target]))

@@ -167,7 +167,12 @@ where
             }
             return Ok(answer::refusal(refused, config, parts, (scope, key, *principal)).await);
         }
-        Err(error) => return Ok(answer::store_failed(&error)),
+        Err(error) => {
+            if let Some(tx) = tx {
+                store.roll_back(tx).await;
+            }
+            return Ok(answer::store_failed(&error));
+        }
     };
     let Some(tx) = tx else { return Ok(answer::unavailable()) };
     let principal = *principal;

@@ -259,7 +259,10 @@ impl Owner {
         let response = store.sealed(lease, response);
         let committed = match store.complete_in(&mut tx, lease, &response).await {
             Ok(retained) => store.bounded(&COMMIT, tx.commit()).await.map(|()| retained),
-            Err(error) => Err(error),
+            Err(error) => {
+                store.roll_back(tx).await;
+                Err(error)
+            }
         };
         let completed = match committed {
             Ok(retained) => {

@@ -155,13 +155,41 @@ macro_rules! insert_new_record {
     };
 }
 
+/// A row shaped like a record with nothing in it, for an answer that has no record.
+macro_rules! no_record {
+    () => {
+        "(SELECT NULL::\"char\" AS state, NULL::bytea AS fingerprint, NULL::bigint AS fence,
+                  NULL::bytea AS response, NULL::text AS tier, NULL::\"char\" AS on_lease_expiry,
+                  NULL::timestamptz AS lease_expires_at, NULL::timestamptz AS expires_at) AS nothing"
+    };
+}
+
+/// The key's lock for a claim inside the caller's transaction (`$lock`, see [`key_lock`]; NULL outside
+/// one, where nothing is taken), as the claim's first CTE: `key_lock.held`. The claim writes only if it
+/// holds it; otherwise it answers `held` false with the record as committed, if any.
+macro_rules! key_lock_cte {
+    ($lock:expr) => {
+        concat!(
+            "key_lock AS MATERIALIZED (
+            SELECT CASE WHEN ",
+            $lock,
+            "::int8 IS NULL THEN true ELSE pg_try_advisory_xact_lock(",
+            $lock,
+            "::int8) END AS held
+        )"
+        )
+    };
+}
+
 /// The claim statement's text, with or without the quota's parts: a policy without a quota sends the
 /// statement without them, which neither reads nor locks anything of the quota's.
 macro_rules! claim_sql {
-    (quota_ctes: $quota_ctes:expr, held_back: $held_back:expr, counted: $counted:expr,
+    (lock: $lock:expr, quota_ctes: $quota_ctes:expr, held_back: $held_back:expr, counted: $counted:expr,
      prior_quota: $prior_quota:expr, refused: $refused:expr $(,)?) => {
         concat!(
-            "WITH prior AS (
+            "WITH ",
+            key_lock_cte!($lock),
+            ", prior AS (
             SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
             FROM idempotency_records
             WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
@@ -174,7 +202,8 @@ macro_rules! claim_sql {
             ",
             insert_new_record!(),
             "
-            WHERE NOT EXISTS (SELECT 1 FROM buried)
+            WHERE (SELECT held FROM key_lock)
+              AND NOT EXISTS (SELECT 1 FROM buried)
               AND NOT EXISTS (SELECT 1 FROM prior WHERE state IN ('c', 'i')
                                                      OR (state = 'p' AND (lease_expires_at > now()
                                                          OR on_lease_expiry = 'm')))",
@@ -199,16 +228,24 @@ macro_rules! claim_sql {
         SELECT true AS acquired, (SELECT state FROM prior) AS prior_state, NULL::\"char\" AS quota_limit,
                NULL::bigint AS quota_retry_ms, ",
             record_columns!(),
-            " FROM claimed
+            ", true AS held FROM claimed
         UNION ALL
         SELECT coalesce(state = 'p' AND owner = $5 AND lease_expires_at > now(), false), NULL, ",
             $prior_quota,
             record_columns!(),
-            " FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
+            ", (SELECT held FROM key_lock) FROM prior WHERE NOT EXISTS (SELECT 1 FROM claimed)
         UNION ALL
         SELECT false, NULL, NULL, NULL, ",
             record_columns!(),
-            " FROM buried",
+            ", (SELECT held FROM key_lock) FROM buried
+        UNION ALL
+        SELECT false, NULL, NULL, NULL, ",
+            record_columns!(),
+            ", false FROM ",
+            no_record!(),
+            "
+        WHERE NOT (SELECT held FROM key_lock) AND NOT EXISTS (SELECT 1 FROM prior)
+          AND NOT EXISTS (SELECT 1 FROM buried)",
             $refused
         )
     };
@@ -225,13 +262,16 @@ macro_rules! claim_sql {
 /// row lock. A live record of this very claim (its owner, a token no other call has) is acquired: a
 /// batch wrote it, and the caller never heard (see [`group_commit`](super::group_commit)). `prior` also
 /// says what was re-acquired (for the takeover metric). `quota_limit` and `quota_retry_ms` are NULL
-/// ([`CLAIM_UNDER_QUOTA`] fills them).
+/// ([`CLAIM_UNDER_QUOTA`] fills them). Inside the caller's transaction it takes the key's lock (`$12`,
+/// see [`key_lock_cte`]): without it, nothing is written and the one row is `held` false, with the
+/// record as committed (`prior`, `buried`) or none.
 const CLAIM: Statement = Statement::new(
     "claim",
-    claim_sql!(quota_ctes: "", held_back: "", counted: "", prior_quota: "NULL, NULL, ", refused: ""),
+    claim_sql!(lock: "$12", quota_ctes: "", held_back: "", counted: "", prior_quota: "NULL, NULL, ", refused: ""),
 );
 
-/// [`CLAIM`] under the tenant's quota (`$12`..`$14`, see [`quota_ctes`]): it holds back a new record
+/// [`CLAIM`] under the tenant's quota (`$12`..`$14`, see [`quota_ctes`]; the key's lock is `$15`): it
+/// holds back a new record
 /// while either limit is reached, and a re-acquisition while the live-key limit is; a new record is
 /// counted (`counted`). The quota is read only where the claim would write: a key answered from its
 /// record costs nothing more. A refusal comes back as `quota_limit` and `quota_retry_ms`, with `prior`'s
@@ -239,6 +279,7 @@ const CLAIM: Statement = Statement::new(
 const CLAIM_UNDER_QUOTA: Statement = Statement::new(
     "claim",
     claim_sql!(
+        lock: "$15",
         quota_ctes: quota_ctes!(),
         held_back: "
           AND NOT EXISTS (SELECT 1 FROM over_live_keys)
@@ -265,30 +306,30 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
             millis_until!("reached.frees_at"),
             ", ",
             record_columns!(),
-            " FROM (SELECT NULL::\"char\" AS state, NULL::bytea AS fingerprint, NULL::bigint AS fence,
-                  NULL::bytea AS response, NULL::text AS tier, NULL::\"char\" AS on_lease_expiry,
-                  NULL::timestamptz AS lease_expires_at, NULL::timestamptz AS expires_at) AS nothing,
+            ", true FROM ",
+            no_record!(),
+            ",
            (SELECT * FROM over_new_keys UNION ALL SELECT * FROM over_live_keys ORDER BY frees_at DESC LIMIT 1)
                AS reached
-    WHERE NOT EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
+    WHERE (SELECT held FROM key_lock) AND NOT EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM prior)
       AND NOT EXISTS (SELECT 1 FROM buried)"
         ),
     ),
 );
 
-/// The key, and a place among its tenant's live keys, for a claim made inside the caller's transaction,
-/// before the claim is sent: `held`, the key's own transaction-level advisory lock (`$1`, see
-/// [`key_lock`]); then, only when it is held and the policy has a live-key quota (`$3`, the limit, at most
-/// 65,536 slots; NULL for none), `slot`, one advisory lock among the tenant's slots (key: `$2`, the
-/// namespace of the tenant and operation, shifted left 16 bits, and the slot), or NULL when all are held.
-/// Both are held until that transaction ends.
+/// The key, and a place among its tenant's live keys, for a claim under a live-key quota made inside the
+/// caller's transaction, before the claim is sent: `held`, the key's own transaction-level advisory lock
+/// (`$1`, see [`key_lock`]); then, only when it is held, `slot`, one advisory lock among the tenant's
+/// slots (`$3`, the limit, at most 65,536 slots; key: `$2`, the namespace of the tenant and operation,
+/// shifted left 16 bits, and the slot), or NULL when all are held. Both are held until that transaction
+/// ends.
 ///
 /// The key's lock is what a duplicate meets while the owner's transaction is open: its claim is in no
 /// snapshot, and the claim's insert would wait on its row for the whole lock timeout, holding a pool
 /// connection, a Postgres backend and (under a quota) a slot that the tenant's new keys need. Not held:
 /// another transaction claims the key now, or answers from its record; the caller writes nothing and
-/// answers from the record as committed ([`ClaimAnswer::Held`]). [`CLAIM_NEW`] takes the same lock
-/// itself: this statement is sent for a key that is not new, or under a quota.
+/// answers from the record as committed ([`ClaimAnswer::Held`]). Without a quota the claim statements
+/// take the lock themselves ([`key_lock_cte`]), and no round trip is added for it.
 ///
 /// The slots are what the live-key quota counts of such claims: unlike rows, other backends see them at
 /// once. (Claims outside transactions do not read them: that is a scan of `pg_locks`, which takes every
@@ -296,7 +337,7 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
 /// list, so they are tried one at a time and the first lock taken ends the subquery.
 const HOLD_KEY: Statement = Statement::new(
     "hold_key",
-    "SELECT held, CASE WHEN held AND $3::int4 IS NOT NULL THEN (
+    "SELECT held, CASE WHEN held THEN (
          SELECT slot FROM (SELECT generate_series(0, least($3::int4, 65536) - 1) AS slot) AS slots
          WHERE pg_try_advisory_xact_lock(($2::int8 << 16) | slot) LIMIT 1) END AS slot
      FROM (SELECT pg_try_advisory_xact_lock($1::int8) AS held) AS key",
@@ -336,9 +377,9 @@ fn live_slots(scope: &Scope) -> i64 {
 const CLAIM_NEW: Statement = Statement::new(
     "claim",
     concat!(
-        "WITH key_lock AS MATERIALIZED (
-        SELECT CASE WHEN $12::int8 IS NULL THEN true ELSE pg_try_advisory_xact_lock($12::int8) END AS held
-    )
+        "WITH ",
+        key_lock_cte!("$12"),
+        "
     ",
         insert_new_record!(),
         "
@@ -352,7 +393,8 @@ const CLAIM_NEW: Statement = Statement::new(
     ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING
     RETURNING true AS acquired, NULL::\"char\" AS prior_state, NULL::\"char\" AS quota_limit,
               NULL::bigint AS quota_retry_ms, ",
-        record_columns!()
+        record_columns!(),
+        ", true AS held"
     ),
 );
 
@@ -659,23 +701,26 @@ impl PostgresTier {
         let Some(conn) = conn else {
             return self.claim_alone(lease, digest, new_key_first, live_keys, alone).await;
         };
+        // The claim takes the key's lock itself; under a quota the lock comes first, with a slot.
         let lock = key_lock(&digest);
-        if new_key_first && let Some(claimed) = claim_new_on(conn, self.timeout, lease, digest, Some(lock)).await? {
-            return Ok(claimed);
-        }
-        let hold = sqlx::query_as::<_, (bool, Option<i32>)>(HOLD_KEY.sql)
-            .bind(lock)
-            .bind(live_slots(&lease.scope))
-            .bind(live_keys);
-        let (held, slot) = self.bounded(&HOLD_KEY, hold.fetch_one(&mut *conn)).await?;
-        if !held {
-            let record = lookup_on(&mut *conn, self.timeout, &lease.scope, &lease.key, digest).await?;
-            return Ok(ClaimAnswer::Held(record));
-        }
-        // Every slot is another open transaction's claim: nothing may start, and a key with a record is
-        // still answered from it.
-        let live_keys = live_keys.map(|live| if slot.is_some() { live } else { 0 });
-        claim_on(conn, self.timeout, lease, digest, false, live_keys).await
+        let live_keys = match live_keys {
+            None => None,
+            Some(limit) => {
+                let hold = sqlx::query_as::<_, (bool, Option<i32>)>(HOLD_KEY.sql)
+                    .bind(lock)
+                    .bind(live_slots(&lease.scope))
+                    .bind(limit);
+                let (held, slot) = self.bounded(&HOLD_KEY, hold.fetch_one(&mut *conn)).await?;
+                if !held {
+                    let record = lookup_on(&mut *conn, self.timeout, &lease.scope, &lease.key, digest).await?;
+                    return Ok(ClaimAnswer::Held(record));
+                }
+                // Every slot is another open transaction's claim: nothing may start, and a key with a
+                // record is still answered from it.
+                Some(if slot.is_some() { limit } else { 0 })
+            }
+        };
+        claim_on(conn, self.timeout, lease, digest, new_key_first, live_keys, Some(lock)).await
     }
 
     /// The claim on a pooled connection, in a task of its own that finishes whatever becomes of its
@@ -700,7 +745,7 @@ impl PostgresTier {
                     if let Some(alone) = alone.as_mut() {
                         alone.took_connection();
                     }
-                    claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys).await
+                    claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys, None).await
                 }
                 .await;
                 drop(alone);
@@ -825,7 +870,8 @@ impl Drop for LoneAnswer<'_> {
 }
 
 /// The claim's statements on `conn`: [`CLAIM_NEW`] first when `new_key_first`, then the full claim
-/// (under the quota when the policy has one; `live_keys` is the live-key limit this claim may use).
+/// (under the quota when the policy has one; `live_keys` is the live-key limit this claim may use),
+/// taking the key's lock (`lock`) inside the caller's transaction.
 async fn claim_on(
     conn: &mut PgConnection,
     timeout: Duration,
@@ -833,6 +879,7 @@ async fn claim_on(
     digest: KeyDigest,
     new_key_first: bool,
     live_keys: Option<i32>,
+    lock: Option<i64>,
 ) -> Result<ClaimAnswer, StoreError> {
     let policy = &lease.policy;
     let quota = &policy.quota;
@@ -840,8 +887,14 @@ async fn claim_on(
     // A concurrent claim that committed after this statement's snapshot conflicts with the insert
     // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
     // record this claim would have re-acquired). The next attempt sees the winner.
-    if new_key_first && let Some(claimed) = claim_new_on(conn, timeout, lease, digest, None).await? {
-        return Ok(claimed);
+    if new_key_first {
+        let claim = claim_query(&CLAIM_NEW, lease, &digest).bind(lock);
+        let row = statement::bounded(timeout, &CLAIM_NEW, claim.fetch_optional(&mut *conn)).await?;
+        // No row: not new after all (a record, a live tombstone), or the key's lock is another's; the
+        // full claim answers.
+        if let Some(row) = row {
+            return decode_claim(&row, lease).map_err(|e| CLAIM_NEW.failed(e));
+        }
     }
     let mut attempt = 0;
     loop {
@@ -853,7 +906,7 @@ async fn claim_on(
                 .bind(new_keys.map(|(_, window)| millis(window) as f64))
                 .bind(live_keys);
         }
-        let row = statement::bounded(timeout, full, claim.fetch_optional(&mut *conn)).await?;
+        let row = statement::bounded(timeout, full, claim.bind(lock).fetch_optional(&mut *conn)).await?;
         attempt += 1;
         if let Some(row) = row {
             let claimed = decode_claim(&row, lease).map_err(|e| full.failed(e))?;
@@ -867,20 +920,6 @@ async fn claim_on(
             return Ok(claimed);
         }
     }
-}
-
-/// [`CLAIM_NEW`] on `conn`: the new record, or `None` when the key is not new (a record, a live tombstone)
-/// or, inside a transaction, its lock (`lock`) is another's.
-async fn claim_new_on(
-    conn: &mut PgConnection,
-    timeout: Duration,
-    lease: &Lease,
-    digest: KeyDigest,
-    lock: Option<i64>,
-) -> Result<Option<ClaimAnswer>, StoreError> {
-    let claim = claim_query(&CLAIM_NEW, lease, &digest).bind(lock);
-    let row = statement::bounded(timeout, &CLAIM_NEW, claim.fetch_optional(conn)).await?;
-    row.map(|row| decode_claim(&row, lease)).transpose().map_err(|e| CLAIM_NEW.failed(e))
 }
 
 /// A claim statement with the parameters every claim binds (`$1`..`$11`).
@@ -986,6 +1025,10 @@ fn would_reacquire(record: &Record, lease: &Lease) -> bool {
 /// The claim statement's row: the record, or the quota that held back a write the claim would have made
 /// (for no record, or for one it would have re-acquired as read).
 fn decode_claim(row: &PgRow, lease: &Lease) -> Result<ClaimAnswer, sqlx::Error> {
+    let state: Option<i8> = row.try_get("state")?;
+    if !row.try_get::<bool, _>("held")? {
+        return Ok(ClaimAnswer::Held(state.map(|_| decode_record(row)).transpose()?));
+    }
     let acquired: bool = row.try_get("acquired")?;
     let over_quota = match row.try_get::<Option<i8>, _>("quota_limit")? {
         Some(code) => {
@@ -998,7 +1041,6 @@ fn decode_claim(row: &PgRow, lease: &Lease) -> Result<ClaimAnswer, sqlx::Error> 
         }
         None => None,
     };
-    let state: Option<i8> = row.try_get("state")?;
     if state.is_none() {
         return over_quota.ok_or_else(|| sqlx::Error::Decode("a claim answered neither a record nor a quota".into()));
     }

@@ -518,19 +518,21 @@ impl Store {
     }
 
     /// The answer for a key whose lock another transaction holds, from its record as committed: a settled
-    /// record (or one of another payload) answers as ever, which writes nothing; otherwise that
-    /// transaction is claiming the key now (its record in no snapshot yet, or about to be taken over or
-    /// marked), which is "in flight".
+    /// record answers as ever (a replay, a refusal), which writes nothing; a live lease is "in flight" (or
+    /// refuses another payload); otherwise (no record, a released one, a lease that ran out) that
+    /// transaction is claiming the key now, which is "in flight" too, whatever this payload.
     async fn answer_held(&self, candidate: &Lease, record: Option<&Record>) -> Result<Begin, StoreError> {
         match record {
-            Some(record)
-                if !record.matches(&candidate.fingerprint)
-                    || matches!(record.state, State::Completed | State::Expired | State::Indeterminate) =>
-            {
+            Some(record) if matches!(record.state, State::Completed | State::Expired | State::Indeterminate) => {
                 self.answer_from(candidate, record, None).await
             }
-            Some(Record { state: State::InProgress, lease_remaining: Some(remaining), .. }) if !remaining.is_zero() => {
-                Ok(Begin::InFlight { retry_after: *remaining })
+            Some(record @ Record { state: State::InProgress, lease_remaining: Some(remaining), .. })
+                if !remaining.is_zero() =>
+            {
+                Ok(match record.matches(&candidate.fingerprint) {
+                    true => Begin::InFlight { retry_after: *remaining },
+                    false => Begin::Mismatch,
+                })
             }
             _ => Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() }),
         }

@@ -78,10 +78,10 @@ impl Store {
         self.bounded(&BEGIN, joined).await
     }
 
-    /// Rolls back a claim's transaction before its caller answers: dropped, it would roll back only once
-    /// its connection is next used, and until then it holds the key's lock (and the claim's row), so a
-    /// retry sent at once would be told the key is in flight. A failure is the connection's: Postgres
-    /// rolls the transaction back when it ends.
+    /// Rolls back a claim's transaction before its caller answers: dropped, it would roll back a moment
+    /// later, in the task that returns its connection to the pool, and until then it holds the key's lock
+    /// (and the claim's row), so a retry sent at once could be told the key is in flight. A failure is the
+    /// connection's: Postgres rolls the transaction back when it ends.
     pub(crate) async fn roll_back(&self, tx: sqlx::Transaction<'static, sqlx::Postgres>) {
         if let Err(error) = self.bounded(&ROLLBACK, tx.rollback()).await {
             tracing::debug!(%error, "could not roll back a claim's transaction; its connection ends it");
