@@ -587,11 +587,7 @@ fn unmatched(tenant: &str, n: usize) -> Request<Body> {
 
 /// A transfer from `account` with `key`, by tenant `acme`.
 fn transfer(account: &str, key: &str, body: &Value) -> Request<Body> {
-    let request = Request::post(format!("/accounts/{account}/transfers"))
-        .header("authorization", "Bearer acme")
-        .header("content-type", "application/json")
-        .header("idempotency-key", key);
-    request.body(Body::from(body.to_string())).expect("request")
+    post_to(&format!("/accounts/{account}/transfers"), key, body)
 }
 
 /// One key sent to two accounts' paths of one route names two records: the second account's request

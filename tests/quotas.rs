@@ -157,6 +157,37 @@ async fn live_keys_count_leases_in_progress_only(mode: Mode) {
     assert!(matches!(begin("d", 1).await, Begin::Acquired(_)));
 }
 
+/// Transactional claims of tenant `acme` for the live-key tests: each selects 1 in its claim's
+/// transaction; one that waits says so (on the receiver `new` returns) and then waits for a permit of
+/// `gate`, holding its claim open.
+struct InTx<'h> {
+    h: &'h Harness,
+    started: tokio::sync::mpsc::UnboundedSender<()>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl<'h> InTx<'h> {
+    fn new(h: &'h Harness) -> (Self, tokio::sync::mpsc::UnboundedReceiver<()>) {
+        let (started, opened) = tokio::sync::mpsc::unbounded_channel();
+        (Self { h, started, gate: std::sync::Arc::new(tokio::sync::Semaphore::new(0)) }, opened)
+    }
+
+    async fn run(&self, name: &str, payload: Value, wait: bool) -> RunOutcome<i64> {
+        let (started, gate) = (self.started.clone(), std::sync::Arc::clone(&self.gate));
+        let (scope, key) = (self.h.scope("acme"), key(name));
+        let outcome = self.h.store.run_once_in_tx(&scope, &key, &payload, move |tx| {
+            Box::pin(async move {
+                if wait {
+                    started.send(()).expect("the test listens");
+                    gate.acquire().await.expect("open").forget();
+                }
+                sqlx::query_scalar::<_, i64>("SELECT 1::int8").fetch_one(tx).await
+            })
+        });
+        outcome.await.expect("answer")
+    }
+}
+
 /// Claims made inside a transaction are in no snapshot until they commit: each holds one of the limit's
 /// slots instead. Two held open fill a limit of two, so a third transactional claim is refused and
 /// nothing of it is recorded, while a completed key is still replayed; once both commit (completed, not
@@ -164,29 +195,10 @@ async fn live_keys_count_leases_in_progress_only(mode: Mode) {
 /// connections in transactional claims). A plain claim counts the committed leases only: with both kinds
 /// at once a tenant holds at most twice the limit (documented on `Quota::live_keys`).
 async fn open_transactional_claims_count_as_live_keys(mode: Mode) {
-    use std::sync::Arc;
-
     let h = harness(mode, Quota::default().live_keys(2)).await;
     let scope = h.scope("acme");
-    let (started, mut opened) = tokio::sync::mpsc::unbounded_channel();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let in_tx = |name: &'static str, wait: bool| {
-        let (scope, key, h) = (scope.clone(), key(name), &h);
-        let (started, gate) = (started.clone(), Arc::clone(&gate));
-        async move {
-            let payload = json!({});
-            let outcome = h.store.run_once_in_tx(&scope, &key, &payload, move |tx| {
-                Box::pin(async move {
-                    if wait {
-                        started.send(()).expect("the test listens");
-                        gate.acquire().await.expect("open").forget();
-                    }
-                    sqlx::query_scalar::<_, i64>("SELECT 1::int8").fetch_one(tx).await
-                })
-            });
-            outcome.await.expect("answer")
-        }
-    };
+    let (claims, mut opened) = InTx::new(&h);
+    let in_tx = |name: &'static str, wait: bool| claims.run(name, json!({}), wait);
     assert_eq!(in_tx("done", false).await, RunOutcome::Executed(1));
     let held = futures::future::join(in_tx("held-1", true), in_tx("held-2", true));
     let refused = async {
@@ -203,7 +215,7 @@ async fn open_transactional_claims_count_as_live_keys(mode: Mode) {
         };
         // A key with a record is answered from it, slots or not (it starts nothing).
         let replay = in_tx("done", false).await;
-        gate.add_permits(2);
+        claims.gate.add_permits(2);
         (third, plain, replay)
     };
     let ((first, second), (third, plain, replay)) = tokio::join!(held, refused);
@@ -303,28 +315,9 @@ async fn the_previous_window_weighs_as_much_as_the_sliding_window_still_covers(m
 /// live-key slot, then waited on the owner's row lock for the whole lock timeout (2.5 s by default) with
 /// a pool connection, and the new key was refused `QuotaExceeded` meanwhile.
 async fn a_duplicate_of_an_open_transactional_claim_holds_no_slot(mode: Mode) {
-    use std::sync::Arc;
-
     let h = harness(mode, Quota::default().live_keys(2)).await;
-    let scope = h.scope("acme");
-    let (started, mut opened) = tokio::sync::mpsc::unbounded_channel();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let in_tx = |name: &'static str, payload: Value, wait: bool| {
-        let (scope, key, h) = (scope.clone(), key(name), &h);
-        let (started, gate) = (started.clone(), Arc::clone(&gate));
-        async move {
-            let outcome = h.store.run_once_in_tx(&scope, &key, &payload, move |tx| {
-                Box::pin(async move {
-                    if wait {
-                        started.send(()).expect("the test listens");
-                        gate.acquire().await.expect("open").forget();
-                    }
-                    sqlx::query_scalar::<_, i64>("SELECT 1::int8").fetch_one(tx).await
-                })
-            });
-            outcome.await.expect("answer")
-        }
-    };
+    let (claims, mut opened) = InTx::new(&h);
+    let in_tx = |name: &'static str, payload: Value, wait: bool| claims.run(name, payload, wait);
     let held = in_tx("held", json!({}), true);
     let others = async {
         opened.recv().await.expect("the owner works");
@@ -348,7 +341,7 @@ async fn a_duplicate_of_an_open_transactional_claim_holds_no_slot(mode: Mode) {
             Some(answer) => answer,
             None => duplicate.await,
         };
-        gate.add_permits(1);
+        claims.gate.add_permits(1);
         (fresh, duplicate)
     };
     let (held, (fresh, duplicate)) = tokio::join!(held, others);
