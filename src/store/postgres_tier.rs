@@ -884,9 +884,6 @@ async fn claim_on(
     let policy = &lease.policy;
     let quota = &policy.quota;
     let full = if quota.is_off() { &CLAIM } else { &CLAIM_UNDER_QUOTA };
-    // A concurrent claim that committed after this statement's snapshot conflicts with the insert
-    // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
-    // record this claim would have re-acquired). The next attempt sees the winner.
     if new_key_first {
         let claim = claim_query(&CLAIM_NEW, lease, &digest).bind(lock);
         let row = statement::bounded(timeout, &CLAIM_NEW, claim.fetch_optional(&mut *conn)).await?;
@@ -896,6 +893,9 @@ async fn claim_on(
             return decode_claim(&row, lease).map_err(|e| CLAIM_NEW.failed(e));
         }
     }
+    // A concurrent claim that committed after this statement's snapshot conflicts with the insert
+    // but is invisible to `prior`: the statement returns no row, or `prior` as the snapshot saw it (a
+    // record this claim would have re-acquired). The next attempt sees the winner.
     let mut attempt = 0;
     loop {
         let mut claim = claim_query(full, lease, &digest);

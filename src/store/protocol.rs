@@ -103,9 +103,9 @@ impl Store {
     /// [`Store::begin`] with the Postgres claim made inside a transaction that the caller commits (with
     /// the completion) or rolls back; under the policy of `options` (a wait does not apply). The
     /// transaction is begun only when Postgres is asked: a duplicate that Redis answers costs no `BEGIN`
-    /// and no connection, and one that meets another transaction's claim of the key (its lock, taken
-    /// before the claim) is told "in flight" at once and its transaction rolled back by the caller. It is
-    /// in `tx` afterwards (always, on [`Begin::Acquired`]).
+    /// and no connection, and one that meets another transaction's lock on the key (which the claim
+    /// takes) writes nothing and is answered at once from the record as committed. It is in `tx`
+    /// afterwards (always, on [`Begin::Acquired`]).
     pub(crate) async fn begin_in(
         &self,
         scope: &Scope,
@@ -370,15 +370,9 @@ impl Store {
                 owner: &candidate.owner,
                 operation,
             };
-            let take_back_marker = async || {
-                if let Some((redis, record_key)) = &marked {
-                    self.degrade(operation, redis.release(record_key, &candidate.owner, Takeback::Unclaimed).await);
-                }
-            };
             // Only a claim that may acquire the key asks: Redis's answers (a replay, "in flight") write nothing.
             if let Err(refused) = self.refuse_clear_writes().await {
-                take_back_marker().await;
-                unanswered.answered();
+                unanswered.take_back().await;
                 return Err(refused);
             }
             // The caller's transaction, begun now that Postgres is asked.
@@ -389,8 +383,7 @@ impl Store {
                         match self.begin_transaction().await {
                             Ok(begun) => *lazy = Some(begun),
                             Err(error) => {
-                                take_back_marker().await;
-                                unanswered.answered();
+                                unanswered.take_back().await;
                                 return Err(error);
                             }
                         }
@@ -404,26 +397,23 @@ impl Store {
             let likely_new = marked.is_some() || self.inner.redis.is_none();
             let claim = match self.inner.postgres.claim(&candidate, likely_new, tx.as_deref_mut()).await {
                 Ok(ClaimAnswer::Claim(claim)) => claim,
-                // Nothing runs and nothing is recorded: the marker goes too, so that a retry is not told
-                // "in flight".
                 // Another transaction holds the key: nothing was written, and the answer is the record as
                 // committed, at once, holding nothing while that transaction works.
                 Ok(ClaimAnswer::Held(record)) => {
-                    take_back_marker().await;
-                    unanswered.answered();
+                    unanswered.take_back().await;
                     return self.answer_held(&candidate, record.as_ref()).await;
                 }
+                // Nothing runs and nothing is recorded: the marker goes too, so that a retry is not told
+                // "in flight".
                 Ok(ClaimAnswer::OverQuota { limit, retry_after }) => {
-                    take_back_marker().await;
-                    unanswered.answered();
+                    unanswered.take_back().await;
                     telemetry::quota_refusal(operation, limit);
                     return Ok(Begin::QuotaExceeded { limit, retry_after });
                 }
                 Err(error) => {
                     // Fail closed, and take the marker back so retries are not told "in flight" for work
                     // that never started.
-                    take_back_marker().await;
-                    unanswered.answered();
+                    unanswered.take_back().await;
                     // The row is locked past the lock timeout: an owner is working on it inside its own
                     // transaction (`run_once_in_tx`), which is what "in flight" means.
                     if is_lock_timeout(&error) {
@@ -670,6 +660,16 @@ struct Unanswered<'a> {
 impl Unanswered<'_> {
     /// The caller has its answer, and Redis what it says: nothing to take back.
     fn answered(mut self) {
+        self.marker = None;
+    }
+
+    /// The caller gets an answer that leaves nothing for its marker to say: the marker goes now, before
+    /// the answer (cancelled meanwhile, the guard still takes it back).
+    async fn take_back(mut self) {
+        if let (Some(record_key), Some(redis)) = (self.marker, &self.store.inner.redis) {
+            let released = redis.release(record_key, self.owner, Takeback::Unclaimed).await;
+            self.store.degrade(self.operation, released);
+        }
         self.marker = None;
     }
 }
