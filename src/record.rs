@@ -113,6 +113,11 @@ pub(crate) struct Lease {
 }
 
 impl Lease {
+    /// The digest that names the lease's record ([`key_digest`](crate::key::key_digest)).
+    pub(crate) fn digest(&self) -> crate::key::KeyDigest {
+        crate::key::key_digest(&self.scope, &self.key)
+    }
+
     /// The span of a write of this lease (`complete`, `release`, `extend`).
     pub(crate) fn span(&self, step: &'static str) -> tracing::Span {
         crate::telemetry::write_span(step, self.scope.operation(), self.key.as_str(), self.fence)

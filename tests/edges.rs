@@ -182,12 +182,12 @@ async fn a_tombstone_takes_at_most_120_bytes(mode: Mode) {
     let h = Harness::with(mode, policy(LeaseExpiry::TakeOver), Servers::Any).await;
     let rows = 20_000;
     let seed = "INSERT INTO idempotency_records
-                    (tenant, operation, idempotency_key, fingerprint, state, fence, response, expires_at, tier,
-                     on_lease_expiry, retention_ms, tombstone_ms)
-                SELECT 'acme', $1, gen_random_uuid()::text, sha256(i::text::bytea), 'c',
+                    (digest, tenant, operation, idempotency_key, fingerprint, state, fence, response, expires_at,
+                     tier, on_lease_expiry, retention_ms, tombstone_ms)
+                SELECT idempotency_key_digest('acme', $1, k), 'acme', $1, k, sha256(i::text::bytea), 'c',
                        nextval('idempotency_fences'), '\\x00', now() - interval '1 second', 'standard', 't',
                        1000, 86400000
-                FROM generate_series(1, $2) AS i";
+                FROM (SELECT i, gen_random_uuid()::text AS k FROM generate_series(1, $2) AS i) AS keys";
     sqlx::query(seed).bind(&h.operation).bind(rows).execute(&h.pool).await.expect("seed records");
     assert_eq!(h.store.admin().purge_expired(5_000).await.expect("purge"), rows as u64);
     sqlx::query("VACUUM ANALYZE idempotency_tombstones").execute(&h.pool).await.expect("vacuum");
@@ -388,7 +388,7 @@ async fn a_claim_that_lost_a_race_asks_again(mode: Mode) {
     let take = "UPDATE idempotency_records
                 SET state = 'p', fingerprint = $4, fence = nextval('idempotency_fences'),
                     lease_expires_at = now() + interval '30 seconds'
-                WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
+                WHERE digest = idempotency_key_digest($1, $2, $3) AND tenant = $1";
     let other = fingerprint(r#"{"a":1}"#);
     let query =
         sqlx::query(take).bind(scope.tenant()).bind(scope.operation()).bind(k.as_str()).bind(&other.as_bytes()[..]);

@@ -143,9 +143,10 @@ async fn recover_stale_reports_a_record_it_cannot_read_and_recovers_the_rest(mod
     let scope = h.scope("acme");
     for (key, lease_ended) in [("bad\u{1}key", "2 seconds"), ("good", "1 second")] {
         sqlx::query(
-            "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, state, fence,
+            "INSERT INTO idempotency_records (digest, tenant, operation, idempotency_key, fingerprint, state, fence,
                  owner, lease_expires_at, tier, on_lease_expiry)
-             VALUES ($1, $2, $3, decode(repeat('00', 32), 'hex'), 'p', nextval('idempotency_fences'), 'gone',
+             VALUES (idempotency_key_digest($1, $2, $3), $1, $2, $3, decode(repeat('00', 32), 'hex'), 'p',
+                     nextval('idempotency_fences'), 'gone',
                      now() - $4::interval, 'standard', 't')",
         )
         .bind(scope.tenant())

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Postgres alone, without the application: each script of this directory under pgbench, 16 clients,
-# 5 seconds, three times, interleaved; prints the median transactions per second of each.
+# Postgres alone, without the application: each script of this directory under pgbench, at each
+# number of clients in CLIENTS (default "16"), SECONDS_EACH (default 5) seconds, three times, interleaved;
+# prints the median transactions per second of each and its ratio to `bare` at the same clients.
 #
-#   DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres bash benches/pgbench/run.sh
+#   DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres CLIENTS="1 16 64" bash benches/pgbench/run.sh
 #
 # The database needs idemstore's schema (`cargo run -p idemstore-cli -- migrate`); the
 # scripts add their own table (bench_charges). Rows they insert stay: use a throwaway database.
@@ -14,13 +15,13 @@ psql "$DATABASE_URL" -qc "CREATE TABLE IF NOT EXISTS bench_charges (id BIGSERIAL
 # written once: `name=part part ...`, with BEGIN and COMMIT as parts of their own.
 scripts=(
     bare=bare
+    bare_in_tx="BEGIN bare COMMIT"
     records_insert=records_insert
     claim_new=claim_new
     claim=claim
     records_insert_complete="records_insert complete"
-    plain="claim bare complete"
-    in_tx="BEGIN claim bare complete COMMIT"
-    in_tx_claim_new="BEGIN claim_new bare complete COMMIT"
+    plain="claim_new bare complete"
+    in_tx="begin_locked claim_in_tx bare complete_in_tx COMMIT"
     in_tx_floor="BEGIN bare records_insert_completed COMMIT"
 )
 composed="$(mktemp -d)"
@@ -29,13 +30,11 @@ for entry in "${scripts[@]}"; do
     name="${entry%%=*}"
     {
         echo '\set k random(1, 2000000000)'
-        # The key's lock: taken inside a transaction only, as the store does.
-        key_lock='NULL::int8'
         for part in ${entry#*=}; do
             case "$part" in
-                BEGIN) echo "$part;"; key_lock="(hashtext('k-' || :k)::int8 | (1::int8 << 63))" ;;
-                COMMIT) echo "$part;"; key_lock='NULL::int8' ;;
-                *) grep -v '^--' "$here/$part.sql" | sed "s/:key_lock/$key_lock/g" ;;
+                BEGIN|COMMIT) echo "$part;" ;;
+                # The key's lock, as every claim takes it: hashtext stands in for the digest's 63 bits.
+                *) grep -v '^--' "$here/$part.sql" | sed "s/:key_lock/(hashtext('k-' || :k)::int8 | (1::int8 << 63))/g" ;;
             esac
         done
     } > "$composed/$name.sql"
@@ -47,16 +46,24 @@ for entry in "${scripts[@]}"; do
     [[ -z "${SCRIPTS:-}" || " $SCRIPTS " == *" ${entry%%=*} "* ]] && selected+=("$entry")
 done
 scripts=("${selected[@]}")
+clients="${CLIENTS:-16}"
 for round in 1 2 3; do
-    for entry in "${scripts[@]}"; do
-        script="${entry%%=*}"
-        tps=$(pgbench "$DATABASE_URL" -n -M prepared -c 16 -j 2 -T 5 -f "$composed/$script.sql" 2>&1 \
-            | awk '/^tps/ { printf "%.0f", $3 }')
-        runs[$script]="${runs[$script]:-} $tps"
+    for c in $clients; do
+        for entry in "${scripts[@]}"; do
+            script="${entry%%=*}"
+            tps=$(pgbench "$DATABASE_URL" -n -M prepared -c "$c" -j "$(( c < 2 ? 1 : 2 ))" -T "${SECONDS_EACH:-5}" \
+                -f "$composed/$script.sql" 2>&1 | awk '/^tps/ { printf "%.0f", $3 }')
+            runs[$script@$c]="${runs[$script@$c]:-} $tps"
+        done
     done
 done
-for entry in "${scripts[@]}"; do
-    script="${entry%%=*}"
-    median=$(tr ' ' '\n' <<<"${runs[$script]}" | grep . | sort -n | sed -n 2p)
-    printf '%-24s %6s tps  (runs:%s)\n' "$script" "$median" "${runs[$script]}"
+printf '%-24s %7s %8s %7s  %s\n' script clients tps "/ bare" runs
+for c in $clients; do
+    bare=$(tr ' ' '\n' <<<"${runs[bare@$c]:-}" | grep . | sort -n | sed -n 2p || true)
+    for entry in "${scripts[@]}"; do
+        script="${entry%%=*}"
+        median=$(tr ' ' '\n' <<<"${runs[$script@$c]}" | grep . | sort -n | sed -n 2p)
+        ratio=$([[ -n "$bare" ]] && awk -v a="$median" -v b="$bare" 'BEGIN { printf "%.2f", a / b }' || echo -)
+        printf '%-24s %7s %8s %7s  (%s)\n' "$script" "$c" "$median" "$ratio" "${runs[$script@$c]# }"
+    done
 done

@@ -26,19 +26,19 @@ use crate::telemetry;
 const PURGE_BATCH: Statement = Statement::new(
     "purge", "
     WITH doomed AS (
-        SELECT tenant, operation, idempotency_key FROM idempotency_records
+        SELECT digest, tenant FROM idempotency_records
         WHERE expires_at <= now() AND state IN ('c', 'r')
         ORDER BY expires_at
         LIMIT $1
         FOR UPDATE SKIP LOCKED
     ), gone AS (
         DELETE FROM idempotency_records r USING doomed d
-        WHERE r.tenant = d.tenant AND r.operation = d.operation AND r.idempotency_key = d.idempotency_key
+        WHERE r.digest = d.digest AND r.tenant = d.tenant
           AND r.expires_at <= now() AND r.state IN ('c', 'r')
-        RETURNING r.tenant, r.operation, r.idempotency_key, r.state, r.fingerprint, r.fence, r.expires_at, r.tombstone_ms
+        RETURNING r.digest, r.state, r.fingerprint, r.fence, r.expires_at, r.tombstone_ms
     ), buried AS (
         INSERT INTO idempotency_tombstones (digest, fingerprint, fence, expires_at)
-        SELECT idempotency_key_digest(tenant, operation, idempotency_key), ('x' || encode(substring(fingerprint FROM 1 FOR 8), 'hex'))::bit(64)::bigint,
+        SELECT digest, ('x' || encode(substring(fingerprint FROM 1 FOR 8), 'hex'))::bit(64)::bigint,
                fence,
                expires_at + tombstone_ms::float8 * interval '1 millisecond'
         FROM gone WHERE state = 'c'
@@ -99,23 +99,23 @@ const RELEASE_STALE: Statement = Statement::new(
     "
     UPDATE idempotency_records
     SET state = 'r', owner = NULL, lease_expires_at = NULL, updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
+    WHERE digest = $1::uuid AND tenant = $2 AND fence = $3
       AND state = 'p' AND lease_expires_at <= now()",
 );
 
 /// Kept for the retention the record was claimed under (NULL: forever). Also replaces the response of a
-/// completed record whose bytes were changed (`$6`, as read; its retention unchanged); the fingerprint
-/// (`$5`), which the sealed response is bound to, and the fence (`$7`) read must still be the record's.
+/// completed record whose bytes were changed (`$5`, as read; its retention unchanged); the fingerprint
+/// (`$4`), which the sealed response is bound to, and the fence (`$6`) read must still be the record's.
 const RESOLVE_COMPLETED: Statement = Statement::new(
     "resolve",
     "
     UPDATE idempotency_records
-    SET response = $4, owner = NULL, lease_expires_at = NULL,
+    SET response = $3, owner = NULL, lease_expires_at = NULL,
         expires_at = CASE WHEN state = 'c' THEN expires_at
                           ELSE now() + retention_ms::float8 * interval '1 millisecond' END,
         state = 'c', updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fingerprint = $5 AND fence = $7
-      AND (state = 'i' OR (state = 'c' AND response = $6))",
+    WHERE digest = $1::uuid AND tenant = $2 AND fingerprint = $4 AND fence = $6
+      AND (state = 'i' OR (state = 'c' AND response = $5))",
 );
 
 const RESOLVE_RELEASED: Statement = Statement::new(
@@ -123,7 +123,7 @@ const RESOLVE_RELEASED: Statement = Statement::new(
     "
     UPDATE idempotency_records
     SET state = 'r', owner = NULL, lease_expires_at = NULL, updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'i'",
+    WHERE digest = $1::uuid AND tenant = $2 AND state = 'i'",
 );
 
 const COUNTS: Statement = Statement::new(
@@ -401,9 +401,8 @@ impl Admin {
             let (recovered, action) = match rule {
                 LeaseExpiry::TakeOver => {
                     let released = sqlx::query(RELEASE_STALE.sql)
+                        .bind(stale.digest().as_str().to_owned())
                         .bind(stale.scope.tenant())
-                        .bind(stale.scope.operation())
-                        .bind(stale.key.as_str())
                         .bind(stale.fence)
                         .execute(self.store.pg_pool());
                     (self.store.bounded(&RELEASE_STALE, released).await?.rows_affected() == 1, "released")
@@ -467,6 +466,7 @@ impl Admin {
         key: &IdempotencyKey,
         resolution: Resolution,
     ) -> Result<bool, StoreError> {
+        let digest = crate::key::key_digest(scope, key);
         let (statement, query) = match &resolution {
             Resolution::Completed(response) => {
                 self.store.refuse_clear_writes().await?;
@@ -484,9 +484,8 @@ impl Admin {
                 };
                 let sealed = self.store.sealed_for(scope, key, &record.fingerprint, response).into_owned();
                 let query = sqlx::query(RESOLVE_COMPLETED.sql)
+                    .bind(digest.as_str().to_owned())
                     .bind(scope.tenant())
-                    .bind(scope.operation())
-                    .bind(key.as_str())
                     .bind(sealed)
                     .bind(record.fingerprint)
                     .bind(tampered)
@@ -494,8 +493,7 @@ impl Admin {
                 (&RESOLVE_COMPLETED, query)
             }
             Resolution::Released => {
-                let query =
-                    sqlx::query(RESOLVE_RELEASED.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str());
+                let query = sqlx::query(RESOLVE_RELEASED.sql).bind(digest.as_str().to_owned()).bind(scope.tenant());
                 (&RESOLVE_RELEASED, query)
             }
         };

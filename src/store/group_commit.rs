@@ -27,7 +27,7 @@ use sqlx::postgres::{PgPool, PgRow};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use super::Background;
-use super::postgres_tier::{CLAIM_NEW_BATCH, COMPLETE_BATCH, Retained, decode_record, give_back, retained};
+use super::postgres_tier::{CLAIM_NEW_BATCH, COMPLETE_BATCH, Retained, decode_record, give_back, key_lock, retained};
 use super::statement::{self, Statement};
 use crate::error::StoreError;
 use crate::key::KeyDigest;
@@ -346,6 +346,7 @@ impl Job for NewClaim {
             .bind(leases().map(|lease| lease.policy.name()).collect::<Vec<_>>())
             .bind(leases().map(|lease| lease.policy.tombstone.map(|t| millis(t) as f64)).collect::<Vec<_>>())
             .bind(jobs.iter().map(|job| job.digest.as_str()).collect::<Vec<_>>())
+            .bind(jobs.iter().map(|job| key_lock(&job.digest)).collect::<Vec<_>>())
             .fetch_all(pool)
             .await?;
         let mut answers: Vec<Option<Record>> = jobs.iter().map(|_| None).collect();
@@ -394,9 +395,8 @@ impl Job for Completion {
     async fn send(pool: &PgPool, jobs: &[&Self]) -> Result<Vec<Option<Retained>>, sqlx::Error> {
         let leases = || jobs.iter().map(|job| &job.lease);
         let rows: Vec<PgRow> = sqlx::query(COMPLETE_BATCH.sql)
+            .bind(leases().map(|lease| lease.digest().as_str().to_owned()).collect::<Vec<_>>())
             .bind(leases().map(|lease| lease.scope.tenant()).collect::<Vec<_>>())
-            .bind(leases().map(|lease| lease.scope.operation()).collect::<Vec<_>>())
-            .bind(leases().map(|lease| lease.key.as_str()).collect::<Vec<_>>())
             .bind(leases().map(|lease| lease.fence).collect::<Vec<_>>())
             .bind(jobs.iter().map(|job| &job.response[..]).collect::<Vec<_>>())
             .fetch_all(pool)

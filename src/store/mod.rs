@@ -53,10 +53,8 @@ pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
 
 /// Version, description (the file name's rest, as sqlx reads it) and SQL of each file in `migrations/`
 /// (a unit test holds this list to the directory).
-const EMBEDDED_MIGRATIONS: [(i64, &str, &str); 2] = [
-    (20261205000001, "idempotency store", include_str!("../../migrations/20261205000001_idempotency_store.sql")),
-    (20261206000001, "key digest in utf8", include_str!("../../migrations/20261206000001_key_digest_in_utf8.sql")),
-];
+const EMBEDDED_MIGRATIONS: [(i64, &str, &str); 1] =
+    [(20261205000001, "idempotency store", include_str!("../../migrations/20261205000001_idempotency_store.sql"))];
 
 /// A migration as sqlx's `migrate!` builds it: the same checksum (a database migrated before keeps
 /// validating), and outside a transaction when it starts with `-- no-transaction`.

@@ -5,7 +5,7 @@
 -- every request behind a long transaction). Rows keep their fences. A table already partitioned into
 -- that many partitions is left as it is; into another number, refused.
 --
--- The primary key (tenant, operation, idempotency_key) already holds the partition column, so "one
+-- The primary key (digest, tenant) already holds the partition column, so "one
 -- key, one winner" stays one unique constraint per partition. Index and constraint names stay as the
 -- migrations named them, so later migrations apply to both layouts.
 DO $$

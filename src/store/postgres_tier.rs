@@ -129,21 +129,21 @@ macro_rules! quota_ctes {
 /// with the record) and the next fence. The statement goes on after the select list (`FROM`, `WHERE`).
 macro_rules! insert_new_record {
     () => {
-        insert_new_record!("$1", "$2", "$3", "$4", "$5", "$6", "$7", "$8", "$9", "$10")
+        insert_new_record!("$11", "$1", "$2", "$3", "$4", "$5", "$6", "$7", "$8", "$9", "$10")
     };
     (v) => {
         insert_new_record!(
-            "v.tenant", "v.operation", "v.idempotency_key", "v.fingerprint", "v.owner", "v.lease_ms", "v.retention_ms",
+            "v.digest", "v.tenant", "v.operation", "v.idempotency_key", "v.fingerprint", "v.owner", "v.lease_ms", "v.retention_ms",
             "v.take_over", "v.tier", "v.tombstone_ms"
         )
     };
-    ($tenant:expr, $operation:expr, $key:expr, $fingerprint:expr, $owner:expr, $lease:expr, $retention:expr,
+    ($digest:expr, $tenant:expr, $operation:expr, $key:expr, $fingerprint:expr, $owner:expr, $lease:expr, $retention:expr,
      $take_over:expr, $tier:expr, $tombstone:expr) => {
         concat!(
             "INSERT INTO idempotency_records AS r
-                (tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at, expires_at,
-                 tier, on_lease_expiry, retention_ms, tombstone_ms)
-            SELECT ", $tenant, ", ", $operation, ", ", $key, ", ", $fingerprint, ", 'p'::\"char\",
+                (digest, tenant, operation, idempotency_key, fingerprint, state, fence, owner, lease_expires_at,
+                 expires_at, tier, on_lease_expiry, retention_ms, tombstone_ms)
+            SELECT ", $digest, "::uuid, ", $tenant, ", ", $operation, ", ", $key, ", ", $fingerprint, ", 'p'::\"char\",
                    nextval('idempotency_fences'), ", $owner, ",
                    now() + ", $lease, "::float8 * interval '1 millisecond',
                    ",
@@ -164,19 +164,37 @@ macro_rules! no_record {
     };
 }
 
-/// The key's lock for a claim inside the caller's transaction (`$lock`, see [`key_lock`]; NULL outside
-/// one, where nothing is taken), as the claim's first CTE: `key_lock.held`. The claim writes only if it
-/// holds it; otherwise it answers `held` false with the record as committed, if any.
+/// The key's lock (`$lock`, see [`key_lock`]), shared, as the claim's first CTE: `key_lock.held`. Every
+/// claim tries it, and holds it until its transaction ends (outside the caller's transaction, the
+/// statement's own). A claim inside a transaction that reads ([`CLAIM_IN_TX`]) holds it exclusively
+/// until it commits, and writes no row meanwhile: no other claim may write the key then. Claims that
+/// write share it, and the primary key decides between them, as ever. The claim writes only if it holds
+/// it; otherwise it answers `held` false with the record as committed, if any.
 macro_rules! key_lock_cte {
     ($lock:expr) => {
+        concat!("key_lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock_shared(", $lock, "::int8) AS held)")
+    };
+}
+
+/// What a claim does to a record its insert meets: re-acquires it, under the record's own policy
+/// (`r`), when it was released or its owner's lease ran out under its `take_over` rule; another payload
+/// re-acquires only once the record expired. A re-acquisition takes a new fence: the next of the
+/// sequence, and above the record's own even when the sequence fell behind the rows (a restore or a
+/// logical replication that did not carry the sequence along).
+macro_rules! reacquire {
+    () => {
         concat!(
-            "key_lock AS MATERIALIZED (
-            SELECT CASE WHEN ",
-            $lock,
-            "::int8 IS NULL THEN true ELSE pg_try_advisory_xact_lock(",
-            $lock,
-            "::int8) END AS held
-        )"
+            "DO UPDATE
+            SET fingerprint = EXCLUDED.fingerprint, state = 'p',
+                fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
+                owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
+                expires_at = ",
+            in_progress_expiry!(lease: "$6::float8", retention: "r.retention_ms::float8"),
+            ",
+                waited = false, updated_at = now()
+            WHERE (r.state = 'r' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
+               OR (r.state = 'p' AND r.lease_expires_at <= now() AND r.on_lease_expiry = 't'
+                   AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))"
         )
     };
 }
@@ -184,15 +202,15 @@ macro_rules! key_lock_cte {
 /// The claim statement's text, with or without the quota's parts: a policy without a quota sends the
 /// statement without them, which neither reads nor locks anything of the quota's.
 macro_rules! claim_sql {
-    (lock: $lock:expr, quota_ctes: $quota_ctes:expr, held_back: $held_back:expr, counted: $counted:expr,
-     prior_quota: $prior_quota:expr, refused: $refused:expr $(,)?) => {
+    (lock: $lock:expr, on_conflict: $on_conflict:expr, quota_ctes: $quota_ctes:expr, held_back: $held_back:expr,
+     counted: $counted:expr, prior_quota: $prior_quota:expr, refused: $refused:expr $(,)?) => {
         concat!(
             "WITH ",
             key_lock_cte!($lock),
             ", prior AS (
             SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
             FROM idempotency_records
-            WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
+            WHERE digest = $11::uuid AND tenant = $1
         ), buried AS (",
             tombstone!("$11"),
             " AND NOT EXISTS (SELECT 1 FROM prior)
@@ -209,17 +227,9 @@ macro_rules! claim_sql {
                                                          OR on_lease_expiry = 'm')))",
             $held_back,
             "
-            ON CONFLICT (tenant, operation, idempotency_key) DO UPDATE
-            SET fingerprint = EXCLUDED.fingerprint, state = 'p',
-                fence = GREATEST(nextval('idempotency_fences'), r.fence + 1),
-                owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
-                expires_at = ",
-            in_progress_expiry!(lease: "$6::float8", retention: "r.retention_ms::float8"),
-            ",
-                waited = false, updated_at = now()
-            WHERE (r.state = 'r' AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
-               OR (r.state = 'p' AND r.lease_expires_at <= now() AND r.on_lease_expiry = 't'
-                   AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= now()))
+            ON CONFLICT (digest, tenant) ",
+            $on_conflict,
+            "
             RETURNING state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
     ",
             $counted,
@@ -252,22 +262,26 @@ macro_rules! claim_sql {
 }
 
 /// The claim, in one round trip. Inserts a fresh record under the caller's policy (its tier, rule,
-/// retention and horizon stay with the record), or re-acquires, under the record's own policy, one that
-/// was released or whose owner's lease ran out under its `take_over` rule; another payload re-acquires
-/// only once the record expired. A re-acquisition takes a new fence: the next of the sequence, and above
-/// the record's own even when the sequence fell behind the rows (a restore or a logical replication that
-/// did not carry the sequence along).
+/// retention and horizon stay with the record), or re-acquires one ([`reacquire`]).
 /// Completed and indeterminate records, live leases and tombstones are never written: the statement
 /// returns them (`prior`, `buried`, read from its snapshot) for the caller to answer from, without a
 /// row lock. A live record of this very claim (its owner, a token no other call has) is acquired: a
 /// batch wrote it, and the caller never heard (see [`group_commit`](super::group_commit)). `prior` also
 /// says what was re-acquired (for the takeover metric). `quota_limit` and `quota_retry_ms` are NULL
-/// ([`CLAIM_UNDER_QUOTA`] fills them). Inside the caller's transaction it takes the key's lock (`$12`,
-/// see [`key_lock_cte`]): without it, nothing is written and the one row is `held` false, with the
-/// record as committed (`prior`, `buried`) or none.
+/// ([`CLAIM_UNDER_QUOTA`] fills them). It takes the key's lock (`$12`, see [`key_lock_cte`]): without it,
+/// nothing is written and the one row is `held` false, with the record as committed (`prior`, `buried`)
+/// or none.
 const CLAIM: Statement = Statement::new(
     "claim",
-    claim_sql!(lock: "$12", quota_ctes: "", held_back: "", counted: "", prior_quota: "NULL, NULL, ", refused: ""),
+    claim_sql!(
+        lock: "$12",
+        on_conflict: reacquire!(),
+        quota_ctes: "",
+        held_back: "",
+        counted: "",
+        prior_quota: "NULL, NULL, ",
+        refused: ""
+    ),
 );
 
 /// [`CLAIM`] under the tenant's quota (`$12`..`$14`, see [`quota_ctes`]; the key's lock is `$15`): it
@@ -280,6 +294,7 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
     "claim",
     claim_sql!(
         lock: "$15",
+        on_conflict: reacquire!(),
         quota_ctes: quota_ctes!(),
         held_back: "
           AND NOT EXISTS (SELECT 1 FROM over_live_keys)
@@ -328,8 +343,8 @@ const CLAIM_UNDER_QUOTA: Statement = Statement::new(
 /// snapshot, and the claim's insert would wait on its row for the whole lock timeout, holding a pool
 /// connection, a Postgres backend and (under a quota) a slot that the tenant's new keys need. Not held:
 /// another transaction claims the key now, or answers from its record; the caller writes nothing and
-/// answers from the record as committed ([`ClaimAnswer::Held`]). Without a quota the claim statements
-/// take the lock themselves ([`key_lock_cte`]), and no round trip is added for it.
+/// answers from the record as committed ([`ClaimAnswer::Held`]). Without a quota the transaction begins
+/// with the lock ([`begin_statement`]), and no round trip is added for it.
 ///
 /// The slots are what the live-key quota counts of such claims: unlike rows, other backends see them at
 /// once. (Claims outside transactions do not read them: that is a scan of `pg_locks`, which takes every
@@ -343,9 +358,9 @@ const HOLD_KEY: Statement = Statement::new(
      FROM (SELECT pg_try_advisory_xact_lock($1::int8) AS held) AS key",
 );
 
-/// The advisory lock of one key ([`HOLD_KEY`]): 63 bits of its digest, negative, so that no key's lock is
+/// The advisory lock of one key ([`key_lock_cte`]): 63 bits of its digest, negative, so that no key's lock is
 /// ever a live-key slot (those are positive, see [`live_slots`]).
-fn key_lock(digest: &KeyDigest) -> i64 {
+pub(crate) fn key_lock(digest: &KeyDigest) -> i64 {
     let high = u64::from_str_radix(&digest.as_str()[..16], 16).unwrap_or_default();
     (high | 1 << 63) as i64
 }
@@ -362,39 +377,21 @@ fn live_slots(scope: &Scope) -> i64 {
 }
 
 /// The claim of a key that is most likely new (Redis had nothing of it, or there is no Redis), without
-/// a quota: the new record, unless the key has a record or a live tombstone, and then no row, and
-/// [`CLAIM`] answers. Same
-/// parameters and row as [`CLAIM`]. A new key is the common case, and Postgres runs this statement about
-/// 1.5 times as fast as [`CLAIM`] (benches/pgbench): no takeover, no answer from a record, one branch, and
-/// Postgres builds every part of a statement's plan on every execution. The record is looked for in the
-/// statement's snapshot as well as by the insert's conflict check: a purge that commits in between (the
-/// record gone, its tombstone too new for the snapshot) leaves the record in the snapshot, so the key is
-/// not claimed again past its tombstone.
-///
-/// Inside the caller's transaction it takes the key's lock first (`$12`, see [`HOLD_KEY`]; NULL outside
-/// one, where nothing is taken) and writes only if it holds it: a new key there costs no round trip
-/// more for the lock, and a key another transaction claims now is not waited for.
+/// a quota: [`CLAIM`] without its re-acquisition. Same parameters and row. A new key is the common case,
+/// and this statement writes nothing to a key that has a record: it answers from it, so a replay (and a
+/// duplicate, and another payload) costs one statement on the Postgres path. Only a record this claim
+/// would re-acquire (released, or a lease that ran out), or one committed after the statement's
+/// snapshot (no row at all), is left to [`CLAIM`].
 const CLAIM_NEW: Statement = Statement::new(
     "claim",
-    concat!(
-        "WITH ",
-        key_lock_cte!("$12"),
-        "
-    ",
-        insert_new_record!(),
-        "
-    FROM key_lock
-    WHERE key_lock.held
-      AND NOT EXISTS (SELECT 1 FROM idempotency_records
-                      WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3)
-      AND NOT EXISTS (",
-        tombstone!("$11"),
-        ")
-    ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING
-    RETURNING true AS acquired, NULL::\"char\" AS prior_state, NULL::\"char\" AS quota_limit,
-              NULL::bigint AS quota_retry_ms, ",
-        record_columns!(),
-        ", true AS held"
+    claim_sql!(
+        lock: "$12",
+        on_conflict: "DO NOTHING",
+        quota_ctes: "",
+        held_back: "",
+        counted: "",
+        prior_quota: "NULL, NULL, ",
+        refused: ""
     ),
 );
 
@@ -405,8 +402,10 @@ const CLAIM_NEW: Statement = Statement::new(
 /// with their `owner`, which tells whose each is. The lookups are scalar subqueries, which Postgres
 /// runs as an index lookup per row: as a join, a plan made on stale statistics (a new table) can scan
 /// every record for each batch.
-/// A key whose record another transaction is writing (a claim inside the caller's transaction, a batch
-/// under way) makes the insert wait for that transaction: the statement waits at most 50 ms
+/// Each key's lock ([`key_lock`], `$12`) is tried, shared, as every claim tries it ([`key_lock_cte`]),
+/// and held until the batch commits: a key whose lock a claim inside a transaction holds
+/// ([`CLAIM_IN_TX`]) is left out too. A key whose record another transaction is writing (a batch under way, a claim under a
+/// quota inside a transaction) makes the insert wait for that transaction: the statement waits at most 50 ms
 /// (`set_config(.., true)` holds for this statement's own transaction only), then fails, and each of
 /// its callers claims alone, waiting for its own key only, up to the store's lock timeout.
 pub(crate) const CLAIM_NEW_BATCH: Statement = Statement::new(
@@ -417,16 +416,16 @@ pub(crate) const CLAIM_NEW_BATCH: Statement = Statement::new(
         insert_new_record!(v),
         "
     FROM bounded, unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::float8[], $7::float8[],
-                $8::bool[], $9::text[], $10::float8[], $11::text[])
+                $8::bool[], $9::text[], $10::float8[], $11::text[], $12::int8[])
          AS v(tenant, operation, idempotency_key, fingerprint, owner, lease_ms, retention_ms, take_over, tier,
-              tombstone_ms, digest)
+              tombstone_ms, digest, key_lock)
     WHERE (SELECT true FROM idempotency_records x
-           WHERE x.tenant = v.tenant AND x.operation = v.operation AND x.idempotency_key = v.idempotency_key
-           LIMIT 1) IS NULL
+           WHERE x.digest = v.digest::uuid AND x.tenant = v.tenant LIMIT 1) IS NULL
       AND (SELECT true FROM (",
         tombstone!("v.digest"),
         ") AS buried LIMIT 1) IS NULL
-    ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING
+      AND pg_try_advisory_xact_lock_shared(v.key_lock)
+    ON CONFLICT (digest, tenant) DO NOTHING
     RETURNING owner, ",
         record_columns!()
     ),
@@ -438,7 +437,7 @@ const LOOKUP: Statement = Statement::new(
     concat!(
         "WITH found AS (
         SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
-        FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
+        FROM idempotency_records WHERE digest = $1::uuid AND tenant = $2
     )
     SELECT ",
         record_columns!(),
@@ -447,13 +446,47 @@ const LOOKUP: Statement = Statement::new(
     SELECT ",
         record_columns!(),
         " FROM (",
-        tombstone!("$4"),
+        tombstone!("$1"),
         ") AS buried WHERE NOT EXISTS (SELECT 1 FROM found)"
     ),
 );
 
-/// The completion's writes, with the stored response `$response`: retention counts from completion,
-/// under the retention the record was claimed under. From the completion's own moment
+/// The claim of a key inside the caller's transaction without a quota: a read, which writes no row
+/// version. The transaction began holding the key's lock, or knowing another holds it ([`begin_holding`],
+/// `$3`, see [`key_lock`]); this statement's snapshot, taken after that, sees every claim committed by
+/// an earlier holder (its lock is released after its commit is visible). Every claim takes that lock,
+/// so while this transaction holds it no other claim of the key writes or acquires: a key without a
+/// record is acquired with the next fence, and its record is written once, completed, by
+/// [`COMPLETE_IN_TX`] before the commit. The row: `held` (NULL when the transaction did not begin with
+/// this key's lock, or runs above read committed, where the snapshot predates the lock: the claim is
+/// then made by insert, [`claim_on`]), and the record as committed, if any (the fence of the new
+/// record, if not).
+const CLAIM_IN_TX: Statement = Statement::new(
+    "claim",
+    concat!(
+        "WITH key_lock AS MATERIALIZED (
+        SELECT CASE WHEN current_setting('transaction_isolation') <> 'read committed' THEN NULL
+                    WHEN current_setting('idemstore.key_lock', true) = 'true:' || $3::int8 THEN true
+                    WHEN current_setting('idemstore.key_lock', true) = 'false:' || $3::int8 THEN false
+               END AS held
+    ), found AS (
+        SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
+        FROM idempotency_records WHERE digest = $1::uuid AND tenant = $2
+    ), buried AS (",
+        tombstone!("$1"),
+        " AND NOT EXISTS (SELECT 1 FROM found)
+    )
+    SELECT held, ",
+        record_columns!(),
+        " FROM key_lock, (SELECT * FROM found UNION ALL SELECT * FROM buried) AS record
+    UNION ALL
+    SELECT held, NULL, NULL, CASE WHEN held THEN nextval('idempotency_fences') END, NULL, NULL, NULL, NULL, NULL
+    FROM key_lock WHERE NOT EXISTS (SELECT 1 FROM found) AND NOT EXISTS (SELECT 1 FROM buried)"
+    ),
+);
+
+/// The completion's writes to the record `r`, with the stored response `$response`: retention counts
+/// from completion, under the retention the record was claimed under. From the completion's own moment
 /// (`clock_timestamp()`), not its transaction's start (`now()`): a completion inside the claim's
 /// transaction (the transactional HTTP path, `run_once_in_tx`) comes as long after its start as the
 /// work took, and retention measured from the start would end that much early.
@@ -463,7 +496,7 @@ macro_rules! completed {
             "SET state = 'c', response = ",
             $response,
             ", owner = NULL, lease_expires_at = NULL,
-        expires_at = clock_timestamp() + retention_ms::float8 * interval '1 millisecond',
+        expires_at = clock_timestamp() + r.retention_ms::float8 * interval '1 millisecond',
         updated_at = now()"
         )
     };
@@ -485,11 +518,34 @@ const COMPLETE: Statement = Statement::new(
     "complete",
     concat!(
         "
-    UPDATE idempotency_records ",
-        completed!("$5"),
+    UPDATE idempotency_records AS r ",
+        completed!("$4"),
         "
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
+    WHERE digest = $1::uuid AND tenant = $2 AND fence = $3
       AND state IN ('p', 'i')
+    RETURNING ",
+        retained_columns!()
+    ),
+);
+
+/// The completion inside the claim's transaction: the record inserted once, completed (a claim by
+/// [`CLAIM_IN_TX`] wrote none), or the fenced [`COMPLETE`] of the record the claim wrote (by insert, or
+/// re-acquired). `$1`..`$4` as [`COMPLETE`]; then the claim's `$5` operation, `$6` key, `$7`
+/// fingerprint and the policy it was made under: `$8` tier, `$9` take over, `$10` retention and `$11`
+/// tombstone milliseconds.
+const COMPLETE_IN_TX: Statement = Statement::new(
+    "complete",
+    concat!(
+        "
+    INSERT INTO idempotency_records AS r
+        (digest, tenant, operation, idempotency_key, fingerprint, state, fence, response, expires_at, tier,
+         on_lease_expiry, retention_ms, tombstone_ms)
+    VALUES ($1::uuid, $2, $5, $6, $7, 'c', $3, $4, clock_timestamp() + $10::float8 * interval '1 millisecond', $8,
+            CASE WHEN $9 THEN 't' ELSE 'm' END::\"char\", $10::float8::bigint, $11::float8::bigint)
+    ON CONFLICT (digest, tenant) DO UPDATE ",
+        completed!("EXCLUDED.response"),
+        "
+    WHERE r.fence = EXCLUDED.fence AND r.state IN ('p', 'i')
     RETURNING ",
         retained_columns!()
     ),
@@ -506,12 +562,11 @@ pub(crate) const COMPLETE_BATCH: Statement = Statement::new(
     concat!(
         "
     WITH locked AS (
-        SELECT held.table_id, held.row_id, v.tenant, v.operation, v.idempotency_key, v.response, v.n
-        FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::bytea[]) WITH ORDINALITY
-             AS v(tenant, operation, idempotency_key, fence, response, n),
+        SELECT held.table_id, held.row_id, v.digest, v.tenant, v.response, v.n
+        FROM unnest($1::text[], $2::text[], $3::int8[], $4::bytea[]) WITH ORDINALITY
+             AS v(digest, tenant, fence, response, n),
         LATERAL (SELECT tableoid AS table_id, ctid AS row_id FROM idempotency_records r
-                 WHERE r.tenant = v.tenant AND r.operation = v.operation
-                   AND r.idempotency_key = v.idempotency_key AND r.fence = v.fence AND r.state IN ('p', 'i')
+                 WHERE r.digest = v.digest::uuid AND r.tenant = v.tenant AND r.fence = v.fence AND r.state IN ('p', 'i')
                  FOR UPDATE SKIP LOCKED) AS held
     )
     UPDATE idempotency_records AS r ",
@@ -519,8 +574,7 @@ pub(crate) const COMPLETE_BATCH: Statement = Statement::new(
         "
     FROM locked
     WHERE r.tableoid = locked.table_id AND r.ctid = locked.row_id
-      AND r.tenant = locked.tenant AND r.operation = locked.operation
-      AND r.idempotency_key = locked.idempotency_key
+      AND r.digest = locked.digest::uuid AND r.tenant = locked.tenant
     RETURNING locked.n, ",
         retained_columns!()
     ),
@@ -531,7 +585,7 @@ const RELEASE: Statement = Statement::new(
     "
     UPDATE idempotency_records
     SET state = 'r', owner = NULL, lease_expires_at = NULL, updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
+    WHERE digest = $1::uuid AND tenant = $2 AND fence = $3
       AND state IN ('p', 'i')
     RETURNING waited",
 );
@@ -544,7 +598,7 @@ const FORGET: Statement = Statement::new(
     "release",
     "
     DELETE FROM idempotency_records
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4 AND state = 'p'
+    WHERE digest = $1::uuid AND tenant = $2 AND fence = $3 AND state = 'p'
     RETURNING waited",
 );
 
@@ -556,12 +610,10 @@ const WAIT: Statement = Statement::new(
     "
     WITH live AS (
         SELECT waited FROM idempotency_records
-        WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
-          AND state = 'p' AND lease_expires_at > now()
+        WHERE digest = $1::uuid AND tenant = $2 AND state = 'p' AND lease_expires_at > now()
     ), flagged AS (
         UPDATE idempotency_records SET waited = true
-        WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3
-          AND state = 'p' AND lease_expires_at > now() AND NOT waited
+        WHERE digest = $1::uuid AND tenant = $2 AND state = 'p' AND lease_expires_at > now() AND NOT waited
         RETURNING 1
     )
     SELECT EXISTS (SELECT 1 FROM live WHERE waited) OR EXISTS (SELECT 1 FROM flagged)",
@@ -576,11 +628,11 @@ const EXTEND: Statement = Statement::new(
     "extend",
     "
     UPDATE idempotency_records
-    SET lease_expires_at = now() + $5::float8 * interval '1 millisecond',
+    SET lease_expires_at = now() + $4::float8 * interval '1 millisecond',
         expires_at = CASE WHEN expires_at IS NOT NULL
-                          THEN GREATEST(expires_at, now() + $5::float8 * interval '1 millisecond') END,
+                          THEN GREATEST(expires_at, now() + $4::float8 * interval '1 millisecond') END,
         updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
+    WHERE digest = $1::uuid AND tenant = $2 AND fence = $3
       AND state = 'p'",
 );
 
@@ -590,7 +642,7 @@ const MARK_INDETERMINATE: Statement = Statement::new(
     "
     UPDATE idempotency_records
     SET state = 'i', updated_at = now()
-    WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND fence = $4
+    WHERE digest = $1::uuid AND tenant = $2 AND fence = $3
       AND state = 'p' AND lease_expires_at <= now()",
 );
 
@@ -612,8 +664,9 @@ pub(crate) enum ClaimAnswer {
         limit: QuotaLimit,
         retry_after: Duration,
     },
-    /// Inside a transaction, another holds the key's lock ([`HOLD_KEY`]): it claims the key now, or
-    /// answers from its record. Nothing was written; the record as committed, if any.
+    /// Another claim holds the key's lock ([`key_lock_cte`]): it claims the key now (inside a transaction,
+    /// until that commits), or answers from its record. Nothing was written; the record as committed, if
+    /// any.
     Held(Option<Record>),
 }
 
@@ -701,8 +754,14 @@ impl PostgresTier {
         let Some(conn) = conn else {
             return self.claim_alone(lease, digest, new_key_first, live_keys, alone).await;
         };
-        // The claim takes the key's lock itself; under a quota the lock comes first, with a slot.
+        // The transaction began with the key's lock (without a quota), and the claim reads; under a quota
+        // the lock comes first, with a slot, and the claim writes the record in progress.
         let lock = key_lock(&digest);
+        if lease.policy.quota.is_off()
+            && let Some(answer) = claim_by_lock(&mut *conn, self.timeout, lease, digest, lock).await?
+        {
+            return Ok(answer);
+        }
         let live_keys = match live_keys {
             None => None,
             Some(limit) => {
@@ -712,7 +771,7 @@ impl PostgresTier {
                     .bind(limit);
                 let (held, slot) = self.bounded(&HOLD_KEY, hold.fetch_one(&mut *conn)).await?;
                 if !held {
-                    let record = lookup_on(&mut *conn, self.timeout, &lease.scope, &lease.key, digest).await?;
+                    let record = lookup_on(&mut *conn, self.timeout, &lease.scope, digest).await?;
                     return Ok(ClaimAnswer::Held(record));
                 }
                 // Every slot is another open transaction's claim: nothing may start, and a key with a
@@ -745,7 +804,8 @@ impl PostgresTier {
                     if let Some(alone) = alone.as_mut() {
                         alone.took_connection();
                     }
-                    claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys, None).await
+                    let lock = Some(key_lock(&digest));
+                    claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys, lock).await
                 }
                 .await;
                 drop(alone);
@@ -764,7 +824,7 @@ impl PostgresTier {
     }
 
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        lookup_on(&self.pool, self.timeout, scope, key, key_digest(scope, key)).await
+        lookup_on(&self.pool, self.timeout, scope, key_digest(scope, key)).await
     }
 
     /// The fenced completion, on `conn` (inside the caller's transaction, the one that claimed) when
@@ -787,7 +847,19 @@ impl PostgresTier {
         }
         let query = fenced(&COMPLETE, lease).bind(response);
         let row = match conn {
-            Some(conn) => self.bounded(&COMPLETE, query.fetch_optional(conn)).await?,
+            Some(conn) => {
+                let policy = &lease.policy;
+                let query = fenced(&COMPLETE_IN_TX, lease)
+                    .bind(response)
+                    .bind(lease.scope.operation())
+                    .bind(lease.key.as_str())
+                    .bind(&lease.fingerprint.as_bytes()[..])
+                    .bind(policy.name())
+                    .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
+                    .bind(policy.retention.map(|r| millis(r) as f64))
+                    .bind(policy.tombstone.map(|t| millis(t) as f64));
+                self.bounded(&COMPLETE_IN_TX, query.fetch_optional(conn)).await?
+            }
             None => {
                 let mut pooled = self.bounded(&ACQUIRE, self.pool.acquire()).await?;
                 if let Some(alone) = alone.as_mut() {
@@ -824,7 +896,7 @@ impl PostgresTier {
 
     /// Flags the key's in-progress record as waited for; false when it is not in progress (any more).
     pub(crate) async fn wait(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let flag = sqlx::query_scalar(WAIT.sql).bind(scope.tenant()).bind(scope.operation()).bind(key.as_str());
+        let flag = sqlx::query_scalar(WAIT.sql).bind(key_digest(scope, key).as_str().to_owned()).bind(scope.tenant());
         self.bounded(&WAIT, flag.fetch_one(&self.pool)).await
     }
 
@@ -869,6 +941,62 @@ impl Drop for LoneAnswer<'_> {
     }
 }
 
+/// The claim inside a transaction that began with the key's lock ([`CLAIM_IN_TX`]): `None` when the claim
+/// must be made by insert instead ([`claim_on`]): the transaction did not begin with this key's lock or
+/// runs above read committed, or the record is one to re-acquire.
+async fn claim_by_lock(
+    conn: &mut PgConnection,
+    timeout: Duration,
+    lease: &Lease,
+    digest: KeyDigest,
+    lock: i64,
+) -> Result<Option<ClaimAnswer>, StoreError> {
+    let query = sqlx::query(CLAIM_IN_TX.sql).bind(digest.as_str()).bind(lease.scope.tenant()).bind(lock);
+    let row = statement::bounded(timeout, &CLAIM_IN_TX, query.fetch_one(conn)).await?;
+    let read = || -> Result<Option<ClaimAnswer>, sqlx::Error> {
+        let Some(held) = row.try_get::<Option<bool>, _>("held")? else { return Ok(None) };
+        let record = match row.try_get::<Option<i8>, _>("state")? {
+            Some(_) => Some(decode_record(&row)?),
+            None => None,
+        };
+        Ok(match record {
+            _ if !held => Some(ClaimAnswer::Held(record)),
+            Some(record) if would_reacquire(&record, lease) => None,
+            Some(record) => Some(ClaimAnswer::Claim(Claim { acquired: false, took_over: false, reacquired: false, record })),
+            None => {
+                let policy = &lease.policy;
+                let record = Record {
+                    state: State::InProgress,
+                    fence: row.try_get("fence")?,
+                    fingerprint: lease.fingerprint.as_bytes().to_vec(),
+                    lease_remaining: Some(policy.lease),
+                    expires_in: None,
+                    response: None,
+                    tier: Some(policy.name().to_owned()),
+                    lease_expiry: Some(policy.lease_expiry),
+                };
+                Some(ClaimAnswer::Claim(Claim { acquired: true, took_over: false, reacquired: false, record }))
+            }
+        })
+    };
+    read().map_err(|e| CLAIM_IN_TX.failed(e))
+}
+
+/// `BEGIN` for a claim of `lease` inside the caller's transaction: without a quota, with the key's lock
+/// ([`key_lock`]) tried in the same round trip, for [`CLAIM_IN_TX`]. Whether it was taken is kept, with
+/// the lock, in the transaction's setting `idemstore.key_lock`, which the claim reads in a statement of
+/// its own, so that its snapshot is taken after the lock. `None`: a plain `BEGIN` (under a quota, the
+/// lock is taken with a slot, [`HOLD_KEY`]).
+pub(crate) fn begin_statement(lease: &Lease) -> Option<sqlx::AssertSqlSafe<String>> {
+    let lock = key_lock(&lease.digest());
+    // An integer is all the statement is built from.
+    lease.policy.quota.is_off().then(|| {
+        sqlx::AssertSqlSafe(format!(
+            "BEGIN; SELECT set_config('idemstore.key_lock', pg_try_advisory_xact_lock({lock})::text || ':{lock}', true)"
+        ))
+    })
+}
+
 /// The claim's statements on `conn`: [`CLAIM_NEW`] first when `new_key_first`, then the full claim
 /// (under the quota when the policy has one; `live_keys` is the live-key limit this claim may use),
 /// taking the key's lock (`lock`) inside the caller's transaction.
@@ -887,10 +1015,14 @@ async fn claim_on(
     if new_key_first {
         let claim = claim_query(&CLAIM_NEW, lease, &digest).bind(lock);
         let row = statement::bounded(timeout, &CLAIM_NEW, claim.fetch_optional(&mut *conn)).await?;
-        // No row: not new after all (a record, a live tombstone), or the key's lock is another's; the
-        // full claim answers.
+        // No row: a record committed after the statement's snapshot; a record to re-acquire: the full
+        // claim answers either.
         if let Some(row) = row {
-            return decode_claim(&row, lease).map_err(|e| CLAIM_NEW.failed(e));
+            let claimed = decode_claim(&row, lease).map_err(|e| CLAIM_NEW.failed(e))?;
+            if !matches!(&claimed, ClaimAnswer::Claim(claim) if !claim.acquired && would_reacquire(&claim.record, lease))
+            {
+                return Ok(claimed);
+            }
         }
     }
     // A concurrent claim that committed after this statement's snapshot conflicts with the insert
@@ -948,15 +1080,9 @@ async fn lookup_on<'c>(
     conn: impl sqlx::PgExecutor<'c>,
     timeout: Duration,
     scope: &Scope,
-    key: &IdempotencyKey,
     digest: KeyDigest,
 ) -> Result<Option<Record>, StoreError> {
-    let lookup = sqlx::query(LOOKUP.sql)
-        .bind(scope.tenant())
-        .bind(scope.operation())
-        .bind(key.as_str())
-        .bind(digest.as_str())
-        .fetch_optional(conn);
+    let lookup = sqlx::query(LOOKUP.sql).bind(digest.as_str()).bind(scope.tenant()).fetch_optional(conn);
     let row = statement::bounded(timeout, &LOOKUP, lookup).await?;
     row.as_ref().map(decode_record).transpose().map_err(|e| LOOKUP.failed(e))
 }
@@ -995,16 +1121,12 @@ pub(crate) fn retained(row: &PgRow) -> Result<Retained, sqlx::Error> {
     Ok(Retained { expires_in: millis_column(row, "expires_ms")?, waited: row.try_get("waited")? })
 }
 
-/// A write keyed by the lease's record and fence (`$1`..`$4`).
+/// A write keyed by the lease's record (`$1`, its digest, and `$2`, its tenant) and fence (`$3`).
 fn fenced<'q>(
     statement: &Statement,
     lease: &'q Lease,
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-    sqlx::query(statement.sql)
-        .bind(lease.scope.tenant())
-        .bind(lease.scope.operation())
-        .bind(lease.key.as_str())
-        .bind(lease.fence)
+    sqlx::query(statement.sql).bind(lease.digest().as_str().to_owned()).bind(lease.scope.tenant()).bind(lease.fence)
 }
 
 /// Whether the claim would re-acquire this record as read: released, or its lease ran out under

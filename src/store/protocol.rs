@@ -380,7 +380,7 @@ impl Store {
                 None => None,
                 Some(lazy) => {
                     if lazy.is_none() {
-                        match self.begin_transaction().await {
+                        match self.begin_transaction(&candidate).await {
                             Ok(begun) => *lazy = Some(begun),
                             Err(error) => {
                                 unanswered.take_back().await;

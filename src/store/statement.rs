@@ -7,7 +7,9 @@ use std::future::Future;
 use std::io;
 
 use super::Store;
+use super::postgres_tier::begin_statement;
 use crate::error::StoreError;
+use crate::record::Lease;
 use crate::telemetry;
 
 /// A statement (or a round trip without SQL of its own, such as a commit) and its name.
@@ -70,10 +72,19 @@ impl Store {
     /// `BEGIN`, so a caller cancelled in between (a client gone, this call's deadline) would hand the
     /// pool a connection inside a transaction that nobody rolls back, and later statements on it (a
     /// claim) would never commit. The task finishes the `BEGIN`, and a transaction nobody awaits any
-    /// more is dropped, which rolls it back.
-    pub(crate) async fn begin_transaction(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        let pool = self.pg_pool().clone();
-        let begun = tokio::spawn(async move { pool.begin().await });
+    /// more is dropped, which rolls it back. It begins with the key's lock of `lease` where the claim
+    /// reads ([`begin_statement`]).
+    pub(crate) async fn begin_transaction(
+        &self,
+        lease: &Lease,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+        let (pool, begin) = (self.pg_pool().clone(), begin_statement(lease));
+        let begun = tokio::spawn(async move {
+            match begin {
+                Some(statement) => pool.begin_with(statement).await,
+                None => pool.begin().await,
+            }
+        });
         let joined = async { begun.await.unwrap_or_else(|join| Err(sqlx::Error::Io(std::io::Error::other(join)))) };
         self.bounded(&BEGIN, joined).await
     }

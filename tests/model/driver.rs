@@ -86,7 +86,7 @@ const FORGET_EFFECTS: &str = "DELETE FROM model_effects WHERE tenant = $1";
 const FORGET_RECORDS: &str = "DELETE FROM idempotency_records WHERE tenant = $1";
 /// The key's record as stored, for the comparison with Redis's copy.
 const STORED: &str = "SELECT state, fingerprint, owner, response, lease_expires_at > now() AS live
-    FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
+    FROM idempotency_records WHERE digest = idempotency_key_digest($1, $2, $3) AND tenant = $1";
 /// The type of Redis's copy of a key and its fields (a completed string; a marker's state, fingerprint
 /// and owner), read at once.
 const READ_COPY: &str = "local kind = redis.call('TYPE', KEYS[1]).ok

@@ -270,7 +270,7 @@ impl Harness {
     async fn move_deadline(&self, table: &str, column: &str, scope: &Scope, key: &IdempotencyKey) {
         let sql = format!(
             "UPDATE {table} SET {column} = now() - interval '1 millisecond'
-             WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND {column} IS NOT NULL"
+             WHERE digest = idempotency_key_digest($1, $2, $3) AND tenant = $1 AND {column} IS NOT NULL"
         );
         let query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(scope.tenant()).bind(scope.operation());
         query.bind(key.as_str()).execute(&self.pool).await.expect("move a deadline");
@@ -321,7 +321,7 @@ impl Harness {
                 field.is_some()
             } else {
                 sqlx::query_scalar::<_, bool>(
-                    "SELECT waited FROM idempotency_records WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3",
+                    "SELECT waited FROM idempotency_records WHERE digest = idempotency_key_digest($1, $2, $3) AND tenant = $1",
                 )
                 .bind(scope.tenant())
                 .bind(scope.operation())
