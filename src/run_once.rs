@@ -248,10 +248,10 @@ impl Store {
     /// Runs `work` once, exactly once for its effects in this Postgres database: the claim, the work's
     /// statements (on the transaction handed to `work`) and the completion commit together, or not at all.
     ///
-    /// A concurrent duplicate through this method is told "in flight" at once, by Redis or by the key's
-    /// lock in Postgres, which this claim's transaction holds (a duplicate through `run_once` or `begin`
-    /// waits on the claim's row lock instead, at most the lock timeout, half the Postgres timeout, then
-    /// "in flight"); its retry replays the result. If `work` fails, or the process dies before the commit, nothing was
+    /// A concurrent duplicate (through this method, `run_once` or `begin`) is told "in flight" at once, by
+    /// Redis or by the key's lock in Postgres, which this claim's transaction holds; its retry replays the
+    /// result. The claim itself writes nothing: the record is written once, completed, in the commit
+    /// (in a transaction above read committed, or under a quota, the claim writes it in progress first). If `work` fails, or the process dies before the commit, nothing was
     /// written (the claim included) and a retry executes cleanly. One commit per new key instead of two.
     /// Effects outside this database (an e-mail, another API) are not covered: pass them a
     /// [derived key](IdempotencyKey::derive) or put them in an outbox row written by `work`.

@@ -27,6 +27,7 @@ mod outbox;
 mod partitions;
 mod prometheus;
 mod quotas;
+mod records;
 mod relay;
 mod same_request;
 mod store;

@@ -452,7 +452,7 @@ const LOOKUP: Statement = Statement::new(
 );
 
 /// The claim of a key inside the caller's transaction without a quota: a read, which writes no row
-/// version. The transaction began holding the key's lock, or knowing another holds it ([`begin_holding`],
+/// version. The transaction began holding the key's lock, or knowing another holds it ([`begin_statement`],
 /// `$3`, see [`key_lock`]); this statement's snapshot, taken after that, sees every claim committed by
 /// an earlier holder (its lock is released after its commit is visible). Every claim takes that lock,
 /// so while this transaction holds it no other claim of the key writes or acquires: a key without a
@@ -532,7 +532,11 @@ const COMPLETE: Statement = Statement::new(
 /// [`CLAIM_IN_TX`] wrote none), or the fenced [`COMPLETE`] of the record the claim wrote (by insert, or
 /// re-acquired). `$1`..`$4` as [`COMPLETE`]; then the claim's `$5` operation, `$6` key, `$7`
 /// fingerprint and the policy it was made under: `$8` tier, `$9` take over, `$10` retention and `$11`
-/// tombstone milliseconds.
+/// tombstone milliseconds; `$12` the key's lock. Only a claim of this very transaction is completed: a
+/// record read under the lock it still holds (the setting [`begin_statement`] wrote ends with the
+/// transaction), or the row it wrote. A transaction the caller's work ended on its own (a `ROLLBACK` or
+/// `COMMIT` of its own, after which these statements run outside it) completes nothing: the lease is
+/// lost, never a record stored for writes that were rolled back.
 const COMPLETE_IN_TX: Statement = Statement::new(
     "complete",
     concat!(
@@ -540,8 +544,10 @@ const COMPLETE_IN_TX: Statement = Statement::new(
     INSERT INTO idempotency_records AS r
         (digest, tenant, operation, idempotency_key, fingerprint, state, fence, response, expires_at, tier,
          on_lease_expiry, retention_ms, tombstone_ms)
-    VALUES ($1::uuid, $2, $5, $6, $7, 'c', $3, $4, clock_timestamp() + $10::float8 * interval '1 millisecond', $8,
-            CASE WHEN $9 THEN 't' ELSE 'm' END::\"char\", $10::float8::bigint, $11::float8::bigint)
+    SELECT $1::uuid, $2, $5, $6, $7, 'c', $3, $4, clock_timestamp() + $10::float8 * interval '1 millisecond', $8,
+           CASE WHEN $9 THEN 't' ELSE 'm' END::\"char\", $10::float8::bigint, $11::float8::bigint
+    WHERE current_setting('idemstore.key_lock', true) = 'true:' || $12::int8
+       OR EXISTS (SELECT 1 FROM idempotency_records WHERE digest = $1::uuid AND tenant = $2 AND fence = $3)
     ON CONFLICT (digest, tenant) DO UPDATE ",
         completed!("EXCLUDED.response"),
         "
@@ -857,7 +863,8 @@ impl PostgresTier {
                     .bind(policy.name())
                     .bind(policy.lease_expiry == LeaseExpiry::TakeOver)
                     .bind(policy.retention.map(|r| millis(r) as f64))
-                    .bind(policy.tombstone.map(|t| millis(t) as f64));
+                    .bind(policy.tombstone.map(|t| millis(t) as f64))
+                    .bind(key_lock(&lease.digest()));
                 self.bounded(&COMPLETE_IN_TX, query.fetch_optional(conn)).await?
             }
             None => {
@@ -1148,10 +1155,12 @@ fn would_reacquire(record: &Record, lease: &Lease) -> bool {
 /// (for no record, or for one it would have re-acquired as read).
 fn decode_claim(row: &PgRow, lease: &Lease) -> Result<ClaimAnswer, sqlx::Error> {
     let state: Option<i8> = row.try_get("state")?;
-    if !row.try_get::<bool, _>("held")? {
+    let acquired: bool = row.try_get("acquired")?;
+    // A live record of this very claim (a batch wrote it, and its caller never heard) is its own, whoever
+    // holds the key's lock now.
+    if !acquired && !row.try_get::<bool, _>("held")? {
         return Ok(ClaimAnswer::Held(state.map(|_| decode_record(row)).transpose()?));
     }
-    let acquired: bool = row.try_get("acquired")?;
     let over_quota = match row.try_get::<Option<i8>, _>("quota_limit")? {
         Some(code) => {
             let limit = QuotaLimit::from_code(code as u8)
