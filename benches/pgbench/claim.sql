@@ -1,7 +1,7 @@
 -- Mirrors src/store/postgres_tier.rs as of 2026-12-06 (see README.md in this directory).
 -- A part: run.sh adds the key variable and composes the transactions.
--- The claim statement (no quota) for a new key; md5 stands in for the key's digest, and :key_lock is
--- written by run.sh.
+-- The claim statement (no quota) for a new key (run.sh makes CLAIM_NEW of it: the same without the
+-- re-acquisition); md5 stands in for the key's digest, and :key_lock is written by run.sh.
 WITH key_lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock_shared(:key_lock) AS held), prior AS (
 SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
 FROM idempotency_records

@@ -33,11 +33,14 @@ for entry in "${scripts[@]}"; do
         for part in ${entry#*=}; do
             case "$part" in
                 BEGIN|COMMIT) echo "$part;" ;;
-                # The key's lock, as every claim takes it: hashtext stands in for the digest's 63 bits.
-                *) grep -v '^--' "$here/$part.sql" | sed "s/:key_lock/(hashtext('k-' || :k)::int8 | (1::int8 << 63))/g" ;;
+                # CLAIM_NEW is the full claim without its re-acquisition, as in the store.
+                claim_new) grep -v '^--' "$here/claim.sql" \
+                    | sed "/^ON CONFLICT (digest, tenant) DO UPDATE\$/,/^WHERE (r.state/c\\ON CONFLICT (digest, tenant) DO NOTHING" ;;
+                *) grep -v '^--' "$here/$part.sql" ;;
             esac
         done
-    } > "$composed/$name.sql"
+    # The key's lock, as every claim takes it: hashtext stands in for the digest's 63 bits.
+    } | sed "s/:key_lock/(hashtext('k-' || :k)::int8 | (1::int8 << 63))/g" > "$composed/$name.sql"
 done
 declare -A runs
 # SCRIPTS="a b" runs those only.

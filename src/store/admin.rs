@@ -24,7 +24,8 @@ use crate::telemetry;
 /// checked again on the locked row. Records are matched by primary key (ctids repeat across partitions).
 /// A tombstone lasts for the horizon its record was claimed under (NULL: forever).
 const PURGE_BATCH: Statement = Statement::new(
-    "purge", "
+    "purge",
+    "
     WITH doomed AS (
         SELECT digest, tenant FROM idempotency_records
         WHERE expires_at <= now() AND state IN ('c', 'r')
@@ -45,7 +46,8 @@ const PURGE_BATCH: Statement = Statement::new(
         ON CONFLICT (digest) DO UPDATE
         SET fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at
     )
-    SELECT count(*) FROM gone");
+    SELECT count(*) FROM gone",
+);
 
 /// One bounded batch of quota counters ([`crate::Quota`]) whose windows have both passed.
 const PURGE_QUOTA_USAGE: Statement = Statement::new(

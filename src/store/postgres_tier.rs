@@ -969,7 +969,9 @@ async fn claim_by_lock(
         Ok(match record {
             _ if !held => Some(ClaimAnswer::Held(record)),
             Some(record) if would_reacquire(&record, lease) => None,
-            Some(record) => Some(ClaimAnswer::Claim(Claim { acquired: false, took_over: false, reacquired: false, record })),
+            Some(record) => {
+                Some(ClaimAnswer::Claim(Claim { acquired: false, took_over: false, reacquired: false, record }))
+            }
             None => {
                 let policy = &lease.policy;
                 let record = Record {
