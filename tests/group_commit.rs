@@ -13,7 +13,11 @@ use serde_json::json;
 use support::{Harness, key};
 use tokio::sync::Notify;
 
-suite!(concurrent_new_keys_share_statements, a_claim_whose_caller_left_is_given_back);
+suite!(
+    concurrent_new_keys_share_statements,
+    a_claim_whose_caller_left_is_given_back,
+    shutdown_waits_for_a_claim_given_back,
+);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_held_in_a_transaction_holds_up_no_shared_claim() {
@@ -213,6 +217,29 @@ async fn a_lone_claim_whose_caller_left_is_given_back_in(mode: Mode) {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// A shutdown waits for the give-back of a claim whose caller left before it heard of it, so that a
+/// process may exit as soon as `shutdown` returns: the key is free by then, not in progress until its
+/// lease runs out (or indeterminate after it). The give-back is held back 1 s (a failpoint) after the
+/// claim committed. Before the fix the give-back was spawned untracked: `shutdown` returned at once and
+/// the record was still in progress.
+async fn shutdown_waits_for_a_claim_given_back(mode: Mode) {
+    // Its failpoint is the process's: under `cargo test`, in a process of its own.
+    if support::rerun_alone(mode, module_path!(), "shutdown_waits_for_a_claim_given_back") {
+        return;
+    }
+    let h = Harness::start(mode).await;
+    let (scope, k) = (h.scope("acme"), key("given-back-at-shutdown"));
+    let fingerprint = Fingerprint::of_json(br#"{"amount":5}"#, &FingerprintOptions::default()).expect("fingerprint");
+    fail::cfg("give-back", "1*return(1000)").expect("failpoint");
+    cancel_while_held(&h, &scope, &k, &fingerprint, None).await;
+    h.store.shutdown().await;
+    let left = "SELECT state::text FROM idempotency_records WHERE operation = $1 AND idempotency_key = $2";
+    let left: Option<String> =
+        sqlx::query_scalar(left).bind(&h.operation).bind(k.as_str()).fetch_optional(&h.pool).await.expect("record");
+    fail::cfg("give-back", "off").expect("failpoint");
+    assert_eq!(left, None, "shutdown returned before the claim nobody heard of was given back");
 }
 
 /// Writes `k`'s record in a transaction of its own (released with `fingerprint` when given, else in

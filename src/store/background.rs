@@ -1,10 +1,11 @@
 //! The tasks a store spawns, and how [`crate::Store::shutdown`] ends them.
 //!
 //! Two kinds, told apart because a shutdown treats them differently:
-//! - **settlements**, work that outlives the call that started it because `Drop` cannot wait for I/O: a
-//!   dropped owner's release, and a response body settled after its client went away. The work they
-//!   record has run, so a shutdown waits for them: a process that exits first leaves the key in
-//!   progress until its lease runs out.
+//! - **settlements**, work that outlives the call that started it because `Drop` cannot wait for I/O or
+//!   a cancelled caller must not cut it short: a dropped owner's release, a response body settled after
+//!   its client went away, a claim's statement (lone, shared or a transaction's `BEGIN`) and the give-back
+//!   of a claim whose caller left before it heard. A shutdown waits for them: a process that exits first
+//!   leaves the key in progress until its lease runs out.
 //! - **followers**, which run as long as the store: the repair of Redis copies that may lag behind
 //!   Postgres, and the subscriptions that wake claims waiting for an in-flight duplicate. A shutdown
 //!   stops them (the repair's keys then expire with their lease).

@@ -27,6 +27,7 @@ use sqlx::postgres::{PgPool, PgRow};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use super::Background;
+use super::awaiting::Awaiting;
 use super::postgres_tier::{CLAIM_NEW_BATCH, COMPLETE_BATCH, Retained, decode_record, give_back, key_lock, retained};
 use super::statement::{self, Statement};
 use crate::error::StoreError;
@@ -166,7 +167,9 @@ impl<J: Job> Batcher<J> {
         if !self.enqueue(Queued { job: Arc::clone(&job), reply }) {
             return Ok(Batched::AskAlone);
         }
-        let mut awaiting = Awaiting { answer, job, batcher: self };
+        // Dropped before it took the answer (the caller was cancelled), the caller's end undoes an answer
+        // sent just before; the batch undoes those it sends from then on ([`Job::unheard`]).
+        let mut awaiting = Awaiting::new(answer, |answered| self.undo_unheard(job, answered));
         let answer = &mut awaiting.answer;
         match tokio::time::timeout(self.timeout, &mut *answer).await {
             Ok(Ok(answered)) => answered,
@@ -180,6 +183,13 @@ impl<J: Job> Batcher<J> {
                 answer.try_recv().unwrap_or_else(|_| Err(J::STATEMENT.failed(statement::timed_out())))
             }
         }
+    }
+
+    /// Undoes, in a settlement, an answer that reached a caller's end after the caller had left.
+    fn undo_unheard(&self, job: Arc<J>, answered: Result<Batched<J::Answer>, StoreError>) {
+        let Ok(Batched::Answered(answer)) = answered else { return };
+        let (pool, timeout) = (self.pool.clone(), self.timeout);
+        self.background.settle(async move { job.unheard(answer, &pool, timeout).await });
     }
 
     /// Queues `queued`, starting the task if none runs; false when no task can run (no runtime, or the
@@ -202,25 +212,6 @@ impl<J: Job> Batcher<J> {
         let sent = sender.send(queued).is_ok();
         *queue = Some(sender);
         sent
-    }
-}
-
-/// A caller's wait for its answer ([`Batcher::submit`]). Dropped before it took the answer (the caller
-/// was cancelled), it closes the channel, so that the batch hears that nobody waits from then on, and
-/// undoes itself an answer sent just before ([`Job::unheard`]): either way, once.
-struct Awaiting<'a, J: Job> {
-    answer: oneshot::Receiver<Result<Batched<J::Answer>, StoreError>>,
-    job: Arc<J>,
-    batcher: &'a Batcher<J>,
-}
-
-impl<J: Job> Drop for Awaiting<'_, J> {
-    fn drop(&mut self) {
-        self.answer.close();
-        let Ok(Ok(Batched::Answered(answer))) = self.answer.try_recv() else { return };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        let (job, pool, timeout) = (Arc::clone(&self.job), self.batcher.pool.clone(), self.batcher.timeout);
-        runtime.spawn(async move { job.unheard(answer, &pool, timeout).await });
     }
 }
 

@@ -1,6 +1,7 @@
 //! The store: configuration and lifecycle here, the claim protocol in [`protocol`](self) submodules.
 
 mod admin;
+mod awaiting;
 mod background;
 mod begin;
 mod clear_writes;
@@ -100,7 +101,7 @@ struct Inner {
 }
 
 /// The last handle is gone: the followers stop (a repair of Redis copies would otherwise retry for as
-/// long as Redis stays unreachable). Settlements hold a handle, so none is under way here.
+/// long as Redis stays unreachable). Settlements under way go on.
 impl Drop for Inner {
     fn drop(&mut self) {
         self.background.stop();
@@ -161,13 +162,14 @@ impl Store {
     /// Stops the store's background tasks and waits for the settlements under way; call it when the
     /// process stops taking requests, before it exits.
     ///
-    /// A store spawns two kinds of task. Settlements record work that already ran, when the call that
-    /// ran it could not wait: the release of an owner dropped unsettled, and the settlement of a
-    /// response whose client went away mid-body (drained first when the rest can still be stored). A
-    /// process that exits before they land leaves those keys in progress until their lease runs out, so
-    /// this waits for them: a body is drained for at most a lease, and a settling write retries within
-    /// the lease it keeps extending, so the wait is bounded by about two of the longest lease in use;
-    /// bound it by the process's grace period if that is shorter. Followers run as long as the store:
+    /// A store spawns two kinds of task. Settlements finish what a call started when the call could not
+    /// wait: the release of an owner dropped unsettled, the settlement of a response whose client went
+    /// away mid-body (drained first when the rest can still be stored), and a claim whose caller was
+    /// cancelled while its statement ran, given back once it landed. A process that exits before they
+    /// land leaves those keys in progress until their lease runs out, so this waits for them: a body is
+    /// drained for at most a lease, a settling write retries within the lease it keeps extending, and a
+    /// claim's statements are bounded by [`StoreBuilder::postgres_timeout`], so the wait is bounded by
+    /// about two of the longest lease in use; bound it by the process's grace period if that is shorter. Followers run as long as the store:
     /// the deletion of Redis copies that may lag behind Postgres after Redis failed (they expire with
     /// their lease instead) and the subscriptions that wake claims waiting for an in-flight duplicate
     /// (waiting claims poll instead). This stops them; so does dropping the store's last handle.
@@ -480,7 +482,7 @@ impl StoreBuilder {
         let group = self.group_commit.unwrap_or(true).then(|| GroupCommit::new(&pg_pool, timeout, &background));
         Ok(Store {
             inner: Arc::new(Inner {
-                postgres: PostgresTier::new(pg_pool, timeout, group),
+                postgres: PostgresTier::new(pg_pool, timeout, group, background.clone()),
                 redis,
                 default_policy: Arc::new(self.default_policy.unwrap_or_default()),
                 patterns,

@@ -8,6 +8,8 @@ use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use tokio::sync::oneshot;
 use tracing::Instrument as _;
 
+use super::Background;
+use super::awaiting::Awaiting;
 use super::group_commit::{Alone, Batched, Completion, GroupCommit, NewClaim};
 use super::statement::{self, ACQUIRE, Statement};
 use crate::error::StoreError;
@@ -695,11 +697,13 @@ pub(crate) struct PostgresTier {
     timeout: Duration,
     /// Claims of new keys and completions sent in batches; `None`: each alone.
     group: Option<GroupCommit>,
+    /// Where lone claims run and claims nobody heard of are given back, so that a shutdown waits for them.
+    background: Background,
 }
 
 impl PostgresTier {
-    pub(crate) fn new(pool: PgPool, timeout: Duration, group: Option<GroupCommit>) -> Self {
-        Self { pool, timeout, group }
+    pub(crate) fn new(pool: PgPool, timeout: Duration, group: Option<GroupCommit>, background: Background) -> Self {
+        Self { pool, timeout, group, background }
     }
 
     /// `call`, sent as `statement` under the store's timeout ([`statement::bounded`]).
@@ -803,30 +807,49 @@ impl PostgresTier {
     ) -> Result<ClaimAnswer, StoreError> {
         let (pool, timeout, owned) = (self.pool.clone(), self.timeout, lease.clone());
         let (reply, answer) = oneshot::channel();
-        tokio::spawn(
-            async move {
-                let claimed = async {
-                    let mut pooled = statement::bounded(timeout, &ACQUIRE, pool.acquire()).await?;
-                    if let Some(alone) = alone.as_mut() {
-                        alone.took_connection();
-                    }
-                    let lock = Some(key_lock(&digest));
-                    claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys, lock).await
+        let claiming = async move {
+            let claimed = async {
+                let mut pooled = statement::bounded(timeout, &ACQUIRE, pool.acquire()).await?;
+                if let Some(alone) = alone.as_mut() {
+                    alone.took_connection();
                 }
-                .await;
-                drop(alone);
-                if let Err(Ok(ClaimAnswer::Claim(claim))) = reply.send(claimed)
-                    && claim.acquired
-                {
-                    let lease = Lease { fence: claim.record.fence, ..owned };
-                    give_back(&pool, timeout, &lease, claim.reacquired, digest.as_str()).await;
-                }
+                let lock = Some(key_lock(&digest));
+                claim_on(&mut pooled, timeout, &owned, digest, new_key_first, live_keys, lock).await
             }
-            .in_current_span(),
-        );
-        let mut answer = LoneAnswer { answer, tier: self, lease, digest };
+            .await;
+            drop(alone);
+            if let Err(Ok(ClaimAnswer::Claim(claim))) = reply.send(claimed)
+                && claim.acquired
+            {
+                let lease = Lease { fence: claim.record.fence, ..owned };
+                give_back(&pool, timeout, &lease, claim.reacquired, digest.as_str()).await;
+            }
+        };
+        // A settlement: a shutdown waits for the claim and for its give-back.
+        if self.background.settle(claiming.in_current_span()).is_none() {
+            return Err(ACQUIRE.failed(sqlx::Error::WorkerCrashed));
+        }
+        let mut awaiting = Awaiting::new(answer, |claimed| self.give_back_unheard(lease, digest, claimed));
         // The task ended without an answer only if it panicked or its runtime is going away.
-        (&mut answer.answer).await.unwrap_or_else(|_| Err(ACQUIRE.failed(sqlx::Error::WorkerCrashed)))
+        (&mut awaiting.answer).await.unwrap_or_else(|_| Err(ACQUIRE.failed(sqlx::Error::WorkerCrashed)))
+    }
+
+    /// Gives back, in a settlement, a lone claim whose answer reached its caller's end ([`Awaiting`]) after
+    /// the caller had left.
+    fn give_back_unheard(&self, lease: &Lease, digest: KeyDigest, claimed: Result<ClaimAnswer, StoreError>) {
+        let Ok(ClaimAnswer::Claim(claim)) = claimed else { return };
+        if !claim.acquired {
+            return;
+        }
+        let (pool, timeout) = (self.pool.clone(), self.timeout);
+        let lease = Lease { fence: claim.record.fence, ..lease.clone() };
+        let giving_back = async move { give_back(&pool, timeout, &lease, claim.reacquired, digest.as_str()).await };
+        if self.background.settle(giving_back).is_none() {
+            tracing::warn!(
+                fence = claim.record.fence,
+                "a claim nobody heard of, without a runtime to give it back; its lease runs out instead"
+            );
+        }
     }
 
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
@@ -915,36 +938,6 @@ impl PostgresTier {
     pub(crate) async fn extend(&self, lease: &Lease) -> Result<bool, StoreError> {
         let lease_ms = millis(lease.policy.lease) as f64;
         self.bounded(&EXTEND, fenced(&EXTEND, lease).bind(lease_ms).execute(&self.pool)).await.map(matched)
-    }
-}
-
-/// The caller's end of a lone claim ([`PostgresTier::claim_alone`]). Dropped before it took its answer
-/// (the caller was cancelled), it closes the channel, so that the task gives back what it acquires from
-/// then on, and gives back itself a claim whose answer had already been sent: either way, once.
-struct LoneAnswer<'a> {
-    answer: oneshot::Receiver<Result<ClaimAnswer, StoreError>>,
-    tier: &'a PostgresTier,
-    lease: &'a Lease,
-    digest: KeyDigest,
-}
-
-impl Drop for LoneAnswer<'_> {
-    fn drop(&mut self) {
-        self.answer.close();
-        let Ok(Ok(ClaimAnswer::Claim(claim))) = self.answer.try_recv() else { return };
-        if !claim.acquired {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!(
-                fence = claim.record.fence,
-                "a claim nobody heard of, without a runtime to give it back; its lease runs out instead"
-            );
-            return;
-        };
-        let (pool, timeout, digest) = (self.tier.pool.clone(), self.tier.timeout, self.digest);
-        let lease = Lease { fence: claim.record.fence, ..self.lease.clone() };
-        runtime.spawn(async move { give_back(&pool, timeout, &lease, claim.reacquired, digest.as_str()).await });
     }
 }
 
@@ -1113,6 +1106,9 @@ pub(crate) async fn notify(pool: &PgPool, timeout: Duration, digest: &str) -> Re
 /// would have. Claims that wait for the key (named `digest`) hear of it. Best effort: a claim that
 /// cannot be given back (Postgres out of reach) stays until its lease runs out.
 pub(crate) async fn give_back(pool: &PgPool, timeout: Duration, lease: &Lease, reacquired: bool, digest: &str) {
+    // Fault tests: the give-back starts only after `return(ms)`.
+    #[cfg(feature = "failpoints")]
+    statement::pause_at("give-back").await;
     let statement = if reacquired { &RELEASE } else { &FORGET };
     let given_back = statement::bounded(timeout, statement, fenced(statement, lease).fetch_optional(pool)).await;
     let announced = match given_back {

@@ -79,13 +79,18 @@ impl Store {
         lease: &Lease,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
         let (pool, begin) = (self.pg_pool().clone(), begin_statement(lease));
-        let begun = tokio::spawn(async move {
+        // A settlement: a shutdown waits for the BEGIN, and so for the rollback of a transaction dropped
+        // unheard.
+        let begun = self.background().settle(async move {
             match begin {
                 Some(statement) => pool.begin_with(statement).await,
                 None => pool.begin().await,
             }
         });
-        let joined = async { begun.await.unwrap_or_else(|join| Err(sqlx::Error::Io(std::io::Error::other(join)))) };
+        let joined = async {
+            let Some(begun) = begun else { return Err(sqlx::Error::WorkerCrashed) };
+            begun.await.unwrap_or_else(|join| Err(sqlx::Error::Io(std::io::Error::other(join))))
+        };
         self.bounded(&BEGIN, joined).await
     }
 
