@@ -44,7 +44,7 @@ impl fmt::Debug for ReplayCheck {
 }
 
 /// The longest wait for an in-flight duplicate: a day (a deadline further out could overflow the clock).
-const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 impl RunOptions {
     /// Waits up to `wait` for an in-flight duplicate to finish, then replays its result (or, if its owner

@@ -33,6 +33,10 @@ pub const SETTLE_RETRIES: &str = "idemstore_settle_retries_total";
 /// periodic re-check that covers a lost notification). The wait's answer is one outcome, however many
 /// wake-ups it took.
 pub const WAIT_WAKEUPS: &str = "idemstore_wait_wakeups_total";
+/// Answers of `Store::attach` (a retry that attaches to its request instead of claiming); labels
+/// `operation` and `answer`: replayed, in_flight (still running at the end of the wait), vacant (nothing
+/// holds the key), mismatch, indeterminate, expired.
+pub const ATTACHES: &str = "idemstore_attaches_total";
 /// Redis hot-path answers; label `result`: hit (answered from Redis), miss (went on to Postgres), error.
 pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";
 /// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open, cluster
@@ -104,6 +108,7 @@ pub fn describe() {
     describe_counter!(SETTLE_FAILURES, "Owner writes (complete, release, extend) that did not land, by reason.");
     describe_counter!(SETTLE_RETRIES, "Owner completions and releases asked again while Postgres was unavailable.");
     describe_counter!(WAIT_WAKEUPS, "Wake-ups of claims waiting for an in-flight duplicate, by cause.");
+    describe_counter!(ATTACHES, "Answers of attaches to a request by key, by answer.");
     describe_counter!(POSTGRES_STATEMENTS, "Statements sent to Postgres, by statement.");
     describe_counter!(REDIS_CALLS, "Scripts run on Redis, by script.");
     describe_counter!(PURGED, "Expired records deleted by purge_expired.");
@@ -202,6 +207,9 @@ impl Registered {
         for limit in [QuotaLimit::NewKeys, QuotaLimit::LiveKeys] {
             quota_refusal_counter(operation, limit).increment(0);
         }
+        for answer in ["replayed", "in_flight", "vacant", "mismatch", "indeterminate", "expired"] {
+            metrics::counter!(ATTACHES, "operation" => operation.to_owned(), "answer" => answer).increment(0);
+        }
         for by in ["notification", "timer"] {
             metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(0);
         }
@@ -293,6 +301,11 @@ pub(crate) fn wait_wakeup(operation: &str, notified: bool) {
     metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(1);
 }
 
+/// An attach answered ([`ATTACHES`]).
+pub(crate) fn attached(operation: &str, answer: &'static str) {
+    metrics::counter!(ATTACHES, "operation" => operation.to_owned(), "answer" => answer).increment(1);
+}
+
 /// Redis's answer to a claim, on the operation's registered counter when there is one.
 pub(crate) fn redis_lookup(counters: Option<&OperationCounters>, operation: &str, result: &'static str) {
     let registered = counters.and_then(|counters| {
@@ -355,7 +368,18 @@ macro_rules! with_static_label {
 pub(crate) fn postgres_statement(statement: &'static str) {
     let counter = with_static_label!(
         counter!(POSTGRES_STATEMENTS, "statement" => statement),
-        ["claim", "complete", "lookup", "release", "extend", "wait", "notify", "mark_indeterminate", "hold_key"]
+        [
+            "claim",
+            "complete",
+            "lookup",
+            "attach",
+            "release",
+            "extend",
+            "wait",
+            "notify",
+            "mark_indeterminate",
+            "hold_key"
+        ]
     );
     counter.increment(1);
 }

@@ -8,6 +8,7 @@
 #[macro_use]
 mod support;
 
+mod attach;
 mod client;
 mod cluster;
 mod demo;

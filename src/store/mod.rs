@@ -1,6 +1,7 @@
 //! The store: configuration and lifecycle here, the claim protocol in [`protocol`](self) submodules.
 
 mod admin;
+mod attach;
 mod awaiting;
 mod background;
 mod begin;
@@ -32,6 +33,7 @@ use crate::error::{ConfigError, StoreError};
 use crate::policy::Policy;
 use crate::telemetry;
 pub use admin::{Admin, Inspection, Purging, Recovery, Resolution, StatsRow};
+pub use attach::Attached;
 pub(crate) use background::Background;
 pub use begin::Begin;
 use group_commit::GroupCommit;

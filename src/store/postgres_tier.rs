@@ -434,22 +434,41 @@ pub(crate) const CLAIM_NEW_BATCH: Statement = Statement::new(
 );
 
 /// A key's record, or its live tombstone once the record was purged.
-const LOOKUP: Statement = Statement::new(
-    "lookup",
-    concat!(
-        "WITH found AS (
+/// A key's record, or its tombstone (`$1` digest, `$2` tenant): no row when neither is there.
+macro_rules! lookup {
+    () => {
+        concat!(
+            "WITH found AS (
         SELECT state, fingerprint, fence, owner, response, tier, on_lease_expiry, lease_expires_at, expires_at
         FROM idempotency_records WHERE digest = $1::uuid AND tenant = $2
     )
     SELECT ",
-        record_columns!(),
-        " FROM found
+            record_columns!(),
+            " FROM found
     UNION ALL
     SELECT ",
-        record_columns!(),
-        " FROM (",
-        tombstone!("$1"),
-        ") AS buried WHERE NOT EXISTS (SELECT 1 FROM found)"
+            record_columns!(),
+            " FROM (",
+            tombstone!("$1"),
+            ") AS buried WHERE NOT EXISTS (SELECT 1 FROM found)"
+        )
+    };
+}
+
+const LOOKUP: Statement = Statement::new("lookup", lookup!());
+
+/// What a retry attaching to its request reads ([`PostgresTier::attach`]): one row, `held` (whether a
+/// transaction holds the key's lock `$3` now: a transactional owner, whose record is written only with
+/// its commit) and the record's columns, NULL when the key has neither record nor tombstone. The lock is
+/// only tried, shared, for this statement: plain claims take it shared too, so only an open
+/// transactional claim makes `held` true, and nothing waits.
+const ATTACH: Statement = Statement::new(
+    "attach",
+    concat!(
+        "SELECT NOT pg_try_advisory_xact_lock_shared($3::int8) AS held, looked.*
+         FROM (SELECT 1) AS one LEFT JOIN (",
+        lookup!(),
+        ") AS looked ON true"
     ),
 );
 
@@ -854,6 +873,23 @@ impl PostgresTier {
 
     pub(crate) async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         lookup_on(&self.pool, self.timeout, scope, key_digest(scope, key)).await
+    }
+
+    /// The key's record as committed, and whether an open transaction holds the key's lock ([`ATTACH`]).
+    pub(crate) async fn attach(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+    ) -> Result<(bool, Option<Record>), StoreError> {
+        let digest = key_digest(scope, key);
+        let read = sqlx::query(ATTACH.sql).bind(digest.as_str()).bind(scope.tenant()).bind(key_lock(&digest));
+        let row = self.bounded(&ATTACH, read.fetch_one(&self.pool)).await?;
+        let decoded = (|| {
+            let held: bool = row.try_get("held")?;
+            let found = row.try_get::<Option<i8>, _>("state")?.is_some();
+            Ok((held, found.then(|| decode_record(&row)).transpose()?))
+        })();
+        decoded.map_err(|error| ATTACH.failed(error))
     }
 
     /// The fenced completion, on `conn` (inside the caller's transaction, the one that claimed) when
