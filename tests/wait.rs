@@ -22,6 +22,8 @@ suite!(
     a_waiter_is_woken_when_the_owner_releases_and_claims_the_key,
     a_waiter_answers_in_flight_at_its_bound,
     an_http_retry_waits_for_the_first_response,
+    a_transactional_http_retry_waits_for_the_first_response,
+    a_client_shortens_the_wait_never_lengthens_it,
     shutdown_stops_the_followers_though_redis_is_down,
 );
 
@@ -92,6 +94,17 @@ async fn a_waiter_answers_in_flight_at_its_bound(mode: Mode) {
 /// Through the layer: a retry that arrives while the first request runs gets the first request's 201
 /// (not 409), and the handler runs once.
 async fn an_http_retry_waits_for_the_first_response(mode: Mode) {
+    http_retry_waits_for_the_first_response(mode, false).await;
+}
+
+/// The same on the transactional path (`with_claim_transaction`), where the first request's record is
+/// written only with its commit: the retry ends its own transaction and attaches, holding no connection,
+/// and answers the committed 201. Before, the route's wait did not apply there and the retry got 409.
+async fn a_transactional_http_retry_waits_for_the_first_response(mode: Mode) {
+    http_retry_waits_for_the_first_response(mode, true).await;
+}
+
+async fn http_retry_waits_for_the_first_response(mode: Mode, transactional: bool) {
     let h = Harness::with(mode, long_lease(), Servers::Any).await;
     let entered = std::sync::Arc::new(Notify::new());
     let finish = std::sync::Arc::new(Notify::new());
@@ -111,10 +124,10 @@ async fn an_http_retry_waits_for_the_first_response(mode: Mode) {
         })
     };
     let tenant = |_: &http::request::Parts| Some("acme".to_owned());
-    let service = IdempotencyLayer::new(h.store.clone(), tenant)
+    let layer = IdempotencyLayer::new(h.store.clone(), tenant)
         .with_operation(h.operation.clone())
-        .with_wait_in_flight(Duration::from_secs(30))
-        .layer(handler);
+        .with_wait_in_flight(Duration::from_secs(30));
+    let service = if transactional { layer.with_claim_transaction() } else { layer }.layer(handler);
     let request = || {
         let body = Full::new(Bytes::from_static(b"{}"));
         Request::post("/charges").header("idempotency-key", "waited-over-http").body(body).expect("request")
@@ -122,8 +135,14 @@ async fn an_http_retry_waits_for_the_first_response(mode: Mode) {
     let first = tokio::spawn(service.clone().oneshot(request()));
     entered.notified().await;
     let retry = tokio::spawn(service.clone().oneshot(request()));
-    let scope = h.scope("acme");
-    h.wait_until_flagged(&scope, &key("waited-over-http"), mode == Mode::TwoTier).await;
+    if transactional {
+        // The retry attaches: there is no record to flag, it asks again until the first one commits.
+        while h.counter("idemstore_wait_wakeups_total", &[]) < 1.0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    } else {
+        h.wait_until_flagged(&h.scope("acme"), &key("waited-over-http"), mode == Mode::TwoTier).await;
+    }
     finish.notify_one();
     for answer in [first.await.expect("join"), retry.await.expect("join")] {
         let response = answer.expect("infallible");
@@ -131,7 +150,55 @@ async fn an_http_retry_waits_for_the_first_response(mode: Mode) {
         assert_eq!(response.into_body().collect().await.expect("body").to_bytes().as_ref(), b"charged");
     }
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
-    assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
+    if transactional {
+        assert_eq!(h.counter("idemstore_attaches_total", &[("answer", "replayed")]), 1.0);
+    } else {
+        assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
+    }
+}
+
+/// `Prefer: wait=N` (RFC 7240) within the route's bound: `wait=0` answers 409 at once on a route that
+/// waits 30 s, and a wait longer than a route's 300 ms bound is capped there (409 after the bound, not
+/// after the client's 30 s). Both paths.
+async fn a_client_shortens_the_wait_never_lengthens_it(mode: Mode) {
+    let h = Harness::with(mode, long_lease(), Servers::Any).await;
+    // The first request holds the key: its handler waits until the test ends.
+    let (entered, never) = (std::sync::Arc::new(Notify::new()), std::sync::Arc::new(Notify::new()));
+    let handler = tower::service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        let (entered, never) = (entered.clone(), never.clone());
+        async move {
+            entered.notify_one();
+            never.notified().await;
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ran"))))
+        }
+    });
+    let tenant = |_: &http::request::Parts| Some("acme".to_owned());
+    let request = |preferred: &str| {
+        Request::post("/charges")
+            .header("idempotency-key", "held")
+            .header("prefer", preferred)
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let layer = || IdempotencyLayer::new(h.store.clone(), tenant).with_operation(h.operation.clone());
+    let mut first = tokio::spawn(layer().layer(handler.clone()).oneshot(request("")));
+    while h.store.admin().lookup(&h.scope("acme"), &key("held")).await.expect("lookup").is_none() {
+        assert!(!first.is_finished(), "the first request ended: {:?}", (&mut first).await);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for transactional in [false, true] {
+        for (bound, preferred, at_least) in [(30_000, "wait=0", 0), (300, "wait=30", 300)] {
+            let layer = layer().with_wait_in_flight(Duration::from_millis(bound));
+            let service = if transactional { layer.with_claim_transaction() } else { layer }.layer(handler.clone());
+            let started = Instant::now();
+            let response = service.oneshot(request(preferred)).await.expect("infallible");
+            let (took, case) =
+                (started.elapsed(), format!("{preferred} on a {bound} ms route, transactional {transactional}"));
+            assert_eq!(response.status(), StatusCode::CONFLICT, "{case}");
+            assert!(took >= Duration::from_millis(at_least) && took < Duration::from_secs(10), "{case}: {took:?}");
+        }
+    }
+    first.abort();
 }
 
 /// Two-tier, with the owner's marker lost from Redis: the waiter is told "in flight" by Postgres, so it

@@ -136,6 +136,13 @@ impl<T> Config<T> {
             || (matches!(answer, Begin::Mismatch) && self.mismatch == MismatchStatus::ConflictWithOriginal)
     }
 
+    /// How long this request waits for a duplicate in flight: the route's bound, shortened to the
+    /// client's `Prefer: wait` ([`super::prefer`]); `None` where the route does not wait.
+    pub(crate) fn wait_in_flight(&self, headers: &HeaderMap) -> Option<Duration> {
+        let bound = self.options.wait?;
+        Some(super::prefer::preferred_wait(headers).map_or(bound, |preferred| preferred.min(bound)))
+    }
+
     /// Whether the application lets this request see the stored response of `scope`'s key.
     pub(crate) async fn allows_replay(&self, parts: &Parts, scope: &Scope) -> bool {
         let allowed = match &self.replay_check {

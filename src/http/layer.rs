@@ -124,7 +124,10 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// Holds a retry that arrives while the first request with its key is still running for up to
     /// `wait`, and answers it with that request's response once stored (woken when the owner settles,
     /// not by polling), instead of 409 `in-flight` at once. At the bound it gets the 409. If the first
-    /// request fails and releases the key, the waiting retry runs the handler itself.
+    /// request fails and releases the key, the waiting retry runs the handler itself. A client may ask
+    /// for a shorter wait with `Prefer: wait=N` (seconds, RFC 7240; `wait=0`: 409 at once), never a
+    /// longer one. On the transactional path the retry ends its own transaction and attaches
+    /// ([`Store::attach`](crate::Store::attach)), holding no connection while it waits.
     pub fn with_wait_in_flight(mut self, wait: Duration) -> Self {
         self.config.options = self.config.options.wait_in_flight(wait);
         self
@@ -253,8 +256,9 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     ///
     /// What changes: the handler is bounded by the policy's lease (past it: rollback, 503); a released
     /// status (5xx, 401, 429...) rolls the handler's writes back too; a duplicate waits on the claim's row
-    /// lock in Postgres (at most the lock timeout) or meets the Redis marker, then gets 409 in flight
-    /// ([`with_wait_in_flight`](Self::with_wait_in_flight) does not apply); the handler's statements run on
+    /// lock in Postgres (at most the lock timeout) or meets the Redis marker, then gets 409 in flight or,
+    /// with [`with_wait_in_flight`](Self::with_wait_in_flight), waits for the first answer outside any
+    /// transaction; the handler's statements run on
     /// the store's connection, under its statement timeout. The transaction holds a pool connection and
     /// the key's row lock while the handler runs: size the pool for the handlers in flight.
     ///

@@ -53,6 +53,7 @@ mod capture;
 mod config;
 mod key_header;
 mod layer;
+mod prefer;
 mod problem;
 mod request_fingerprint;
 mod service;

@@ -3,6 +3,7 @@
 //! what the key holds. The plain path uses only the store's public API, as any user's middleware could;
 //! the transactional one ([`super::transaction`]) claims inside a transaction it hands to the handler.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -119,7 +120,12 @@ where
 {
     let Admitted { parts, scope, key, fingerprint, principal, .. } = &admitted;
     let store = &config.store;
-    let owner = match store.begin_with(scope, key, fingerprint, &config.options).await {
+    // The client may shorten the route's wait (`Prefer: wait`), never lengthen it.
+    let options = match config.wait_in_flight(&parts.headers) {
+        Some(wait) if config.options.wait != Some(wait) => Cow::Owned(config.options.clone().wait_in_flight(wait)),
+        _ => Cow::Borrowed(&config.options),
+    };
+    let owner = match store.begin_with(scope, key, fingerprint, &options).await {
         Ok(Begin::Acquired(owner)) => owner,
         Ok(answer) => return Ok(answer::refusal(answer, config, parts, (scope, key, *principal)).await),
         Err(error) => return Ok(answer::store_failed(&error)),

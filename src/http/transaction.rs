@@ -40,8 +40,8 @@ use super::answer;
 use super::boxed::{Boxed, resumed, with_trailers};
 use super::capture::{self, Captured, Withheld};
 use super::config::Config;
-use crate::store::Begin;
 use crate::store::COMMIT;
+use crate::store::{Attached, Begin, Owner};
 
 type Transaction = sqlx::Transaction<'static, Postgres>;
 
@@ -146,8 +146,12 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let Admitted { parts, scope, key, fingerprint, principal, .. } = &admitted;
+    let Admitted { scope, principal, .. } = &admitted;
     let store = &config.store;
+    let (owner, tx) = match claim(config, &admitted).await {
+        Ok(claimed) => claimed,
+        Err(answer) => return Ok(answer),
+    };
     // Redis's marker lives one lease from the claim: the transaction should end before it does, so that
     // a duplicate meets the marker rather than queueing on the row lock (and holding a connection).
     let policy = config.options.policy.as_deref().unwrap_or_else(|| store.policy(scope.operation()));
@@ -155,26 +159,6 @@ where
     // The completion and the commit after the deadline take up to a Postgres timeout each.
     let margin = (lease / 10).max(store.postgres_timeout() * 2).min(lease / 2);
     let deadline = tokio::time::Instant::now() + lease - margin;
-    let mut tx = None;
-    let owner = match store.begin_in(scope, key, fingerprint, &config.options, &mut tx).await {
-        Ok(Begin::Acquired(owner)) => owner,
-        Ok(refused) => {
-            // The answer may have marked the record indeterminate, in this transaction: keep it.
-            if let Some(tx) = tx
-                && let Err(error) = store.bounded(&COMMIT, tx.commit()).await
-            {
-                tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
-            }
-            return Ok(answer::refusal(refused, config, parts, (scope, key, *principal)).await);
-        }
-        Err(error) => {
-            if let Some(tx) = tx {
-                store.roll_back(tx).await;
-            }
-            return Ok(answer::store_failed(&error));
-        }
-    };
-    let Some(tx) = tx else { return Ok(answer::unavailable()) };
     let principal = *principal;
     let transaction = ClaimTransaction(Arc::new(Mutex::new(Some(tx))));
     let mut request = admitted.into_request();
@@ -247,6 +231,70 @@ where
         Err(_) => Ok(answer::not_committed()),
     }
 }
+
+/// Claims the key in a transaction of its own, or answers the request from what the key holds. A retry
+/// that meets its request in flight, on a route that waits ([`Config::wait_in_flight`]), ends its
+/// transaction (it holds no connection while it waits), attaches to the request ([`Store::attach`]) and
+/// answers what it finds; where the key is vacant by then (the first request failed and gave the key
+/// up), it claims again, with a backoff should the key stay contended.
+async fn claim<T>(
+    config: &Config<T>,
+    admitted: &Admitted,
+) -> Result<(Owner, sqlx::Transaction<'static, Postgres>), Response<Boxed>> {
+    let Admitted { parts, scope, key, fingerprint, principal, .. } = admitted;
+    let store = &config.store;
+    let until = config.wait_in_flight(&parts.headers).map(|wait| tokio::time::Instant::now() + wait);
+    let mut backoff: Option<Duration> = None;
+    loop {
+        let mut tx = None;
+        let refused = match store.begin_in(scope, key, fingerprint, &config.options, &mut tx).await {
+            Ok(Begin::Acquired(owner)) => return tx.map(|tx| (owner, tx)).ok_or_else(answer::unavailable),
+            Ok(refused) => {
+                // The answer may have marked the record indeterminate, in this transaction: keep it.
+                if let Some(tx) = tx
+                    && let Err(error) = store.bounded(&COMMIT, tx.commit()).await
+                {
+                    tracing::warn!(%error, "could not commit the answer's writes; the next request repeats them");
+                }
+                refused
+            }
+            Err(error) => {
+                if let Some(tx) = tx {
+                    store.roll_back(tx).await;
+                }
+                return Err(answer::store_failed(&error));
+            }
+        };
+        let left = until.map(|until| until.saturating_duration_since(tokio::time::Instant::now()));
+        let answer = match (refused, left) {
+            (Begin::InFlight { .. }, Some(left)) if !left.is_zero() => {
+                match store.attach(scope, key, fingerprint, left).await {
+                    Ok(Attached::Vacant) => {
+                        // Claimed again at once the first time; then the key is contended (a claim's Redis
+                        // marker ahead of its record): ask less often.
+                        if let Some(pause) = backoff {
+                            tokio::time::sleep(pause.min(left)).await;
+                        }
+                        backoff =
+                            Some(backoff.map_or(Duration::from_millis(10), |pause| (pause * 2).min(RECHECK_EVERY)));
+                        continue;
+                    }
+                    Ok(Attached::Replayed(stored)) => Begin::Replayed(stored),
+                    Ok(Attached::InFlight { retry_after }) => Begin::InFlight { retry_after },
+                    Ok(Attached::Mismatch) => Begin::Mismatch,
+                    Ok(Attached::Indeterminate) => Begin::Indeterminate,
+                    Ok(Attached::Expired) => Begin::Expired,
+                    Err(error) => return Err(answer::store_failed(&error)),
+                }
+            }
+            (refused, _) => refused,
+        };
+        return Err(answer::refusal(answer, config, parts, (scope, key, *principal)).await);
+    }
+}
+
+/// Longest pause between the claims of a transactional retry that waits for a key kept contended.
+const RECHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// Whether a refusal of the completion or the commit would come again on a retry of the request: the
 /// transaction is aborted or in a state the handler set (class 25, e.g. 25P02 after a failed statement,
