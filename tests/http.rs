@@ -16,7 +16,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
 use idemstore::http::{IdempotencyContext, IdempotencyLayer, KeySpace, MismatchStatus, problem_types};
-use idemstore::{IdempotencyKey, Mode, Policy, Scope, State};
+use idemstore::{IdempotencyKey, Mode, Policy, Quota, Scope, State};
 use payments::{PAYMENTS, charge, charges, demo, post_payment, problem_type, serve, wait_for_state, wait_in_flight};
 use serde_json::{Value, json};
 use support::{Harness, Servers};
@@ -46,6 +46,7 @@ suite!(
     a_nested_router_compares_the_whole_target,
     one_request_in_any_encoding_names_one_record,
     a_response_bound_to_its_principal_is_refused_to_another,
+    a_tenant_at_its_quota_still_gets_its_replays,
 );
 
 fn payment(key: Option<&str>, tenant: &str, body: &Value) -> Request<Body> {
@@ -677,6 +678,38 @@ async fn a_response_bound_to_its_principal_is_refused_to_another(mode: Mode) {
     assert_eq!((headers["idempotent-replayed"].to_str().expect("ascii"), again), ("true", first));
     let anonymous = payment(Some("p1"), "acme", &charge(1));
     assert_eq!(send(&router, anonymous).await.0, StatusCode::FORBIDDEN, "an anonymous request is another principal");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Replays charge nothing: a tenant at its new-key quota gets 429 for a new key, and still the replay of
+/// a completed one, re-authorized by the principal binding (another user of the tenant gets 403, not
+/// 429 and not the response); the handler ran once.
+async fn a_tenant_at_its_quota_still_gets_its_replays(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let one_new_key = Policy::builder().quota(Quota::default().new_keys(1, Duration::from_secs(3600))).build();
+    let limited = layer(&h).with_principal(user).with_policy(one_new_key.expect("policy"));
+    let (router, runs) = counting(limited, ok_body);
+    let as_user = |name: &str, key: &str| {
+        let mut request = payment(Some(key), "acme", &charge(1));
+        request.headers_mut().insert("x-user", name.parse().expect("a header value"));
+        request
+    };
+    let (status, _, first) = send(&router, as_user("alice", "q1")).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, body) = send(&router, as_user("alice", "q2")).await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (StatusCode::TOO_MANY_REQUESTS, problem_types::QUOTA_EXCEEDED.to_owned())
+    );
+    for _ in 0..3 {
+        let (status, headers, again) = send(&router, as_user("alice", "q1")).await;
+        assert_eq!(
+            (status, headers["idempotent-replayed"].to_str().expect("ascii"), &again),
+            (StatusCode::OK, "true", &first)
+        );
+    }
+    let (status, _, body) = send(&router, as_user("mallory", "q1")).await;
+    assert_eq!((status, problem_type(&body)), (StatusCode::FORBIDDEN, problem_types::REPLAY_REFUSED.to_owned()));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
