@@ -32,7 +32,7 @@ suite!(
 );
 
 /// The demo, served so that a request runs to its end even when its client goes away (as behind a
-/// proxy), with every answer it gave: when its request arrived, and its status.
+/// proxy), with every answer it gave: when its request arrived, its status, and the request's `Prefer`.
 async fn serve_detached(h: &Harness) -> (String, Answers) {
     let demo = payments::demo(h).await;
     let answers = Answers::default();
@@ -41,8 +41,10 @@ async fn serve_detached(h: &Harness) -> (String, Answers) {
         let (demo, seen) = (demo.clone(), seen.clone());
         async move {
             let arrived = Instant::now();
+            let request_prefer = request.headers().get("prefer").cloned();
             let response = tokio::spawn(demo.oneshot(request)).await.expect("no panic")?;
-            seen.lock().expect("answers").push((arrived, response.status()));
+            let prefer = request_prefer.map(|value| value.to_str().unwrap_or_default().to_owned());
+            seen.lock().expect("answers").push((arrived, response.status(), prefer));
             Ok::<_, std::convert::Infallible>(response)
         }
     });
@@ -52,7 +54,7 @@ async fn serve_detached(h: &Harness) -> (String, Answers) {
     (format!("http://{address}"), answers)
 }
 
-type Answers = Arc<Mutex<Vec<(Instant, http::StatusCode)>>>;
+type Answers = Arc<Mutex<Vec<(Instant, http::StatusCode, Option<String>)>>>;
 
 /// A client whose backoff is short, so that a wait longer than it was asked for by the server.
 fn client(journal: impl KeyJournal) -> ClientWithMiddleware {
@@ -188,8 +190,17 @@ async fn a_retry_of_a_request_in_flight_gets_the_first_answer(mode: Mode) {
     assert!(was_replayed(&retried));
     let (first, retried): (Value, Value) = (first.json().await.expect("json"), retried.json().await.expect("json"));
     assert_eq!(first, retried);
-    let conflicts = answers.lock().expect("answers").iter().filter(|(_, status)| *status == 409).count();
-    assert!(conflicts >= 1, "the retry met the first attempt in flight");
+    let mut answers = answers.lock().expect("answers").clone();
+    // By arrival: the first request, the retry's first attempt (409), then its polls.
+    answers.sort_by_key(|(arrived, _, _)| *arrived);
+    assert_eq!(answers[1].1, 409, "the retry met the first attempt in flight");
+    assert!(answers.len() > 2 && answers[..2].iter().all(|(_, _, prefer)| prefer.is_none()), "{answers:?}");
+    // Every poll after the 409 asks the server to hold it for the first answer, within the client's
+    // deadline (60 s by default; the demo's route does not wait: it answers as before).
+    for (_, _, prefer) in &answers[2..] {
+        let wait = prefer.as_deref().and_then(|p| p.strip_prefix("wait=")).and_then(|n| n.parse::<u64>().ok());
+        assert!(wait.is_some_and(|wait| wait < 60), "{prefer:?}");
+    }
     assert_eq!(charges(&h, "acme").await, 1);
 }
 

@@ -42,7 +42,11 @@
 //!   type `in-flight` (the first attempt still runs: its answer comes to a retry). The wait is the
 //!   exponential backoff with full jitter, except that a `Retry-After` (seconds or an HTTP-date) on a
 //!   429 or 5xx is waited out in full, and one on a `409 in-flight` (when the first attempt's lease ends)
-//!   bounds the backoff: that answer may come any moment.
+//!   bounds the backoff: that answer may come any moment. Each poll after a `409 in-flight` carries
+//!   `Prefer: wait=N` (RFC 7240; `N`: the attempt's time left, less a second), so that a server whose
+//!   route waits for in-flight duplicates (idemstore's `with_wait_in_flight`) holds it and answers the
+//!   first attempt's response as soon as it is stored; a server that does not wait answers as before. A
+//!   request that carries its own `Prefer` is sent as it is.
 //! - **Never retried**: 400, 410 (the stored answer expired), 422 (the key was used with another body),
 //!   409 `indeterminate` (an operator must resolve it), every other 4xx, and a 5xx that is final (replayed
 //!   from the server's record, or `unreadable-response`): [`ClientError::Refused`], with the body and its

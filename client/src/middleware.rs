@@ -18,6 +18,10 @@ use crate::policy::{Judgment, RetryPolicy, judge_head, judge_with_body, replayed
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The response header an idempotency store sets on an answer it replayed.
 pub const REPLAYED: &str = "idempotent-replayed";
+/// The request header that asks the server to hold a request in flight for its answer (RFC 7240).
+pub const PREFER: &str = "prefer";
+/// What a poll of a request in flight leaves of its attempt's time for the answer to travel back.
+const ANSWER_MARGIN: Duration = Duration::from_secs(1);
 
 /// The logical operation a request performs, named by the caller (`"order-1001/charge"`): its key comes
 /// from the journal, so a client that crashed and runs the operation again sends the same key. Attach it
@@ -145,7 +149,11 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
         let url = request.url();
         let host = format!("{}:{}", url.host_str().unwrap_or_default(), url.port_or_known_default().unwrap_or(0));
         let mut attempts = Attempts::start(&self.policy, &self.budget, host, Instant::now(), None);
+        // Its own `Prefer` is the caller's: the middleware adds none then.
+        let prefers = request.headers().contains_key(PREFER);
         let mut kept = Some(request);
+        // After a `409 in-flight`: the next attempts ask the server to hold them for the first answer.
+        let mut polling = false;
         loop {
             let original = kept.take().expect("a request is kept for every attempt but the last");
             // The copy goes out; the original stays for the next attempt. A streamed body cannot be
@@ -158,6 +166,12 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
                 None => original,
             };
             let left = attempts.send();
+            let mut send = send;
+            if polling && !prefers {
+                let wait = left.saturating_sub(ANSWER_MARGIN).as_secs();
+                let prefer = HeaderValue::try_from(format!("wait={wait}")).map_err(Error::middleware)?;
+                send.headers_mut().insert(PREFER, prefer);
+            }
             let Ok(sent) = tokio::time::timeout(left, next.clone().run(send, extensions)).await else {
                 return Err(Error::middleware(attempts.timed_out()));
             };
@@ -178,6 +192,7 @@ impl<J: KeyJournal> Middleware for IdempotencyMiddleware<J> {
                 }
                 Err(error) => return Err(error),
             };
+            polling = matches!(last, Retryable::Status(http::StatusCode::CONFLICT));
             let wait = attempts.retry(last, wait, kept.is_some()).map_err(Error::middleware)?;
             tokio::time::sleep(wait).await;
         }
