@@ -150,6 +150,20 @@ pub struct Record {
 }
 
 impl Record {
+    /// Whether a claim with `fingerprint` would take this record over: a released record, or one whose
+    /// lease ran out under [`LeaseExpiry::TakeOver`], of the same payload, or of any once its retention
+    /// ended.
+    pub(crate) fn is_reacquired_by(&self, fingerprint: &Fingerprint) -> bool {
+        let reusable = self.expires_in == Some(std::time::Duration::ZERO) || self.matches(fingerprint);
+        let lease_ran_out = self.lease_remaining == Some(std::time::Duration::ZERO);
+        reusable
+            && match self.state {
+                State::Released => true,
+                State::InProgress => lease_ran_out && self.lease_expiry == Some(LeaseExpiry::TakeOver),
+                _ => false,
+            }
+    }
+
     /// Whether a request with `fingerprint` is the one this record holds (a tombstone keeps a prefix).
     pub(crate) fn matches(&self, fingerprint: &Fingerprint) -> bool {
         match self.state {

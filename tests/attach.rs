@@ -16,6 +16,7 @@ suite!(
     an_attach_waits_for_the_owners_answer,
     an_attach_answers_in_flight_at_its_bound,
     an_attach_to_a_transactional_owner_waits_for_its_commit,
+    a_transactional_owner_taking_over_another_payloads_record_is_in_flight,
 );
 
 const ATTACHES: &str = "idemstore_attaches_total";
@@ -141,4 +142,48 @@ async fn an_attach_to_a_transactional_owner_waits_for_its_commit(mode: Mode) {
     let answer = attaching.await.expect("join").expect("attach");
     assert!(matches!(answer, Attached::Replayed(ref stored) if !stored.as_bytes().is_empty()), "{answer:?}");
     assert_eq!(h.counter(ATTACHES, &[("answer", "vacant")]), 0.0, "never vacant while the transaction worked");
+}
+
+/// A released record of another payload, past its retention, is taken over by a transactional owner
+/// (whose row changes only with its commit): the owner's own retry attaches "in flight", not "mismatch"
+/// (the record as committed still holds the old payload). Before the fix it was told the key was reused.
+async fn a_transactional_owner_taking_over_another_payloads_record_is_in_flight(mode: Mode) {
+    let h = Harness::with(mode, long_lease(), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("taken-over"));
+    let insert = "INSERT INTO idempotency_records
+                      (digest, tenant, operation, idempotency_key, fingerprint, state, fence, tier, on_lease_expiry,
+                       expires_at)
+                  VALUES (idempotency_key_digest($1, $2, $3), $1, $2, $3, $4, 'r', nextval('idempotency_fences'),
+                          'standard', 't', now() - interval '1 second')";
+    let old = fingerprint(9);
+    let inserted =
+        sqlx::query(insert).bind(scope.tenant()).bind(scope.operation()).bind(k.as_str()).bind(old.as_bytes());
+    inserted.execute(&h.pool).await.expect("a released record of another payload");
+    let payload = json!({"amount": 1});
+    let fingerprint = Fingerprint::of_serialize(&payload, h.store.policy(scope.operation()).fingerprint()).expect("fp");
+    let (entered, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let owner = {
+        let (store, scope, k, entered, finish) =
+            (h.store.clone(), scope.clone(), k.clone(), entered.clone(), finish.clone());
+        tokio::spawn(async move {
+            store
+                .run_once_in_tx(&scope, &k, &payload, move |_| {
+                    Box::pin(async move {
+                        entered.notify_one();
+                        finish.notified().await;
+                        Ok::<_, sqlx::Error>(1)
+                    })
+                })
+                .await
+        })
+    };
+    entered.notified().await;
+    let retry = h.store.attach(&scope, &k, &fingerprint, Duration::ZERO).await.expect("attach");
+    assert!(matches!(retry, Attached::InFlight { .. }), "{retry:?}");
+    let other = h.store.attach(&scope, &k, &old, Duration::ZERO).await.expect("attach");
+    assert!(matches!(other, Attached::InFlight { .. }), "the key is being claimed: {other:?}");
+    finish.notify_one();
+    assert!(matches!(owner.await.expect("join").expect("run"), RunOutcome::Executed(1)));
+    let settled = h.store.attach(&scope, &k, &fingerprint, Duration::ZERO).await.expect("attach");
+    assert!(matches!(settled, Attached::Replayed(_)), "{settled:?}");
 }

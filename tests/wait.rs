@@ -23,6 +23,7 @@ suite!(
     a_waiter_answers_in_flight_at_its_bound,
     an_http_retry_waits_for_the_first_response,
     a_transactional_http_retry_waits_for_the_first_response,
+    transactional_retries_after_a_failed_first_request_run_it_once,
     a_client_shortens_the_wait_never_lengthens_it,
     shutdown_stops_the_followers_though_redis_is_down,
 );
@@ -155,6 +156,59 @@ async fn http_retry_waits_for_the_first_response(mode: Mode, transactional: bool
     } else {
         assert_eq!(h.counter(WAKEUPS, &[("by", "notification")]), 1.0);
     }
+}
+
+/// The transactional path: the first request fails (500, a released status: its writes roll back and
+/// the key is given up) while two retries wait for it; one of them runs the handler and the other
+/// replays its 201: three requests, two runs, one stored answer.
+async fn transactional_retries_after_a_failed_first_request_run_it_once(mode: Mode) {
+    let h = Harness::with(mode, long_lease(), Servers::Any).await;
+    let (entered, finish) = (std::sync::Arc::new(Notify::new()), std::sync::Arc::new(Notify::new()));
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = {
+        let (entered, finish, runs) = (entered.clone(), finish.clone(), runs.clone());
+        tower::service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+            let (entered, finish, runs) = (entered.clone(), finish.clone(), runs.clone());
+            async move {
+                let mut response = Response::new(Full::new(Bytes::from_static(b"charged")));
+                if runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                    entered.notify_one();
+                    finish.notified().await;
+                    *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                } else {
+                    *response.status_mut() = StatusCode::CREATED;
+                }
+                Ok::<_, Infallible>(response)
+            }
+        })
+    };
+    let tenant = |_: &http::request::Parts| Some("acme".to_owned());
+    let service = IdempotencyLayer::new(h.store.clone(), tenant)
+        .with_operation(h.operation.clone())
+        .with_wait_in_flight(Duration::from_secs(30))
+        .with_claim_transaction()
+        .layer(handler);
+    let request = || {
+        let body = Full::new(Bytes::from_static(b"{}"));
+        Request::post("/charges").header("idempotency-key", "failed-first").body(body).expect("request")
+    };
+    let first = tokio::spawn(service.clone().oneshot(request()));
+    entered.notified().await;
+    let retries = [tokio::spawn(service.clone().oneshot(request())), tokio::spawn(service.clone().oneshot(request()))];
+    // Both retries attached (each woke at least once) before the first one fails.
+    while h.counter(WAKEUPS, &[]) < 2.0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    finish.notify_one();
+    assert_eq!(first.await.expect("join").expect("infallible").status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let mut replayed = 0;
+    for retry in retries {
+        let response = retry.await.expect("join").expect("infallible");
+        assert_eq!(response.status(), StatusCode::CREATED);
+        replayed += usize::from(response.headers().contains_key("idempotent-replayed"));
+        assert_eq!(response.into_body().collect().await.expect("body").to_bytes().as_ref(), b"charged");
+    }
+    assert_eq!((runs.load(std::sync::atomic::Ordering::SeqCst), replayed), (2, 1), "one retry ran, one replayed");
 }
 
 /// `Prefer: wait=N` (RFC 7240) within the route's bound: `wait=0` answers 409 at once on a route that

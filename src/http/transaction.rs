@@ -265,26 +265,32 @@ async fn claim<T>(
                 return Err(answer::store_failed(&error));
             }
         };
-        let left = until.map(|until| until.saturating_duration_since(tokio::time::Instant::now()));
-        let answer = match (refused, left) {
-            (Begin::InFlight { .. }, Some(left)) if !left.is_zero() => {
-                match store.attach(scope, key, fingerprint, left).await {
-                    Ok(Attached::Vacant) => {
+        let left = |until: tokio::time::Instant| until.saturating_duration_since(tokio::time::Instant::now());
+        let answer = match (refused, until) {
+            (Begin::InFlight { retry_after }, Some(until)) if !left(until).is_zero() => {
+                match store.attach(scope, key, fingerprint, left(until)).await {
+                    Ok(Attached::Vacant) if !left(until).is_zero() => {
                         // Claimed again at once the first time; then the key is contended (a claim's Redis
-                        // marker ahead of its record): ask less often.
+                        // marker ahead of its record): ask less often, never past the wait.
                         if let Some(pause) = backoff {
-                            tokio::time::sleep(pause.min(left)).await;
+                            tokio::time::sleep(pause.min(left(until))).await;
                         }
-                        backoff =
-                            Some(backoff.map_or(Duration::from_millis(10), |pause| (pause * 2).min(RECHECK_EVERY)));
+                        backoff = Some(backoff.map_or(FIRST_PAUSE, |pause| (pause * 2).min(RECHECK_EVERY)));
                         continue;
                     }
+                    // Vacant at the bound: what the claim found stands.
+                    Ok(Attached::Vacant) => Begin::InFlight { retry_after },
                     Ok(Attached::Replayed(stored)) => Begin::Replayed(stored),
                     Ok(Attached::InFlight { retry_after }) => Begin::InFlight { retry_after },
                     Ok(Attached::Mismatch) => Begin::Mismatch,
                     Ok(Attached::Indeterminate) => Begin::Indeterminate,
                     Ok(Attached::Expired) => Begin::Expired,
-                    Err(error) => return Err(answer::store_failed(&error)),
+                    // The wait could not be had (a pool with no connection to spare): the claim's answer
+                    // stands, as on a route that does not wait.
+                    Err(error) => {
+                        tracing::debug!(%error, "a retry could not attach to its request in flight");
+                        Begin::InFlight { retry_after }
+                    }
                 }
             }
             (refused, _) => refused,
@@ -293,7 +299,9 @@ async fn claim<T>(
     }
 }
 
-/// Longest pause between the claims of a transactional retry that waits for a key kept contended.
+/// First and longest pause between the claims of a transactional retry that waits for a key kept
+/// contended.
+const FIRST_PAUSE: Duration = Duration::from_millis(10);
 const RECHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// Whether a refusal of the completion or the commit would come again on a retry of the request: the

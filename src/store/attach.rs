@@ -17,7 +17,6 @@ use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::MAX_WAIT;
 use crate::outcome::Outcome;
-use crate::policy::LeaseExpiry;
 use crate::record::{Record, State, StoredResponse};
 use crate::telemetry;
 
@@ -38,11 +37,11 @@ pub enum Attached {
         retry_after: Duration,
     },
     /// Nothing holds the key: never claimed, given back, released, or its owner's lease ran out (under
-    /// [`LeaseExpiry::TakeOver`]). A claim ([`Store::begin`]) would execute the request.
+    /// [`crate::LeaseExpiry::TakeOver`]). A claim ([`Store::begin`]) would execute the request.
     Vacant,
     /// The key holds a request with another payload.
     Mismatch,
-    /// The owner's lease ran out without an answer, under [`LeaseExpiry::MarkIndeterminate`]: nothing
+    /// The owner's lease ran out without an answer, under [`crate::LeaseExpiry::MarkIndeterminate`]: nothing
     /// runs until an operator resolves it.
     Indeterminate,
     /// The request completed long ago and its response was purged; a tombstone remembers that it ran.
@@ -158,11 +157,18 @@ impl Store {
         record: Option<&Record>,
     ) -> Result<Attached, StoreError> {
         let in_tx = Attached::InFlight { retry_after: self.inner.postgres.lock_wait() };
-        let Some(record) = record else { return Ok(if held { in_tx } else { Attached::Vacant }) };
+        let vacant = if held { in_tx } else { Attached::Vacant };
+        let Some(record) = record else { return Ok(vacant) };
+        // A record a claim would take over (another payload's too, once its retention ended): free,
+        // unless an open transaction is taking it now. Asked before the payload: a transaction taking
+        // over another payload's record changes it only with its commit.
+        if record.is_reacquired_by(fingerprint) {
+            return Ok(vacant);
+        }
+        let remaining = record.lease_remaining.unwrap_or_default();
         if !record.matches(fingerprint) {
             return Ok(Attached::Mismatch);
         }
-        let remaining = record.lease_remaining.unwrap_or_default();
         Ok(match record.state {
             State::Completed if record.expires_in == Some(Duration::ZERO) => Attached::Expired,
             State::Completed => {
@@ -176,11 +182,11 @@ impl Store {
                 }
             }
             State::Expired => Attached::Expired,
-            State::Indeterminate => Attached::Indeterminate,
             State::InProgress if !remaining.is_zero() => Attached::InFlight { retry_after: remaining },
-            _ if held => in_tx,
-            State::InProgress if record.lease_expiry == Some(LeaseExpiry::MarkIndeterminate) => Attached::Indeterminate,
-            State::InProgress | State::Released => Attached::Vacant,
+            // Its lease ran out under MarkIndeterminate (TakeOver was answered above): a claim marks it.
+            State::Indeterminate | State::InProgress => Attached::Indeterminate,
+            // Released with this payload was answered above.
+            State::Released => Attached::Vacant,
         })
     }
 }

@@ -170,8 +170,11 @@ impl Store {
     /// cancelled while its statement ran, given back once it landed. A process that exits before they
     /// land leaves those keys in progress until their lease runs out, so this waits for them: a body is
     /// drained for at most a lease, a settling write retries within the lease it keeps extending, and a
-    /// claim's statements are bounded by [`StoreBuilder::postgres_timeout`], so the wait is bounded by
-    /// about two of the longest lease in use; bound it by the process's grace period if that is shorter. Followers run as long as the store:
+    /// claim's statements are bounded by [`StoreBuilder::postgres_timeout`] (a claim transaction's `BEGIN`
+    /// only by the pool's acquire timeout and its connection: it is never cut short), so the wait is
+    /// bounded by about two of the longest lease in use; bound it by the process's grace period if that
+    /// is shorter. Requests that keep coming keep it waiting: stop taking them first. Followers run as
+    /// long as the store:
     /// the deletion of Redis copies that may lag behind Postgres after Redis failed (they expire with
     /// their lease instead) and the subscriptions that wake claims waiting for an in-flight duplicate
     /// (waiting claims poll instead). This stops them; so does dropping the store's last handle.

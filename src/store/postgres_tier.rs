@@ -889,7 +889,18 @@ impl PostgresTier {
             let found = row.try_get::<Option<i8>, _>("state")?.is_some();
             Ok((held, found.then(|| decode_record(&row)).transpose()?))
         })();
-        decoded.map_err(|error| ATTACH.failed(error))
+        let (held, record) = decoded.map_err(|error| ATTACH.failed(error))?;
+        // The statement's snapshot predates its try of the lock: a transactional owner that committed
+        // and let go in between is seen by neither. Its record is visible once its lock is free, so a
+        // key that looks free is read again.
+        let looks_free = record.as_ref().is_none_or(|record| {
+            record.state == State::Released
+                || (record.state == State::InProgress && record.lease_remaining == Some(Duration::ZERO))
+        });
+        if held || !looks_free {
+            return Ok((held, record));
+        }
+        Ok((false, lookup_on(&self.pool, self.timeout, scope, digest).await?))
     }
 
     /// The fenced completion, on `conn` (inside the caller's transaction, the one that claimed) when
@@ -997,7 +1008,7 @@ async fn claim_by_lock(
         };
         Ok(match record {
             _ if !held => Some(ClaimAnswer::Held(record)),
-            Some(record) if would_reacquire(&record, lease) => None,
+            Some(record) if record.is_reacquired_by(&lease.fingerprint) => None,
             Some(record) => {
                 Some(ClaimAnswer::Claim(Claim { acquired: false, took_over: false, reacquired: false, record }))
             }
@@ -1057,7 +1068,7 @@ async fn claim_on(
         // claim answers either.
         if let Some(row) = row {
             let claimed = decode_claim(&row, lease).map_err(|e| CLAIM_NEW.failed(e))?;
-            if !matches!(&claimed, ClaimAnswer::Claim(claim) if !claim.acquired && would_reacquire(&claim.record, lease))
+            if !matches!(&claimed, ClaimAnswer::Claim(claim) if !claim.acquired && claim.record.is_reacquired_by(&lease.fingerprint))
             {
                 return Ok(claimed);
             }
@@ -1083,7 +1094,7 @@ async fn claim_on(
             if let ClaimAnswer::Claim(claim) = &claimed
                 && !claim.acquired
                 && attempt < MAX_CLAIM_ATTEMPTS
-                && would_reacquire(&claim.record, lease)
+                && claim.record.is_reacquired_by(&lease.fingerprint)
             {
                 continue;
             }
@@ -1170,21 +1181,6 @@ fn fenced<'q>(
     sqlx::query(statement.sql).bind(lease.digest().as_str().to_owned()).bind(lease.scope.tenant()).bind(lease.fence)
 }
 
-/// Whether the claim would re-acquire this record as read: released, or its lease ran out under
-/// `take_over`, with this payload or past its expiry. For a record the claim did not acquire, another
-/// claim got it first (after this statement's snapshot), or the tenant's quota held the write back.
-fn would_reacquire(record: &Record, lease: &Lease) -> bool {
-    let expired = record.expires_in == Some(Duration::ZERO);
-    let reusable = expired || record.matches(&lease.fingerprint);
-    let lease_ran_out = record.lease_remaining == Some(Duration::ZERO);
-    reusable
-        && match record.state {
-            State::Released => true,
-            State::InProgress => lease_ran_out && record.lease_expiry == Some(LeaseExpiry::TakeOver),
-            _ => false,
-        }
-}
-
 /// The claim statement's row: the record, or the quota that held back a write the claim would have made
 /// (for no record, or for one it would have re-acquired as read).
 fn decode_claim(row: &PgRow, lease: &Lease) -> Result<ClaimAnswer, sqlx::Error> {
@@ -1210,7 +1206,7 @@ fn decode_claim(row: &PgRow, lease: &Lease) -> Result<ClaimAnswer, sqlx::Error> 
         return over_quota.ok_or_else(|| sqlx::Error::Decode("a claim answered neither a record nor a quota".into()));
     }
     let record = decode_record(row)?;
-    if let Some(over_quota) = over_quota.filter(|_| would_reacquire(&record, lease)) {
+    if let Some(over_quota) = over_quota.filter(|_| record.is_reacquired_by(&lease.fingerprint)) {
         return Ok(over_quota);
     }
     let prior: Option<i8> = row.try_get("prior_state")?;

@@ -79,8 +79,8 @@ impl Store {
         lease: &Lease,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
         let (pool, begin) = (self.pg_pool().clone(), begin_statement(lease));
-        // A settlement: a shutdown waits for the BEGIN, and so for the rollback of a transaction dropped
-        // unheard.
+        // A settlement: a shutdown waits for the BEGIN (a transaction nobody awaits is dropped, and sqlx
+        // rolls it back when its connection goes back to the pool).
         let begun = self.background().settle(async move {
             match begin {
                 Some(statement) => pool.begin_with(statement).await,
