@@ -125,7 +125,10 @@ pub use policy::{LeaseExpiry, Policy, PolicyBuilder, Tier};
 pub use quota::{Quota, QuotaLimit};
 pub use record::{Record, State, StoredResponse};
 pub use run_once::{RunError, RunOutcome, TxFuture};
-pub use store::{Attached, Begin, KeepAlive, MIGRATOR, Mode, Owner, Store, StoreBuilder, pool_options, server_bounded};
+pub use store::{
+    Attached, BatchBegin, Begin, KeepAlive, MAX_BATCH_ITEMS, MIGRATOR, Mode, Owner, Store, StoreBuilder, pool_options,
+    server_bounded,
+};
 
 /// Compiles the README's examples as doc tests.
 #[cfg(doctest)]

@@ -9,6 +9,7 @@
 mod support;
 
 mod attach;
+mod batch;
 mod client;
 mod cluster;
 mod demo;

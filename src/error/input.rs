@@ -65,6 +65,14 @@ pub enum InputError {
     /// checked ([`crate::Inbox::verify`]).
     #[error("this inbox takes only deliveries its own verifier checked")]
     UnverifiedDelivery,
+    /// A batch claim ([`crate::Store::begin_many`]) of more items than one statement takes.
+    #[error("the batch has {items} items; at most {max} are claimed at once")]
+    BatchTooLarge {
+        /// Items in the refused batch.
+        items: usize,
+        /// The most one batch may hold.
+        max: usize,
+    },
     /// An ignored-field entry is not an RFC 6901 JSON pointer to a member or element.
     #[error("{pointer:?} is not a JSON pointer to a field (it must start with '/')")]
     InvalidPointer {

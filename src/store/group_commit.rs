@@ -284,7 +284,7 @@ async fn flush<J: Job>(mut batch: Vec<Queued<J>>, pool: &PgPool, timeout: Durati
 }
 
 /// Where a lease's row comes in a batch.
-fn order(lease: &Lease) -> (&str, &str, &str) {
+pub(crate) fn order(lease: &Lease) -> (&str, &str, &str) {
     (lease.scope.tenant(), lease.scope.operation(), lease.key.as_str())
 }
 
@@ -292,7 +292,7 @@ fn order(lease: &Lease) -> (&str, &str, &str) {
 /// in time, the server shutting down or out of resources, the store's timeout): the error each of its
 /// callers gets, as each would alone, and as retryable. `None` when the failure is some row's, or the
 /// store's own (its pool closed): asked alone, each call meets it again, with its cause.
-fn out_of_reach(error: &StoreError) -> Option<impl Fn() -> sqlx::Error + use<>> {
+pub(crate) fn out_of_reach(error: &StoreError) -> Option<impl Fn() -> sqlx::Error + use<>> {
     let StoreError::StoreUnavailable { source, .. } = error else { return None };
     let kind = match source {
         sqlx::Error::Io(io) => io.kind(),

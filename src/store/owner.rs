@@ -78,6 +78,21 @@ impl Owner {
 
     /// Where a settlement that must outlive its caller runs (a shutdown waits for it).
     #[cfg(feature = "http")]
+    /// The lease this owner holds (a batch completion writes for it, [`Store::complete_many`]).
+    pub(crate) fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Whether the claim was made inside the caller's transaction.
+    pub(crate) fn in_tx(&self) -> bool {
+        self.in_tx
+    }
+
+    /// Settled by a write made for it (a batch completion): nothing is left to do when dropped.
+    pub(crate) fn settled_elsewhere(mut self) {
+        self.settled = true;
+    }
+
     pub(crate) fn background(&self) -> super::Background {
         self.store.background().clone()
     }

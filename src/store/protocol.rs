@@ -582,13 +582,24 @@ impl Store {
     }
 
     /// Registers the operation's metric series at 0 the first time it is seen.
-    fn register(&self, operation: &str) -> Option<Arc<OperationCounters>> {
+    pub(super) fn register(&self, operation: &str) -> Option<Arc<OperationCounters>> {
         self.inner.registered.operation(operation, self.inner.redis.is_some(), self.inner.encryption.is_some())
     }
 
     fn record_key(&self, redis: &RedisTier, lease: &Lease) -> String {
         redis.record_key(&lease.scope, &lease.key)
     }
+}
+
+/// The lease a new claim of `key` would hold, with an owner token of its own, before Postgres gave it a
+/// fence (a batch claim's, [`Store::begin_many`]).
+pub(super) fn candidate_lease(
+    scope: &Scope,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+    policy: &Arc<Policy>,
+) -> Lease {
+    Claimant::new(scope, key, fingerprint, policy).lease()
 }
 
 /// A protocol step's future behind a box, so that callers' futures do not nest its state machine.
