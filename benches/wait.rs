@@ -17,17 +17,14 @@ use clap::Parser;
 use idemstore::{Begin, Fingerprint, FingerprintOptions, IdempotencyKey, Mode, Policy, RunOptions, Scope, Store};
 use idemstore_testkit::{PostgresServer, RedisServer};
 
+#[path = "common/repeat.rs"]
+mod repeat;
+
 #[derive(Parser, Debug)]
 struct Args {
-    /// A smoke run: 6 rounds per cell.
-    #[arg(long)]
-    quick: bool,
-    /// Rounds per cell.
-    #[arg(long)]
-    rounds: Option<usize>,
-    /// Passed by `cargo bench`; without it (`cargo test`) the run is a quick one.
-    #[arg(long, hide = true)]
-    bench: bool,
+    /// `--quick`: 6 rounds per cell; else 40.
+    #[command(flatten)]
+    repeat: repeat::Repeat,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -54,7 +51,7 @@ impl Cell {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let rounds = args.rounds.unwrap_or(if args.quick || !args.bench { 6 } else { 40 });
+    let rounds = args.repeat.rounds(6, 40);
     let postgres = PostgresServer::start_durable()?;
     let redis = RedisServer::start_with(&["--maxmemory-policy", "noeviction"])?;
     let policy = Policy::builder().lease(Duration::from_secs(30)).build()?;
