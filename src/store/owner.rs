@@ -76,8 +76,6 @@ impl Owner {
         &self.lease.policy
     }
 
-    /// Where a settlement that must outlive its caller runs (a shutdown waits for it).
-    #[cfg(feature = "http")]
     /// The lease this owner holds (a batch completion writes for it, [`Store::complete_many`]).
     pub(crate) fn lease(&self) -> &Lease {
         &self.lease
@@ -93,6 +91,8 @@ impl Owner {
         self.settled = true;
     }
 
+    /// Where a settlement that must outlive its caller runs (a shutdown waits for it).
+    #[cfg(feature = "http")]
     pub(crate) fn background(&self) -> super::Background {
         self.store.background().clone()
     }
