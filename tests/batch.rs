@@ -30,8 +30,9 @@ fn items(names: &[(&str, u32)]) -> Vec<(IdempotencyKey, Fingerprint)> {
 }
 
 /// New keys are acquired (in one claim statement), a completed key replays, a key whose owner works is
-/// in flight, a completed key with another payload is refused, and a key repeated in the batch (with
-/// whatever payload) is a duplicate of its first item; the acquired owners complete in one statement, and the batch sent again replays every item.
+/// in flight, a completed key with another payload is refused, and a key repeated in the batch is a
+/// duplicate of its first item (refused with another payload: it would get the first item's answer);
+/// the acquired owners complete in one statement, and the batch sent again replays every item.
 async fn a_batch_answers_each_item_and_claims_new_keys_in_one_statement(mode: Mode) {
     // It counts the process's statements: under `cargo test`, in a process of its own.
     if support::rerun_alone(mode, module_path!(), "a_batch_answers_each_item_and_claims_new_keys_in_one_statement") {
@@ -51,7 +52,16 @@ async fn a_batch_answers_each_item_and_claims_new_keys_in_one_statement(mode: Mo
         panic!()
     };
     let (claims, completions) = (statements("claim"), statements("complete"));
-    let batch = items(&[("new-1", 1), ("new-2", 1), ("done", 1), ("busy", 1), ("new-1", 2), ("paid", 2), ("new-3", 1)]);
+    let batch = items(&[
+        ("new-1", 1),
+        ("new-2", 1),
+        ("done", 1),
+        ("busy", 1),
+        ("new-1", 2),
+        ("paid", 2),
+        ("new-3", 1),
+        ("new-2", 1),
+    ]);
     let verdicts = h.store.begin_many(&scope, &batch).await.expect("batch");
     let mut owners = Vec::new();
     let mut seen = Vec::new();
@@ -71,8 +81,16 @@ async fn a_batch_answers_each_item_and_claims_new_keys_in_one_statement(mode: Mo
             other => format!("{other:?}"),
         });
     }
-    let expected =
-        ["acquired", "acquired", "replayed done before", "in flight", "duplicate of 0", "mismatch", "acquired"];
+    let expected = [
+        "acquired",
+        "acquired",
+        "replayed done before",
+        "in flight",
+        "mismatch",
+        "mismatch",
+        "acquired",
+        "duplicate of 1",
+    ];
     assert_eq!(seen, expected);
     // Two-tier: Redis answers the keys that have records; Postgres-only: each asks with one statement.
     let asked_alone = if mode == Mode::TwoTier { 0.0 } else { 3.0 };

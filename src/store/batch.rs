@@ -40,8 +40,9 @@ pub enum BatchBegin {
     /// The item's claim, as [`Store::begin`] answers it: acquired (run it, then complete), replayed, in
     /// flight, refused.
     Begun(Begin),
-    /// The item repeats the key of an earlier item of the batch (at index `of`), whatever its payload:
-    /// it is not claimed, and the earlier item's verdict is the key's.
+    /// The item repeats the key and payload of an earlier item of the batch (at index `of`): it is not
+    /// claimed, and the earlier item's verdict is the key's. The key with another payload is
+    /// `Begun(Begin::Mismatch)`.
     Duplicate {
         /// The index of the key's first item in the batch.
         of: usize,
@@ -89,9 +90,12 @@ impl Store {
         }
         let mut verdicts: Vec<Option<BatchBegin>> = items.iter().map(|_| None).collect();
         let mut first: HashMap<&str, usize> = HashMap::with_capacity(items.len());
-        for (at, (key, _)) in items.iter().enumerate() {
+        for (at, (key, fingerprint)) in items.iter().enumerate() {
             if let Some(&of) = first.get(key.as_str()) {
-                verdicts[at] = Some(BatchBegin::Duplicate { of });
+                // Another payload under a key already in the batch is refused, as a claim would refuse it.
+                let same = items[of].1.as_bytes() == fingerprint.as_bytes();
+                verdicts[at] =
+                    Some(if same { BatchBegin::Duplicate { of } } else { BatchBegin::Begun(Begin::Mismatch) });
             } else {
                 first.insert(key.as_str(), at);
             }
@@ -120,38 +124,51 @@ impl Store {
                 }
             }
         }
-        // What one statement could not answer, each item asks as a single claim. Acquired owners are
-        // held meanwhile: should one of these fail, they are dropped, and give their keys up.
-        let alone: Vec<usize> = (0..items.len()).filter(|&at| verdicts[at].is_none()).collect();
+        // What one statement could not answer, each item asks as a single claim. The keys acquired so
+        // far are held by a guard meanwhile: should the caller leave, or an item fail, they are given up
+        // (nothing ran for them), whatever the lease-expiry rule.
+        let mut acquired = GiveUp { owners: Vec::new(), store: self.clone() };
+        for (at, verdict) in verdicts.iter_mut().enumerate() {
+            if matches!(verdict, Some(BatchBegin::Begun(Begin::Acquired(_))))
+                && let Some(BatchBegin::Begun(Begin::Acquired(owner))) = verdict.take()
+            {
+                acquired.owners.push((at, owner));
+            }
+        }
+        let alone: Vec<usize> = (0..items.len()).filter(|&at| verdicts[at].is_none() && !acquired.holds(at)).collect();
         let answers = join_all(alone.iter().map(|&at| self.begin(scope, &items[at].0, &items[at].1))).await;
-        let mut failed = None;
         for (at, answer) in alone.into_iter().zip(answers) {
-            match answer {
-                Ok(answer) => verdicts[at] = Some(BatchBegin::Begun(answer)),
-                Err(error) => failed = Some(error),
-            }
+            // An item that failed fails the batch: the guard gives up what was acquired.
+            verdicts[at] = Some(BatchBegin::Begun(answer?));
         }
-        let Some(error) = failed else {
-            return Ok(verdicts.into_iter().map(|verdict| verdict.expect("every item has a verdict")).collect());
-        };
-        // Nothing may run: the keys acquired for the batch are given up (nothing ran for them).
-        let owners = verdicts.into_iter().filter_map(|verdict| match verdict {
-            Some(BatchBegin::Begun(Begin::Acquired(owner))) => Some(owner.release()),
-            _ => None,
-        });
-        for released in join_all(owners).await {
-            if let Err(release) = released {
-                tracing::debug!(error = %release, "could not give up a batch's key; its lease runs out instead");
-            }
+        for (at, owner) in std::mem::take(&mut acquired.owners) {
+            verdicts[at] = Some(BatchBegin::Begun(Begin::Acquired(owner)));
         }
-        Err(error)
+        Ok(verdicts.into_iter().map(|verdict| verdict.expect("every item has a verdict")).collect())
     }
 
     /// Stores each owner's response (the results of [`Store::begin_many`]'s work, or of any claims) in
     /// one statement; an answer per owner, in their order, as [`Owner::complete`] answers. A response
     /// the statement cannot store on its own (one too large for it, a row another transaction holds,
     /// a lease lost or a statement that failed) is stored by [`Owner::complete`], which says why not.
+    ///
+    /// The writes run in a task of their own, as [`Owner::complete`]'s do: a caller that stops waiting
+    /// (a client gone) does not drop owners whose work already ran.
     pub async fn complete_many(&self, completions: Vec<(Owner, Vec<u8>)>) -> Vec<Result<(), StoreError>> {
+        let count = completions.len();
+        let store = self.clone();
+        let Some(settling) = self.background().settle(async move { store.complete_together(completions).await }) else {
+            return (0..count).map(|_| Err(COMPLETE_BATCH.failed(sqlx::Error::WorkerCrashed))).collect();
+        };
+        match settling.await {
+            Ok(stored) => stored,
+            Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+            Err(_) => (0..count).map(|_| Err(COMPLETE_BATCH.failed(sqlx::Error::WorkerCrashed))).collect(),
+        }
+    }
+
+    /// [`Store::complete_many`]'s writes.
+    async fn complete_together(&self, completions: Vec<(Owner, Vec<u8>)>) -> Vec<Result<(), StoreError>> {
         let sealed: Vec<Vec<u8>> =
             completions.iter().map(|(owner, response)| self.sealed(owner.lease(), response).into_owned()).collect();
         let jobs: Vec<Completion> = completions
@@ -248,5 +265,34 @@ async fn give_back_all(
         if record.is_some() {
             job.unheard(record, pool, timeout).await;
         }
+    }
+}
+
+/// The owners a batch acquired while its other items are still being asked; dropped holding any (the
+/// caller left, an item failed), it gives their keys up in a settlement.
+struct GiveUp {
+    owners: Vec<(usize, Owner)>,
+    store: Store,
+}
+
+impl GiveUp {
+    fn holds(&self, at: usize) -> bool {
+        self.owners.iter().any(|(held, _)| *held == at)
+    }
+}
+
+impl Drop for GiveUp {
+    fn drop(&mut self) {
+        let owners = std::mem::take(&mut self.owners);
+        if owners.is_empty() {
+            return;
+        }
+        self.store.background().settle(async move {
+            for (_, owner) in owners {
+                if let Err(error) = owner.release().await {
+                    tracing::debug!(%error, "could not give up a batch's key; its lease runs out instead");
+                }
+            }
+        });
     }
 }
