@@ -89,6 +89,7 @@
 #![warn(missing_debug_implementations, unreachable_pub)]
 
 pub mod config;
+mod derived_key;
 mod encryption;
 mod error;
 mod fingerprint;
@@ -113,6 +114,7 @@ pub mod admin {
 }
 pub mod telemetry;
 
+pub use derived_key::DerivedKeys;
 pub use encryption::{Encryption, SEALING_OVERHEAD};
 pub use error::{ConfigError, EncryptionError, InputError, SignatureError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintOptions};

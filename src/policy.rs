@@ -153,6 +153,10 @@ impl Policy {
 
     /// How long a completed key still answers [`crate::Begin::Expired`] after its record was purged (a
     /// compact tombstone, counted from the end of the retention); `None` keeps the tombstone forever.
+    /// `Some(Duration::ZERO)` keeps none: once a completed record's retention ends, its key is free for
+    /// a new request at once, purged or not (the window of key-less deduplication,
+    /// [`DerivedKeys`](crate::DerivedKeys)). Only a record claimed under such a policy is freed so: a
+    /// caller's policy never frees another's record.
     pub fn tombstone(&self) -> Option<Duration> {
         self.tombstone
     }
@@ -210,7 +214,8 @@ impl PolicyBuilder {
     }
 
     /// How long a tombstone answers [`crate::Begin::Expired`] once the record was purged, counted from
-    /// the end of the retention; `None` keeps it forever (see [`Policy::tombstone`]).
+    /// the end of the retention; `None` keeps it forever, `Some(Duration::ZERO)` keeps none and frees the
+    /// key when the retention ends (see [`Policy::tombstone`]).
     pub fn tombstone(mut self, horizon: Option<Duration>) -> Self {
         self.0.tombstone = horizon;
         self

@@ -37,6 +37,9 @@ pub const WAIT_WAKEUPS: &str = "idemstore_wait_wakeups_total";
 /// `operation` and `answer`: replayed, in_flight (still running at the end of the wait), vacant (nothing
 /// holds the key), mismatch, indeterminate, expired.
 pub const ATTACHES: &str = "idemstore_attaches_total";
+/// Requests without an `Idempotency-Key` whose key the HTTP layer derived (`with_derived_keys`), by
+/// `operation`; their outcomes are counted in [`OUTCOMES`] as any other request's.
+pub const DERIVED_KEYS: &str = "idemstore_derived_keys_total";
 /// Redis hot-path answers; label `result`: hit (answered from Redis), miss (went on to Postgres), error.
 pub const REDIS_LOOKUPS: &str = "idemstore_redis_lookups_total";
 /// Redis calls that degraded to the Postgres path; label `reason`: error, timeout, circuit_open, cluster
@@ -109,6 +112,7 @@ pub fn describe() {
     describe_counter!(SETTLE_RETRIES, "Owner completions and releases asked again while Postgres was unavailable.");
     describe_counter!(WAIT_WAKEUPS, "Wake-ups of claims waiting for an in-flight duplicate, by cause.");
     describe_counter!(ATTACHES, "Answers of attaches to a request by key, by answer.");
+    describe_counter!(DERIVED_KEYS, "Requests without a key whose key the HTTP layer derived from their payload.");
     describe_counter!(POSTGRES_STATEMENTS, "Statements sent to Postgres, by statement.");
     describe_counter!(REDIS_CALLS, "Scripts run on Redis, by script.");
     describe_counter!(PURGED, "Expired records deleted by purge_expired.");
@@ -302,6 +306,10 @@ pub(crate) fn wait_wakeup(operation: &str, notified: bool) {
 }
 
 /// An attach answered ([`ATTACHES`]).
+pub(crate) fn derived_key(operation: &str) {
+    metrics::counter!(DERIVED_KEYS, "operation" => operation.to_owned()).increment(1);
+}
+
 pub(crate) fn attached(operation: &str, answer: &'static str) {
     metrics::counter!(ATTACHES, "operation" => operation.to_owned(), "answer" => answer).increment(1);
 }

@@ -13,6 +13,7 @@ mod batch;
 mod client;
 mod cluster;
 mod demo;
+mod derived;
 mod edges;
 mod encryption;
 mod faults;

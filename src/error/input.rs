@@ -73,6 +73,10 @@ pub enum InputError {
         /// The most one batch may hold.
         max: usize,
     },
+    /// A key derived from named fields ([`crate::DerivedKeys::of_fields`]) was asked of a payload that
+    /// holds none of them, or is not JSON: it would name one key for every such payload.
+    #[error("the payload holds none of the fields its idempotency key is derived from; send an Idempotency-Key")]
+    KeyFieldsMissing,
     /// An ignored-field entry is not an RFC 6901 JSON pointer to a member or element.
     #[error("{pointer:?} is not a JSON pointer to a field (it must start with '/')")]
     InvalidPointer {

@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 use crate::error::InputError;
 pub(crate) use finite::is_finite;
 use json::Canon;
-use pointer::JsonPointer;
+pub(crate) use pointer::JsonPointer;
 
 /// SHA-256 of a canonical request (32 bytes, the form stored in both tiers).
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -52,12 +52,19 @@ impl Fingerprint {
             // The named fields only, each as its pointer's tokens and its value, or `!` where missing
             // (not JSON, so no value spells it). A form of its own, under its own prefix.
             out.extend_from_slice(b"json-v2-fields\0");
+            let mut found = 0;
             for pointer in &options.compared {
                 pointer.write_tokens(&mut out);
                 match pointer.find(&canon) {
-                    Some(value) => value.write_exact(&mut out)?,
+                    Some(value) => {
+                        found += 1;
+                        value.write_exact(&mut out)?;
+                    }
                     None => out.push(b'!'),
                 }
+            }
+            if found == 0 && options.key_from_fields {
+                return Err(InputError::KeyFieldsMissing);
             }
             return Ok(Self { digest: Sha256::digest(&out).into() });
         }
@@ -86,9 +93,13 @@ impl Fingerprint {
     /// Fingerprints an opaque body byte for byte (for content that is not JSON).
     ///
     /// # Errors
-    /// [`InputError::PayloadTooLarge`].
+    /// [`InputError::PayloadTooLarge`]; [`InputError::KeyFieldsMissing`] under options that derive a
+    /// key from JSON fields ([`crate::DerivedKeys::of_fields`]).
     pub fn of_bytes(body: &[u8], options: &FingerprintOptions) -> Result<Self, InputError> {
         options.check_size(body.len())?;
+        if options.key_from_fields {
+            return Err(InputError::KeyFieldsMissing);
+        }
         let mut hasher = Sha256::new();
         hasher.update(b"raw\0");
         hasher.update(body);
@@ -165,11 +176,14 @@ pub struct FingerprintOptions {
     max_depth: usize,
     ignored: Vec<JsonPointer>,
     compared: Vec<JsonPointer>,
+    /// The compared fields name a derived key ([`crate::DerivedKeys`]): a payload holding none of them
+    /// (or no JSON) names nothing, and is refused.
+    key_from_fields: bool,
 }
 
 impl Default for FingerprintOptions {
     fn default() -> Self {
-        Self { max_bytes: 1 << 20, max_depth: 64, ignored: Vec::new(), compared: Vec::new() }
+        Self { max_bytes: 1 << 20, max_depth: 64, ignored: Vec::new(), compared: Vec::new(), key_from_fields: false }
     }
 }
 
@@ -210,6 +224,12 @@ impl FingerprintOptions {
     pub fn compare_only(mut self, pointer: &str) -> Result<Self, InputError> {
         self.compared.push(JsonPointer::parse(pointer)?);
         Ok(self)
+    }
+
+    /// These options with `fields` the only ones compared, as a derived key reads them: a payload
+    /// with none of them is refused ([`InputError::KeyFieldsMissing`]).
+    pub(crate) fn deriving_keys_from(&self, fields: &[JsonPointer]) -> Self {
+        Self { compared: fields.to_vec(), key_from_fields: true, ..self.clone() }
     }
 
     fn check_size(&self, len: usize) -> Result<(), InputError> {

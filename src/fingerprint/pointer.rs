@@ -7,10 +7,10 @@ use crate::error::InputError;
 
 /// A pointer, split into unescaped reference tokens.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct JsonPointer(Vec<String>);
+pub(crate) struct JsonPointer(Vec<String>);
 
 impl JsonPointer {
-    pub(super) fn parse(pointer: &str) -> Result<Self, InputError> {
+    pub(crate) fn parse(pointer: &str) -> Result<Self, InputError> {
         let Some(rest) = pointer.strip_prefix('/') else {
             return Err(InputError::InvalidPointer { pointer: pointer.to_owned() });
         };

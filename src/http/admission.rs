@@ -2,8 +2,11 @@
 //! body, fingerprint), or the refusal it answers instead. Both paths, plain and transactional, start
 //! here.
 
+use std::borrow::Cow;
+use std::sync::Arc;
+
 use bytes::Bytes;
-use http::{Request, Response, Uri, request::Parts};
+use http::{HeaderValue, Request, Response, Uri, request::Parts};
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use tower::BoxError;
 
@@ -14,9 +17,12 @@ use super::capture::Principal;
 use super::config::{Config, KeyRequirement, KeySpace};
 use super::key_header::read_key;
 use super::request_fingerprint::{MAX_PARTS, Unreadable, fingerprint};
+use crate::derived_key::DerivedKeys;
 use crate::error::InputError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, Scope, TARGET_DIGEST_PREFIX};
+use crate::options::RunOptions;
+use crate::policy::Policy;
 
 /// What admission made of a request.
 pub(crate) enum Admission<B> {
@@ -37,6 +43,28 @@ pub(crate) struct Admitted {
     pub(crate) fingerprint: Fingerprint,
     /// Who made the request (the default without a principal binding).
     pub(crate) principal: Principal,
+    /// The key the layer derived, when the request sent none.
+    pub(crate) derived: Option<Derived>,
+}
+
+/// A key the layer derived ([`DerivedKeys`]) and the policy it is claimed under.
+pub(crate) struct Derived {
+    /// As derived, before the key space qualified it: what the answer's header shows.
+    key: IdempotencyKey,
+    pub(crate) policy: Arc<Policy>,
+}
+
+impl Admitted {
+    /// The options the key is claimed under ([`Config::options_for`]).
+    pub(crate) fn options<'c, T>(&self, config: &'c Config<T>) -> Cow<'c, RunOptions> {
+        config.options_for(&self.parts.headers, self.derived.as_ref().map(|derived| &derived.policy))
+    }
+
+    /// The answer's header naming a derived key ([`super::IDEMPOTENCY_KEY_DERIVED`]), if the key was.
+    pub(crate) fn derived_header(&self) -> Option<HeaderValue> {
+        let derived = self.derived.as_ref()?;
+        HeaderValue::try_from(format!("\"{}\"", derived.key)).ok()
+    }
 }
 
 /// Key, tenant, scope, body and fingerprint, or the refusal; nothing is claimed yet.
@@ -49,15 +77,15 @@ where
     if !config.methods.contains(request.method()) {
         return Admission::PassThrough(request);
     }
-    let key = match read_key(request.headers()) {
-        Ok(Some(key)) => key,
+    let sent = match read_key(request.headers()) {
+        Ok(Some(key)) => Some(key),
+        Ok(None) if config.derived_keys.is_some() => None,
         Ok(None) if config.key == KeyRequirement::Optional => return Admission::PassThrough(request),
         Ok(None) => return Admission::Refused(answer::missing_key()),
         Err(detail) => return Admission::Refused(answer::invalid_key(detail)),
     };
     let (parts, body) = request.into_parts();
     let Some(tenant) = config.tenant.tenant(&parts) else { return Admission::Refused(answer::missing_tenant()) };
-    let key = key_in_space(config.key_space, key, &parts);
     let scope = match Scope::new(tenant, operation(config, &parts)) {
         Ok(scope) => scope,
         // The tenant resolver gave a name the store cannot hold: the request has no usable tenant.
@@ -73,11 +101,25 @@ where
     };
     let policy = config.options.policy.as_deref().unwrap_or_else(|| config.store.policy(scope.operation()));
     let target = request_target(&parts);
-    match fingerprint(&parts, target, &body, policy.fingerprint(), config.query, config.max_request_body).await {
+    // A request without a key, on a layer that derives one: compared by the fields its key is made of.
+    let deriving = config.derived_keys.as_ref().filter(|_| sent.is_none());
+    let options = deriving
+        .map_or(Cow::Borrowed(policy.fingerprint()), |keys| Cow::Owned(keys.fingerprint_options(policy.fingerprint())));
+    match fingerprint(&parts, target, &body, &options, config.query, config.max_request_body).await {
         Ok(fingerprint) => {
             let principal =
                 config.principal.as_ref().map_or_else(Principal::default, |of| Principal::of(of(&parts).as_deref()));
-            Admission::Admitted(Admitted { parts, body, scope, key, fingerprint, principal })
+            let (key, derived) = match (sent, deriving) {
+                (Some(key), _) => (key, None),
+                (None, Some(keys)) => {
+                    crate::telemetry::derived_key(scope.operation());
+                    let key = DerivedKeys::key(&fingerprint);
+                    (key.clone(), Some(Derived { key, policy: Arc::new(keys.policy(policy)) }))
+                }
+                (None, None) => unreachable!("a request without a key is admitted only to derive one"),
+            };
+            let key = key_in_space(config.key_space, key, &parts);
+            Admission::Admitted(Admitted { parts, body, scope, key, fingerprint, principal, derived })
         }
         Err(Unreadable::Input(InputError::PayloadTooLarge { limit, .. })) => {
             Admission::Refused(answer::too_large(limit))

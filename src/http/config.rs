@@ -1,6 +1,7 @@
 //! What a layer is configured with: the options of [`IdempotencyLayer`](super::IdempotencyLayer), shared by
 //! every request of the services it makes.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -10,8 +11,10 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, StatusCode};
 
 use super::request_fingerprint::QueryComparison;
+use crate::derived_key::DerivedKeys;
 use crate::key::Scope;
 use crate::options::RunOptions;
+use crate::policy::Policy;
 use crate::store::Store;
 
 /// The application's check before a stored response is replayed
@@ -125,6 +128,8 @@ pub(crate) struct Config<T> {
     pub(crate) principal: Option<Arc<PrincipalResolver>>,
     /// Claim, handler writes and completion in one transaction ([`super::transaction`]).
     pub(crate) in_claim_transaction: bool,
+    /// How a request without a key gets one, if it does ([`super::IdempotencyLayer::with_derived_keys`]).
+    pub(crate) derived_keys: Option<DerivedKeys>,
 }
 
 impl<T> Config<T> {
@@ -141,6 +146,21 @@ impl<T> Config<T> {
     pub(crate) fn wait_in_flight(&self, headers: &HeaderMap) -> Option<Duration> {
         let bound = self.options.wait?;
         Some(super::prefer::preferred_wait(headers).map_or(bound, |preferred| preferred.min(bound)))
+    }
+
+    /// The options this request is claimed under: the layer's, with the client's shorter wait, and the
+    /// policy of a derived key (`derived`) where the layer derived it.
+    pub(crate) fn options_for(&self, headers: &HeaderMap, derived: Option<&Arc<Policy>>) -> Cow<'_, RunOptions> {
+        let wait = self.wait_in_flight(headers);
+        if wait == self.options.wait && derived.is_none() {
+            return Cow::Borrowed(&self.options);
+        }
+        let mut options = self.options.clone();
+        options.wait = wait;
+        if let Some(derived) = derived {
+            options.policy = Some(Arc::clone(derived));
+        }
+        Cow::Owned(options)
     }
 
     /// Whether the application lets this request see the stored response of `scope`'s key.
@@ -176,6 +196,7 @@ impl<T> Clone for Config<T> {
             replay_check: self.replay_check.clone(),
             principal: self.principal.clone(),
             in_claim_transaction: self.in_claim_transaction,
+            derived_keys: self.derived_keys.clone(),
         }
     }
 }

@@ -14,6 +14,7 @@ use super::capture::DEFAULT_REPLAYED_HEADERS;
 use super::config::{Config, KeyRequirement, KeySpace, MismatchStatus, StoredStatuses};
 use super::request_fingerprint::QueryComparison;
 use super::service::IdempotencyService;
+use crate::derived_key::DerivedKeys;
 use crate::key::Scope;
 use crate::options::RunOptions;
 use crate::policy::Policy;
@@ -78,6 +79,7 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
                 replay_check: None,
                 principal: None,
                 in_claim_transaction: false,
+                derived_keys: None,
             },
         }
     }
@@ -130,6 +132,19 @@ impl<T: TenantResolver> IdempotencyLayer<T> {
     /// ([`Store::attach`](crate::Store::attach)), holding no connection while it waits.
     pub fn with_wait_in_flight(mut self, wait: Duration) -> Self {
         self.config.options = self.config.options.wait_in_flight(wait);
+        self
+    }
+
+    /// Derives the key of a request that sends none, from its payload or named fields ([`DerivedKeys`]):
+    /// its duplicates within the window are answered as a retry with a key would be. A key the client
+    /// sends wins. The request's payload is then compared by the same fields (a retry that rewords
+    /// what is not compared is the same request); a request with none of the fields, or no JSON body,
+    /// gets 400 `invalid-body`. Every answer to a derived request carries the key in
+    /// [`IDEMPOTENCY_KEY_DERIVED`](super::IDEMPOTENCY_KEY_DERIVED), and it is counted in
+    /// `idemstore_derived_keys_total`. Its records are kept for the window (at most the policy's
+    /// retention) and leave no tombstone: after it, the same payload is a new request.
+    pub fn with_derived_keys(mut self, keys: DerivedKeys) -> Self {
+        self.config.derived_keys = Some(keys);
         self
     }
 

@@ -91,3 +91,7 @@ where
 
 /// The response header that marks a replay.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// The response header that answers a request whose key the layer derived
+/// ([`IdempotencyLayer::with_derived_keys`]): the key, as a structured-field string (`"idem-d-..."`).
+pub const IDEMPOTENCY_KEY_DERIVED: &str = "idempotency-key-derived";

@@ -3,7 +3,6 @@
 //! what the key holds. The plain path uses only the store's public API, as any user's middleware could;
 //! the transactional one ([`super::transaction`]) claims inside a transaction it hands to the handler.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -94,10 +93,19 @@ where
                         inner.oneshot(request.map(Either::Left)).await.map(|response| response.map(Either::Left))
                     }
                     Admission::Refused(response) => Ok(own(response)),
-                    Admission::Admitted(admitted) if config.in_claim_transaction => {
-                        transaction::execute(inner, &config, admitted).await.map(own)
+                    Admission::Admitted(admitted) => {
+                        let derived = admitted.derived_header();
+                        let answered = match config.in_claim_transaction {
+                            true => transaction::execute(inner, &config, admitted).await,
+                            false => execute(inner, &config, admitted).await,
+                        };
+                        answered.map(|mut response| {
+                            if let Some(derived) = derived {
+                                response.headers_mut().insert(super::IDEMPOTENCY_KEY_DERIVED, derived);
+                            }
+                            own(response)
+                        })
                     }
-                    Admission::Admitted(admitted) => execute(inner, &config, admitted).await.map(own),
                 }
             }
             .instrument(span),
@@ -121,10 +129,7 @@ where
     let Admitted { parts, scope, key, fingerprint, principal, .. } = &admitted;
     let store = &config.store;
     // The client may shorten the route's wait (`Prefer: wait`), never lengthen it.
-    let options = match config.wait_in_flight(&parts.headers) {
-        Some(wait) if config.options.wait != Some(wait) => Cow::Owned(config.options.clone().wait_in_flight(wait)),
-        _ => Cow::Borrowed(&config.options),
-    };
+    let options = admitted.options(config);
     let owner = match store.begin_with(scope, key, fingerprint, &options).await {
         Ok(Begin::Acquired(owner)) => owner,
         Ok(answer) => return Ok(answer::refusal(answer, config, parts, (scope, key, *principal)).await),

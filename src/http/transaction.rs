@@ -154,7 +154,8 @@ where
     };
     // Redis's marker lives one lease from the claim: the transaction should end before it does, so that
     // a duplicate meets the marker rather than queueing on the row lock (and holding a connection).
-    let policy = config.options.policy.as_deref().unwrap_or_else(|| store.policy(scope.operation()));
+    let options = admitted.options(config);
+    let policy = options.policy.as_deref().unwrap_or_else(|| store.policy(scope.operation()));
     let lease = policy.lease();
     // The completion and the commit after the deadline take up to a Postgres timeout each.
     let margin = (lease / 10).max(store.postgres_timeout() * 2).min(lease / 2);
@@ -243,11 +244,12 @@ async fn claim<T>(
 ) -> Result<(Owner, sqlx::Transaction<'static, Postgres>), Response<Boxed>> {
     let Admitted { parts, scope, key, fingerprint, principal, .. } = admitted;
     let store = &config.store;
-    let until = config.wait_in_flight(&parts.headers).map(|wait| tokio::time::Instant::now() + wait);
+    let options = admitted.options(config);
+    let until = options.wait.map(|wait| tokio::time::Instant::now() + wait);
     let mut backoff: Option<Duration> = None;
     loop {
         let mut tx = None;
-        let refused = match store.begin_in(scope, key, fingerprint, &config.options, &mut tx).await {
+        let refused = match store.begin_in(scope, key, fingerprint, &options, &mut tx).await {
             Ok(Begin::Acquired(owner)) => return tx.map(|tx| (owner, tx)).ok_or_else(answer::unavailable),
             Ok(refused) => {
                 // The answer may have marked the record indeterminate, in this transaction: keep it.

@@ -629,6 +629,24 @@ const FORGET: Statement = Statement::new(
     RETURNING waited",
 );
 
+/// A completed record whose retention ended, under a policy that keeps no tombstone (`tombstone_ms` 0:
+/// the record's own, so another caller's policy never frees a key), turned released, so that the next
+/// claim re-acquires it with a new fence. Only while no transaction holds the key's lock (`$3`, see
+/// [`key_lock`]; tried shared, as every claim tries it): one that does is claiming the key now, and
+/// the row would be waited for as long as its work runs. The row: `held`, whether the lock was free.
+const RENEW_EXPIRED: Statement = Statement::new(
+    "renew_expired",
+    "
+    WITH key_lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock_shared($3::int8) AS held), renewed AS (
+        UPDATE idempotency_records
+        SET state = 'r', response = NULL, updated_at = now()
+        WHERE digest = $1::uuid AND tenant = $2 AND state = 'c' AND tombstone_ms = 0 AND expires_at <= now()
+          AND (SELECT held FROM key_lock)
+        RETURNING 1
+    )
+    SELECT held FROM key_lock",
+);
+
 /// A claim that waits for the record's live owner asks to hear of its settlement: true if the record is
 /// flagged (already, or now). A flagged record is not written again. Unfenced: a waiter told "in flight"
 /// by Redis has no fence, and the flag only costs an owner a notification.
@@ -961,6 +979,24 @@ impl PostgresTier {
             None => self.bounded(&MARK_INDETERMINATE, query.execute(&self.pool)).await,
         };
         done.map(matched)
+    }
+
+    /// Frees the key of a completed record whose retention ended under a policy without a tombstone
+    /// ([`RENEW_EXPIRED`]), on `conn` inside the caller's transaction when given; false when a
+    /// transaction holds the key's lock (it claims the key now).
+    pub(crate) async fn renew_expired(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        conn: Option<&mut PgConnection>,
+    ) -> Result<bool, StoreError> {
+        let digest = key_digest(scope, key);
+        let renew =
+            sqlx::query_scalar(RENEW_EXPIRED.sql).bind(digest.as_str()).bind(scope.tenant()).bind(key_lock(&digest));
+        match conn {
+            Some(conn) => self.bounded(&RENEW_EXPIRED, renew.fetch_one(conn)).await,
+            None => self.bounded(&RENEW_EXPIRED, renew.fetch_one(&self.pool)).await,
+        }
     }
 
     /// The fenced release: `None` when it matched no record (the lease was lost), else whether a claim

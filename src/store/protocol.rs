@@ -275,12 +275,36 @@ impl Store {
         counters: Option<&'a OperationCounters>,
     ) -> Boxed<'a, Result<Begin, StoreError>> {
         Box::pin(async move {
-            let marked = match self.claim_in_redis(&claimant, waiting, counters).await {
-                Ok(answer) => return answer,
-                Err(marked) => marked,
-            };
-            self.claim_in_postgres(claimant.lease(), heartbeat, tx, waiting, marked).await
+            let mut tx = tx;
+            let answer = self.claim_on_both_tiers(claimant, heartbeat, tx.as_deref_mut(), waiting, counters).await;
+            if !matches!(answer, Ok(Begin::Expired)) || claimant.policy.tombstone != Some(Duration::ZERO) {
+                return answer;
+            }
+            // The caller's policy keeps no tombstone: a record of it whose retention ended frees its key
+            // (a window of key-less deduplication, see `DerivedKeys`). Renewed, the key is claimed again.
+            let conn = tx.as_deref_mut().and_then(|lazy| lazy.as_deref_mut());
+            if !self.inner.postgres.renew_expired(claimant.scope, claimant.key, conn).await? {
+                // A transaction claims the key now, and will run it.
+                return Ok(Begin::InFlight { retry_after: self.inner.postgres.lock_wait() });
+            }
+            self.claim_on_both_tiers(claimant, heartbeat, tx, waiting, counters).await
         })
+    }
+
+    /// One claim: Redis first when there is one, then Postgres.
+    async fn claim_on_both_tiers(
+        &self,
+        claimant: Claimant<'_>,
+        heartbeat: Heartbeat,
+        tx: Option<&mut LazyTx>,
+        waiting: Option<&Waiting>,
+        counters: Option<&OperationCounters>,
+    ) -> Result<Begin, StoreError> {
+        let marked = match self.claim_in_redis(&claimant, waiting, counters).await {
+            Ok(answer) => return answer,
+            Err(marked) => marked,
+        };
+        self.claim_in_postgres(claimant.lease(), heartbeat, tx, waiting, marked).await
     }
 
     /// Redis's answer (`Ok`), or the way on to Postgres (`Err`), with the record key if the caller's
