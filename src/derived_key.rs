@@ -107,7 +107,7 @@ impl DerivedKeys {
     /// ([`Policy::tombstone`]). A window no longer than the lease is taken as just past it: a
     /// duplicate is answered while its first request runs, however short the window.
     pub fn policy(&self, base: &Policy) -> Policy {
-        let window = self.window.max(base.lease + Duration::from_millis(1));
+        let window = self.window.clamp(base.lease + Duration::from_millis(1), crate::policy::MAX_POLICY_DURATION);
         let retention = base.retention.map_or(window, |retention| retention.min(window));
         Policy {
             redis_ttl: base.redis_ttl.min(retention),

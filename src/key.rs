@@ -70,6 +70,25 @@ impl IdempotencyKey {
         digest_key(b"idemstore-target\0", TARGET_DIGEST_PREFIX, [target, self.as_str()])
     }
 
+    /// The key of an agent's tool call: the same for one run (or conversation), tool and arguments,
+    /// whatever call id the model gave the call this turn, so that a call the agent emits again (after
+    /// a timeout, a restart, a model that retries) is answered from the first one's record instead of
+    /// acting twice. The arguments are JSON, compared by meaning under `options` (name the fields that
+    /// decide with [`FingerprintOptions::compare_only`](crate::FingerprintOptions::compare_only) when the
+    /// model rewords free text between calls); the key is `idem-tool-` and 64 hex digits.
+    ///
+    /// # Errors
+    /// As [`Fingerprint::of_json`](crate::Fingerprint::of_json) for the arguments.
+    pub fn for_tool_call(
+        run: &str,
+        tool: &str,
+        arguments: &[u8],
+        options: &crate::FingerprintOptions,
+    ) -> Result<IdempotencyKey, InputError> {
+        let arguments = crate::Fingerprint::of_json(arguments, options)?.to_hex();
+        Ok(digest_key(b"idemstore-tool-call\0", "idem-tool-", [run, tool, &arguments]))
+    }
+
     /// An outbox row's key: `outbox-<id>-<nonce>` (the nonce in hex), valid by construction.
     pub(crate) fn outbox(id: i64, nonce: i64) -> Self {
         IdempotencyKey(format!("outbox-{id}-{nonce:x}"))
@@ -256,6 +275,20 @@ mod tests {
         for bad in ["a b", "a\tb", "aä", "a\u{7f}", "a\0"] {
             assert!(matches!(IdempotencyKey::new(bad), Err(InputError::KeyInvalidByte { offset: 1 })), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn tool_call_keys_follow_run_tool_and_arguments_not_their_spelling() {
+        let options = crate::FingerprintOptions::default();
+        let key =
+            |run, tool, args: &str| IdempotencyKey::for_tool_call(run, tool, args.as_bytes(), &options).expect("JSON");
+        let first = key("run-1", "transfer", r#"{"to":"ana","amount":5}"#);
+        assert_eq!(first, key("run-1", "transfer", r#"{ "amount": 5.0, "to": "ana" }"#));
+        assert_ne!(first, key("run-2", "transfer", r#"{"to":"ana","amount":5}"#));
+        assert_ne!(first, key("run-1", "refund", r#"{"to":"ana","amount":5}"#));
+        assert_ne!(first, key("run-1", "transfer", r#"{"to":"ana","amount":6}"#));
+        assert!(first.as_str().starts_with("idem-tool-") && IdempotencyKey::new(first.as_str()).is_ok());
+        assert!(IdempotencyKey::for_tool_call("run", "tool", b"not json", &options).is_err());
     }
 
     #[test]

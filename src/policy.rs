@@ -155,8 +155,9 @@ impl Policy {
     /// compact tombstone, counted from the end of the retention); `None` keeps the tombstone forever.
     /// `Some(Duration::ZERO)` keeps none: once a completed record's retention ends, its key is free for
     /// a new request at once, purged or not (the window of key-less deduplication,
-    /// [`DerivedKeys`](crate::DerivedKeys)). Only a record claimed under such a policy is freed so: a
-    /// caller's policy never frees another's record.
+    /// [`DerivedKeys`](crate::DerivedKeys)). Only a record claimed under a policy without
+    /// tombstones is freed so, by any caller whose policy has none: a record claimed under a policy that
+    /// keeps tombstones stays expired, whatever the asking caller's policy.
     pub fn tombstone(&self) -> Option<Duration> {
         self.tombstone
     }

@@ -61,7 +61,7 @@ pub const RECONCILIATIONS: &str = "idemstore_reconciliations_total";
 /// Keys re-acquired from an owner whose lease ran out.
 pub const LEASE_TAKEOVERS: &str = "idemstore_lease_takeovers_total";
 /// Statements sent to Postgres; label `statement`: claim, complete, release, extend, mark_indeterminate,
-/// lookup, wait and notify (a claim waiting for an in-flight duplicate, its owner's announcement), the
+/// renew_expired (a key of a policy without tombstones, freed once its retention ended), lookup, wait and notify (a claim waiting for an in-flight duplicate, its owner's announcement), the
 /// jobs' purge, purge_tombstones, purge_quota_usage, count_expired, stale, release_stale, resolve, stats,
 /// count_indeterminate, and outbox_enqueue, outbox_horizon, outbox_next, outbox_lease, outbox_read,
 /// outbox_release, outbox_extend, outbox_settle, outbox_backlog, outbox_gauges, outbox_retry,
@@ -305,11 +305,13 @@ pub(crate) fn wait_wakeup(operation: &str, notified: bool) {
     metrics::counter!(WAIT_WAKEUPS, "operation" => operation.to_owned(), "by" => by).increment(1);
 }
 
-/// An attach answered ([`ATTACHES`]).
+/// The HTTP layer derived a request's key ([`DERIVED_KEYS`]).
+#[cfg(feature = "http")]
 pub(crate) fn derived_key(operation: &str) {
     metrics::counter!(DERIVED_KEYS, "operation" => operation.to_owned()).increment(1);
 }
 
+/// An attach answered ([`ATTACHES`]).
 pub(crate) fn attached(operation: &str, answer: &'static str) {
     metrics::counter!(ATTACHES, "operation" => operation.to_owned(), "answer" => answer).increment(1);
 }

@@ -25,6 +25,7 @@ use tower::ServiceExt;
 suite!(
     a_request_without_a_key_runs_once_in_its_window_and_again_after_it,
     named_fields_decide_and_a_reworded_retry_is_replayed,
+    each_principal_derives_keys_of_its_own,
     a_transactional_route_derives_keys_too,
     a_policy_without_tombstones_frees_only_its_own_records,
 );
@@ -40,6 +41,15 @@ fn acme(_: &axum::http::request::Parts) -> Option<String> {
 /// A router whose handler at `/transfers` counts its runs, behind a layer deriving keys by `keys`, in
 /// the harness's operation (so that `h.scope` names its records).
 fn router(h: &Harness, keys: DerivedKeys) -> (Router, Arc<AtomicUsize>) {
+    router_with(h, keys, |layer| layer)
+}
+
+/// [`router`], its layer configured further by `configure`.
+fn router_with(
+    h: &Harness,
+    keys: DerivedKeys,
+    configure: impl FnOnce(IdempotencyLayer<Tenant>) -> IdempotencyLayer<Tenant>,
+) -> (Router, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&runs);
     let handler = move || {
@@ -49,11 +59,16 @@ fn router(h: &Harness, keys: DerivedKeys) -> (Router, Arc<AtomicUsize>) {
     let layer = IdempotencyLayer::new(h.store.clone(), acme as Tenant)
         .with_operation(h.scope("acme").operation())
         .with_derived_keys(keys);
-    (Router::new().route("/transfers", post(handler).route_layer(layer)), runs)
+    (Router::new().route("/transfers", post(handler).route_layer(configure(layer))), runs)
 }
 
 async fn send(router: &Router, body: &str, key: Option<&str>) -> (StatusCode, HeaderMap, Bytes) {
-    let mut request = Request::post("/transfers").header("content-type", "application/json");
+    send_as(router, body, key, "ana").await
+}
+
+/// [`send`] by the user `user` (header `x-user`).
+async fn send_as(router: &Router, body: &str, key: Option<&str>, user: &str) -> (StatusCode, HeaderMap, Bytes) {
+    let mut request = Request::post("/transfers").header("content-type", "application/json").header("x-user", user);
     if let Some(key) = key {
         request = request.header("idempotency-key", key);
     }
@@ -128,7 +143,27 @@ async fn named_fields_decide_and_a_reworded_retry_is_replayed(mode: Mode) {
         assert_eq!((status, problem["type"].as_str()), (StatusCode::BAD_REQUEST, Some(problem_types::INVALID_BODY)));
         assert!(headers.get(IDEMPOTENCY_KEY_DERIVED).is_none());
     }
+    let (status, _, body) = send(&router, &reworded, Some("idem-d-chosen-by-the-client")).await;
+    let problem: Value = serde_json::from_slice(&body).expect("problem+json");
+    assert_eq!((status, problem["type"].as_str()), (StatusCode::BAD_REQUEST, Some(problem_types::INVALID_KEY)));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Under a principal binding, two users of one tenant sending one payload are two requests (before: the
+/// second user was answered with the first one's response, or refused for the window); each user's
+/// retry is still its own replay.
+async fn each_principal_derives_keys_of_its_own(mode: Mode) {
+    let h = Harness::start(mode).await;
+    let user = |parts: &axum::http::request::Parts| parts.headers.get("x-user")?.to_str().ok().map(str::to_owned);
+    let (router, runs) = router_with(&h, DerivedKeys::of_payload(Duration::from_secs(300)), |l| l.with_principal(user));
+    let body = json!({"to": "cy", "amount": 9}).to_string();
+    let (_, ana, _) = send_as(&router, &body, None, "ana").await;
+    let (status, bo, bo_body) = send_as(&router, &body, None, "bo").await;
+    assert_eq!((status, &bo_body[..]), (StatusCode::CREATED, &b"transfer 2"[..]), "bo's own request");
+    assert_ne!(derived_key(&ana), derived_key(&bo));
+    let (_, again, _) = send_as(&router, &body, None, "bo").await;
+    assert_eq!(again[IDEMPOTENT_REPLAYED], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
 /// On the transactional path the handler's effect commits with the derived key's claim once; the

@@ -27,6 +27,7 @@ suite!(
     owner_task_aborted_mid_work_goes_indeterminate,
     owner_process_killed_mid_work_is_taken_over,
     crash_between_postgres_commit_and_redis_write,
+    a_completion_whose_answer_was_lost_replaces_an_indeterminate_marker,
     three_processes_hammer_the_same_keys,
     postgres_connections_cut_mid_load,
     postgres_blackholed_mid_load,
@@ -461,6 +462,37 @@ async fn crash_between_postgres_commit_and_redis_write(mode: Mode) {
         assert!(matches!(h.store.begin(&scope, &k, &fp.expect("fp")).await, Ok(Begin::Replayed(_))));
         assert_eq!(h.counter("idemstore_redis_lookups_total", &[("result", "hit")]), hits + 1.0, "repaired");
     }
+}
+
+/// The owner of a lease that ran out (`MarkIndeterminate`) completes after another claim marked its
+/// record indeterminate (which Redis then holds), and the completion's answer is lost though it landed
+/// (failpoint): its retry finds its own write, and Redis gets the completed copy, so a retry replays.
+/// Before, the retry only took its own marker back, the indeterminate copy stayed, and Redis answered
+/// "indeterminate" over the completed record (a model-checker counterexample).
+async fn a_completion_whose_answer_was_lost_replaces_an_indeterminate_marker(mode: Mode) {
+    if support::rerun_alone(mode, module_path!(), "a_completion_whose_answer_was_lost_replaces_an_indeterminate_marker")
+    {
+        return;
+    }
+    // A lease the owner still holds by its own clock, so that it asks again (the record's moves on).
+    let policy = idemstore::Policy::builder()
+        .lease(Duration::from_secs(20))
+        .redis_ttl(Duration::from_secs(600))
+        .lease_expiry(LeaseExpiry::MarkIndeterminate)
+        .build();
+    let h = Harness::with(mode, policy.expect("policy"), Servers::Any).await;
+    let (scope, k) = (h.scope("acme"), key("lost-answer"));
+    let fp = Fingerprint::of_serialize(&json!({"amount": 1}), h.store.policy(scope.operation()).fingerprint());
+    let fp = fp.expect("fingerprint");
+    let Ok(Begin::Acquired(owner)) = h.store.begin(&scope, &k, &fp).await else { panic!("a new key") };
+    h.pass_lease(&scope, &k).await;
+    assert!(matches!(h.store.begin(&scope, &k, &fp).await, Ok(Begin::Indeterminate)));
+    fail::cfg("complete-answer-lost", "1*return").expect("failpoint");
+    let completed = owner.complete(b"the answer").await;
+    fail::remove("complete-answer-lost");
+    completed.expect("the write landed: the owner's own");
+    let Ok(Begin::Replayed(stored)) = h.store.begin(&scope, &k, &fp).await else { panic!("the stored answer") };
+    assert_eq!(stored.as_bytes(), b"the answer");
 }
 
 /// Three OS processes, each with its own pools, run the retrying load on the same keys.

@@ -34,5 +34,6 @@ mod records;
 mod relay;
 mod same_request;
 mod store;
+mod tool_server;
 mod wait;
 mod webhook_signatures;

@@ -84,6 +84,12 @@ where
         Ok(None) => return Admission::Refused(answer::missing_key()),
         Err(detail) => return Admission::Refused(answer::invalid_key(detail)),
     };
+    // The layer's own keys: one sent by a client would be compared and kept under the wrong rules.
+    if config.derived_keys.is_some() && sent.as_ref().is_some_and(|key| key.as_str().starts_with(DerivedKeys::PREFIX)) {
+        let detail =
+            format!("keys beginning {:?} are derived by the server; send a key of your own", DerivedKeys::PREFIX);
+        return Admission::Refused(answer::invalid_key(detail));
+    }
     let (parts, body) = request.into_parts();
     let Some(tenant) = config.tenant.tenant(&parts) else { return Admission::Refused(answer::missing_tenant()) };
     let scope = match Scope::new(tenant, operation(config, &parts)) {
@@ -109,14 +115,18 @@ where
         Ok(fingerprint) => {
             let principal =
                 config.principal.as_ref().map_or_else(Principal::default, |of| Principal::of(of(&parts).as_deref()));
-            let (key, derived) = match (sent, deriving) {
-                (Some(key), _) => (key, None),
-                (None, Some(keys)) => {
+            let (key, derived) = match deriving {
+                None => (sent.unwrap_or_else(|| DerivedKeys::key(&fingerprint)), None),
+                Some(keys) => {
                     crate::telemetry::derived_key(scope.operation());
-                    let key = DerivedKeys::key(&fingerprint);
+                    // Under a principal binding each principal's requests are its own: two users of one
+                    // tenant sending one payload are two requests.
+                    let key = match principal.digits() {
+                        Some(digits) => DerivedKeys::key(&fingerprint.within(&["principal", &digits])),
+                        None => DerivedKeys::key(&fingerprint),
+                    };
                     (key.clone(), Some(Derived { key, policy: Arc::new(keys.policy(policy)) }))
                 }
-                (None, None) => unreachable!("a request without a key is admitted only to derive one"),
             };
             let key = key_in_space(config.key_space, key, &parts);
             Admission::Admitted(Admitted { parts, body, scope, key, fingerprint, principal, derived })

@@ -150,6 +150,12 @@ impl Principal {
         Principal::Named(kept)
     }
 
+    /// The principal's digits, for a key derived per principal; `None` for an anonymous one.
+    pub(crate) fn digits(self) -> Option<String> {
+        let Principal::Named(kept) = self else { return None };
+        Some(kept.iter().map(|byte| format!("{byte:02x}")).collect())
+    }
+
     /// Whether a response stored for this principal may be shown to `asking`.
     fn answers(self, asking: Principal) -> bool {
         self == Principal::Unbound || asking == Principal::Unbound || self == asking

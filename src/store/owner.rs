@@ -11,12 +11,13 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tracing::Instrument as _;
 
+use super::postgres_tier::Retained;
 use super::{COMMIT, Store};
 use crate::error::StoreError;
 use crate::key::{IdempotencyKey, Scope};
 use crate::options::Heartbeat;
 use crate::policy::{LeaseExpiry, Policy};
-use crate::record::{Lease, State};
+use crate::record::{Lease, Record, State};
 
 /// The caller owns a key ([`Begin::Acquired`](crate::Begin::Acquired)): run the work, then
 /// [`complete`](Owner::complete) or [`release`](Owner::release).
@@ -210,11 +211,11 @@ impl Owner {
                 Err(lost @ StoreError::LeaseLost { .. }) => {
                     let Some(previous) = unavailable.take() else { return Err(lost) };
                     match self.landed_before(goal).await {
-                        Some(true) => {
-                            self.store.release_marker(&self.lease).await;
+                        Some(Some(record)) => {
+                            self.landed(goal, &record).await;
                             return Ok(());
                         }
-                        Some(false) => return Err(lost),
+                        Some(None) => return Err(lost),
                         // Postgres could not tell: the write may have landed, so not "lost" yet.
                         None => previous,
                     }
@@ -238,14 +239,14 @@ impl Owner {
         }
     }
 
-    /// Whether the record holds `goal` under this owner's fence (an earlier attempt landed); `None` if
+    /// The record, if it holds `goal` under this owner's fence (an earlier attempt landed); `None` if
     /// Postgres could not tell.
-    async fn landed_before(&self, goal: &Goal) -> Option<bool> {
+    async fn landed_before(&self, goal: &Goal) -> Option<Option<Record>> {
         let record = self.store.lookup_stored(&self.lease.scope, &self.lease.key).await.ok()?;
         let own = self.lease.fence;
-        Some(record.is_some_and(|record| match goal {
+        Some(record.filter(|record| match goal {
             Goal::Complete(sealed) => {
-                let stored = record.response.is_some_and(|r| r.as_bytes() == &sealed[..]);
+                let stored = record.response.as_ref().is_some_and(|r| r.as_bytes() == &sealed[..]);
                 record.fence == own && record.state == State::Completed && stored
             }
             // A higher fence proves nothing: the lease may have run out and been taken over before the
@@ -254,6 +255,21 @@ impl Owner {
             // either way.
             Goal::Release => record.fence == own && record.state == State::Released,
         }))
+    }
+
+    /// Redis after a write that landed though its answer was lost: the completed copy, as after any
+    /// completion (the marker Redis holds may not be this owner's: an indeterminate record's, written
+    /// when another claim marked the lease that ran out, is replaced only so; the model checker found it
+    /// answering "indeterminate" over the completed record); a release takes this owner's marker back.
+    async fn landed(&self, goal: &Goal, record: &Record) {
+        match goal {
+            Goal::Complete(sealed) => {
+                // Whether a claim waits is not known here: the announcement is one NOTIFY.
+                let retained = Retained { expires_in: record.expires_in, waited: true };
+                self.store.cache_completion(&self.lease, sealed, &retained).await;
+            }
+            Goal::Release => self.store.release_marker(&self.lease).await,
+        }
     }
 
     /// Leaves the key to its lease, as a crashed process would: when the lease runs out, the record's

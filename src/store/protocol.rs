@@ -205,6 +205,12 @@ impl Store {
             // Fault tests: the process "dies" after the commit, before Redis hears of it.
             #[cfg(feature = "failpoints")]
             fail::fail_point!("complete-before-redis", |_| Ok(()));
+            // Fault tests: the completion landed and its answer was lost (a connection broken after the commit).
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("complete-answer-lost", |_| Err(StoreError::StoreUnavailable {
+                step: "complete",
+                source: super::statement::timed_out(),
+            }));
             self.cache_completion(lease, response, &retained).await;
             Ok(())
         };

@@ -136,7 +136,7 @@ fn is_root() -> bool {
 }
 
 /// Servers for demos: `DATABASE_URL` and `REDIS_URL` when set, else throwaway servers (announced on
-/// stdout) that stop when this is dropped. `IDEMSTORE_MODE=postgres-only` leaves Redis out;
+/// stderr, so that a program's stdout stays its own: an MCP server's protocol) that stop when this is dropped. `IDEMSTORE_MODE=postgres-only` leaves Redis out;
 /// `IDEMSTORE_REDIS_CLUSTER` (comma-separated seed URLs) uses a Redis Cluster instead of `REDIS_URL`.
 #[derive(Debug)]
 pub struct LocalServers {
@@ -160,7 +160,7 @@ impl LocalServers {
             Ok(url) => (None, url),
             Err(_) => {
                 let server = PostgresServer::start()?;
-                println!("started a throwaway Postgres at {}", server.url());
+                eprintln!("started a throwaway Postgres at {}", server.url());
                 let url = server.url();
                 (Some(server), url)
             }
@@ -177,7 +177,7 @@ impl LocalServers {
             Ok(url) => (None, Some(url)),
             Err(_) => {
                 let server = RedisServer::start()?;
-                println!("started a throwaway Redis at {}", server.url());
+                eprintln!("started a throwaway Redis at {}", server.url());
                 let url = server.url();
                 (Some(server), Some(url))
             }
